@@ -1,0 +1,110 @@
+"""Merging per-rank payloads into one case result with a verdict.
+
+Verdicts: "equivalent" (every check on every rank passed), "not equivalent" (some check failed),
+"hang" (a collective wait timed out: some ranks issued a collective the others did not),
+"error" (a rank raised or died), "invalid" (the input was wrong: a usage error).
+
+Expectation: a case with an injected fault is expected to be "not equivalent", any other case to be
+"equivalent". `as_expected` says whether it was; the process exit code follows from it (see cli).
+"""
+from __future__ import annotations
+
+from tpcheck.check.case import CaseSpec
+
+STAGE_ORDER = {"weights": 0, "forward": 1, "loss": 2, "backward": 3, "grads": 4, "optimizer": 5}
+SEED_KEYS = {  # seed RunResult key -> our check name
+    "forward_max_abs_diff": "output",
+    "loss_abs_diff": "loss",
+    "input_grad_max_abs_diff": "grad:x",
+    "norm_grad_max_abs_diff": "grad:norm.weight",
+    "gate_up_grad_max_abs_diff": "grad:gate_up.weight",
+    "down_grad_max_abs_diff": "grad:down.weight",
+    "down_bias_grad_max_abs_diff": "grad:down.bias",
+}
+
+
+def merge(spec: CaseSpec, payloads: list[dict]) -> dict:
+    statuses = {p["status"] for p in payloads}
+    result = {"name": spec.name, "spec": spec_dict(spec), "world_size": spec.world_size, "dtype": spec.dtype,
+              "expected": "equivalent" if spec.expect_equivalent else "not equivalent",
+              "seconds": max((p.get("seconds", 0.0) for p in payloads), default=0.0)}
+    if statuses != {"ok"}:
+        result.update(verdict=_failure_verdict(statuses), problems=[_problem(p) for p in payloads
+                                                                      if p["status"] != "ok"])
+        # A hang is how a collective issued on some ranks only shows: for an injected fault, caught.
+        result["as_expected"] = result["verdict"] == "hang" and not spec.expect_equivalent
+        result["summary"] = _failure_summary(result)
+        return result
+    checks = []
+    for p in payloads:
+        for i, c in enumerate(p["checks"]):
+            checks.append({**c, "order": i})
+    failed = sorted((c for c in checks if not c["passed"]), key=lambda c: (c["order"], c["rank"]))
+    verdict = "not equivalent" if failed else "equivalent"
+    result.update(verdict=verdict, as_expected=verdict == result["expected"], checks=checks,
+                  ledger=[e for p in payloads for e in p["ledger"]])
+    result["first_divergence"] = _first(failed) if failed else None
+    result["summary"] = _summary(result, failed)
+    return result
+
+
+def _first(failed: list[dict]) -> dict:
+    first = failed[0]
+    ranks = sorted({c["rank"] for c in failed if c["name"] == first["name"] and c["step"] == first["step"]
+                    and c["stage"] == first["stage"]})
+    return {"stage": first["stage"], "step": first["step"], "name": first["name"], "ranks": ranks,
+            "error": first["error"], "bound": first["bound"], "kind": first["kind"]}
+
+
+def _summary(result: dict, failed: list[dict]) -> str:
+    if not failed:
+        return f"equivalent: {len(result['checks'])} checks passed on {result['world_size']} rank(s)"
+    f = result["first_divergence"]
+    return (f"not equivalent: {len(failed)} of {len(result['checks'])} checks failed; first: {f['name']} "
+            f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound {f['bound']:.3g}")
+
+
+def _failure_verdict(statuses: set[str]) -> str:
+    for status, verdict in (("usage", "invalid"), ("hang", "hang"), ("crash", "error"), ("error", "error")):
+        if status in statuses:
+            return verdict
+    return "error"
+
+
+def _problem(p: dict) -> dict:
+    return {k: p[k] for k in ("status", "rank", "message", "traceback", "last_collective") if k in p}
+
+
+def _failure_summary(result: dict) -> str:
+    problems = result["problems"]
+    if result["verdict"] == "hang":
+        where = {tuple(p["last_collective"]) for p in problems if p.get("last_collective")}
+        spots = ", ".join(f"{op} at {site!r} in {phase}" for op, site, phase in sorted(where)) or "a collective"
+        ranks = sorted(p["rank"] for p in problems)
+        return (f"hang detected: rank(s) {ranks} waited on {spots} until the timeout; "
+                "a collective was issued on some ranks only")
+    first = problems[0]
+    return f"{result['verdict']}: rank {first['rank']}: {first['message']}"
+
+
+def spec_dict(spec: CaseSpec) -> dict:
+    from dataclasses import asdict
+
+    d = asdict(spec)
+    d["overrides"] = dict(spec.overrides)
+    return d
+
+
+def seed_run_result(mode: str, result: dict) -> dict:
+    """The seed's RunResult for one mode: rank 0's numbers (the seed looks at rank 0 only), `passed`
+    as the seed defines it (mode is equivalence and every diff < 1e-6)."""
+    checks = [c for c in result.get("checks", []) if c["rank"] == 0 and c["step"] == 1]
+    by_name = {(c["stage"], c["name"]): c for c in checks}
+    out: dict = {"mode": mode, "world_size": result["world_size"]}
+    for key, name in SEED_KEYS.items():
+        stage = {"output": "forward", "loss": "loss"}.get(name, "backward" if name == "grad:x" else "grads")
+        out[key] = by_name[(stage, name)]["diff_vs_dense"]
+    out["post_step_weight_max_abs_diff"] = max(c["diff_vs_dense"] for c in checks if c["stage"] == "optimizer")
+    diffs = [v for k, v in out.items() if k.endswith("_diff")]
+    out["passed"] = mode == "equivalence" and max(diffs) < 1e-6
+    return out

@@ -1,0 +1,65 @@
+"""Tolerances with reasons.
+
+Three kinds of comparison, each recorded with the bound it used and why:
+
+* exact: bitwise equality. Used where no arithmetic separates the two tensors: TP weights loaded
+  from the dense ones (pure indexing), and copies of a replicated tensor on different ranks (the
+  result of one all-reduce, or the same computation on the same inputs).
+
+* calibrated: the TP tensor is compared with a float64 ground truth (the dense model run in float64),
+  and the bound is tied to the dense model's own error in the working dtype:
+
+      bound = factor(world) * err_dense + floor_ulps * eps(dtype) * scale
+
+  where err_dense = max|dense_dtype - truth|, scale = max|truth|. A correct TP implementation only
+  reorders sums (partials per rank, then a cross-rank reduction, each rounded in the working dtype),
+  so its error is of the order of the dense model's own. factor = 4 + 2 * world_size allows one extra
+  rounding of each rank's partial sum plus the reduction; the floor covers tensors (a scalar loss)
+  where the dense result happens to round exactly to the truth. Faults move values by orders of
+  magnitude more (a missing reduction is an O(1) relative error).
+
+* float64 as the working dtype has no higher-precision truth here, so the bound is
+  `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
+  relative per operation, a fault is ~1e-1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOOR_ULPS = 8
+FP64_FLOOR_ULPS = 2**20
+
+
+def factor(world_size: int) -> float:
+    return 4.0 + 2.0 * world_size
+
+
+def eps(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps)
+
+
+@dataclass(frozen=True)
+class Bound:
+    value: float
+    kind: str  # "exact" | "calibrated" | "fp64"
+    reason: str
+
+
+EXACT = Bound(0.0, "exact", "bitwise: no arithmetic separates TP from the reference (layout only)")
+REPLICA = Bound(0.0, "exact", "bitwise: replicas come from one all-reduce or identical computation")
+
+
+def calibrated(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, world_size: int) -> Bound:
+    """The bound for a TP tensor in `dtype` against the float64 `truth` (see module docstring)."""
+    scale = float(truth.abs().max()) if truth.numel() else 0.0
+    if dtype == torch.float64:
+        value = FP64_FLOOR_ULPS * eps(dtype) * scale
+        return Bound(value, "fp64", f"float64: {FP64_FLOOR_ULPS} ulps of scale {scale:.3g}")
+    err_dense = float((dense.double() - truth).abs().max()) if truth.numel() else 0.0
+    f = factor(world_size)
+    floor = FLOOR_ULPS * eps(dtype) * scale
+    return Bound(f * err_dense + floor, "calibrated",
+                 f"{f:g} x dense {str(dtype).removeprefix('torch.')} error vs float64 ({err_dense:.3g}) "
+                 f"+ {FLOOR_ULPS} ulps of scale {scale:.3g}")

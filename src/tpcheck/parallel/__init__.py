@@ -1,0 +1,20 @@
+"""The TP library: process-group value, autograd collectives, parallel layers."""
+from tpcheck.parallel.collectives import (
+    all_reduce_grad_,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+from tpcheck.parallel.group import TPGroup
+from tpcheck.parallel.layers import ColumnParallelLinear, RowParallelLinear, finalize_grads
+
+__all__ = [
+    "TPGroup", "ColumnParallelLinear", "RowParallelLinear", "finalize_grads", "all_reduce_grad_",
+    "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+]

@@ -1,0 +1,177 @@
+"""The sharding plan: the seam between the library and the checker.
+
+A plan maps every dense parameter name to a `Placement`: how that tensor lives on the ranks. A
+placement is one pure function, `shard(dense, rank, world) -> local`, made only of indexing (no
+arithmetic). Everything else is derived from it by applying `shard` to a tensor of flat indices
+(`arange`): which dense elements rank r holds (`index_map`), the reassembly of rank-local tensors
+into the dense one (`unshard`), the check that the plan covers every element (`validate`), and which
+elements several ranks must hold identically (replicas). So building TP weights from dense ones and
+reassembling TP gradients for comparison use one source of truth, and a user placement needs only
+`shard`.
+
+Conventions: weights as torch stores them, `[out, in]`; column-parallel shards dim 0 of the weight,
+row-parallel dim 1; activations `[seq, batch, hidden]`, sequence parallelism shards dim 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tpcheck.errors import UsageError
+
+
+class Placement:
+    """How one dense tensor lives on the ranks. Subclasses implement `shard` with indexing only."""
+
+    def shard(self, dense: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_divisible(self, shape: tuple[int, ...], world: int, what: str) -> None:
+        """Raise UsageError if `shape` cannot be placed over `world` ranks."""
+
+    @property
+    def replicated(self) -> bool:
+        """True when every rank holds the whole tensor."""
+        return False
+
+    def index_map(self, shape: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
+        """Flat dense indices held by `rank`, in its local layout."""
+        ids = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+        return self.shard(ids, rank, world)
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank holds the whole tensor (norm weights, row-parallel bias, replicated activations)."""
+
+    def shard(self, dense, rank, world):
+        return dense
+
+    @property
+    def replicated(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "replicate"
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Rank r holds the r-th contiguous block of `dim` (column-parallel: dim 0; row-parallel: dim 1;
+    vocab-parallel embedding: dim 0; sequence parallel activations: dim 0)."""
+
+    dim: int
+
+    def check_divisible(self, shape, world, what):
+        n = shape[self.dim]
+        if n % world:
+            raise UsageError(f"{what}: dim {self.dim} has size {n}, which does not divide by world size {world}; "
+                             f"choose a world size that divides {n}")
+
+    def shard(self, dense, rank, world):
+        self.check_divisible(tuple(dense.shape), world, "shard")
+        return dense.chunk(world, dim=self.dim)[rank]
+
+    def __str__(self) -> str:
+        return f"shard(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class Fused(Placement):
+    """A fused weight: along `dim` the dense tensor is the concatenation of parts (e.g. [gate; up] or
+    [q; k; v]); part i has `units[i]` units (rows, or heads) of `unit_size[i]` rows each. Rank r holds
+    the concatenation of its block of every part: `[gate_r; up_r]`, `[q_r; k_r; v_r]`. A part with fewer
+    units than ranks (GQA with kv_heads < world) is replicated: rank r holds unit r // (world // units).
+    Concatenating the rank shards gives [g0; u0; g1; u1; ...], not the dense [g; u]: splitting the fused
+    weight contiguously (the naive way) is a classic bug, in the fault catalogue.
+    """
+
+    dim: int
+    units: tuple[int, ...]
+    unit_size: tuple[int, ...] = field(default=())
+
+    def sizes(self) -> tuple[int, ...]:
+        unit_size = self.unit_size or (1,) * len(self.units)
+        return tuple(n * u for n, u in zip(self.units, unit_size))
+
+    def check_divisible(self, shape, world, what):
+        if shape[self.dim] != sum(self.sizes()):
+            raise UsageError(f"{what}: dim {self.dim} has size {shape[self.dim]} but the fused parts add up to "
+                             f"{sum(self.sizes())} ({self.sizes()})")
+        for n in self.units:
+            if n % world and world % n:
+                raise UsageError(f"{what}: a fused part has {n} units, which neither divides by nor divides "
+                                 f"world size {world}; choose a world size that divides {n} or a multiple of it")
+
+    def shard(self, dense, rank, world):
+        self.check_divisible(tuple(dense.shape), world, "fused shard")
+        unit_size = self.unit_size or (1,) * len(self.units)
+        pieces = []
+        for part, n, u in zip(dense.split(self.sizes(), dim=self.dim), self.units, unit_size):
+            if n >= world:
+                pieces.append(part.chunk(world, dim=self.dim)[rank])
+            else:  # fewer units than ranks: replicate unit r // (world // n)
+                unit = rank // (world // n)
+                pieces.append(part.narrow(self.dim, unit * u, u))
+        return torch.cat(pieces, dim=self.dim)
+
+    def __str__(self) -> str:
+        return f"fused(dim={self.dim}, units={list(self.units)})"
+
+
+def unshard(placement: Placement, locals_: list[torch.Tensor], shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:
+    """Reassemble rank-local tensors into the dense tensor. Returns (dense, replica_spread): the max abs
+    difference between copies of one element held by several ranks (0.0 when they agree bitwise)."""
+    world = len(locals_)
+    flat = torch.full((math.prod(shape),), float("nan"), dtype=torch.float64)
+    lo = torch.full_like(flat, float("inf"))
+    hi = torch.full_like(flat, float("-inf"))
+    for rank, local in enumerate(locals_):
+        idx = placement.index_map(shape, rank, world).reshape(-1)
+        vals = local.detach().reshape(-1).to(torch.float64)
+        flat[idx] = vals
+        lo[idx] = torch.minimum(lo[idx], vals)
+        hi[idx] = torch.maximum(hi[idx], vals)
+    spread = (hi - lo).nan_to_num(nan=float("inf"))
+    return flat.reshape(shape), float(spread.max()) if spread.numel() else 0.0
+
+
+def validate(placement: Placement, shape: tuple[int, ...], world: int, what: str) -> None:
+    """Raise UsageError unless the placement fits `shape` at `world` and covers every dense element."""
+    placement.check_divisible(shape, world, what)
+    covered = torch.zeros(math.prod(shape), dtype=torch.bool)
+    for rank in range(world):
+        covered[placement.index_map(shape, rank, world).reshape(-1)] = True
+    if not bool(covered.all()):
+        missing = int((~covered).sum())
+        raise UsageError(f"{what}: placement {placement} leaves {missing} of {covered.numel()} elements on no rank")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per dense parameter, its placement; optionally placements of named activations (module outputs)
+    for localizing the first divergent tensor. Parameters absent from `params` are an error, not a
+    silent default: a forgotten entry is how layouts go wrong."""
+
+    params: dict[str, Placement]
+    activations: dict[str, Placement] = field(default_factory=dict)
+    # Renames from dense parameter names to TP parameter names, when they differ.
+    tp_names: dict[str, str] = field(default_factory=dict)
+
+    def tp_name(self, dense_name: str) -> str:
+        return self.tp_names.get(dense_name, dense_name)
+
+    def check_against(self, dense: torch.nn.Module, world: int) -> None:
+        names = {n for n, _ in dense.named_parameters()}
+        missing = sorted(names - set(self.params))
+        extra = sorted(set(self.params) - names)
+        if missing:
+            raise UsageError(f"plan has no placement for dense parameter(s) {missing}; add them to the plan "
+                             "(Replicate(), Shard(dim) or Fused(...))")
+        if extra:
+            raise UsageError(f"plan names parameter(s) {extra} that the dense module does not have; "
+                             f"dense parameters are {sorted(names)}")
+        for name, p in dense.named_parameters():
+            validate(self.params[name], tuple(p.shape), world, f"parameter {name!r} {list(p.shape)}")

@@ -1,0 +1,58 @@
+"""The versioned JSON report. Deterministic: the same run gives the same bytes, timings aside
+(they live under keys named `seconds`)."""
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+
+import torch
+
+SCHEMA = "tpcheck.report/1"
+
+
+def build_report(results: list[dict], *, seed_mode: str | None = None, world_size: int = 2) -> dict:
+    from tpcheck import __version__
+    from tpcheck.check.result import seed_run_result
+    from tpcheck.check.session import exit_code
+
+    report = {
+        "schema": SCHEMA,
+        "tpcheck": __version__,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "backend": "gloo"},
+        "summary": {
+            "cases": len(results),
+            "as_expected": sum(r["as_expected"] for r in results),
+            "verdicts": {v: sum(r["verdict"] == v for r in results) for v in sorted({r["verdict"] for r in results})},
+            "exit_code": exit_code(results),
+        },
+        "cases": results,
+    }
+    if seed_mode:
+        from tpcheck.models.describe import seed_inspect
+
+        runs = {r["name"]: seed_run_result(r["name"], r) if r["verdict"] in ("equivalent", "not equivalent")
+                else {"mode": r["name"], "error": r["summary"]} for r in results}
+        if seed_mode == "inspect":
+            report["seed"] = seed_inspect(world_size)
+        elif seed_mode == "all":
+            report["seed"] = {"inspect": seed_inspect(world_size), **runs}
+        else:
+            report["seed"] = runs[seed_mode]
+    return report
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` so that a crash leaves the old file or none, never half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tpcheck-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
