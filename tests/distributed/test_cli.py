@@ -1,0 +1,54 @@
+"""CLI behaviour: exit codes, bad input, no orphan processes."""
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+from tpcheck.cli import main
+
+
+def _run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tpcheck", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+
+
+def test_bad_world_size_exits_2_naming_both_numbers():
+    proc = _run("run", "--mode", "equivalence", "--world-size", "5")
+    assert proc.returncode == 2
+    assert "world size 5" in proc.stderr and "12" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_fault_and_dtype_exit_2(capsys):
+    assert main(["run", "--fault", "no_such_fault"]) == 2
+    assert "no_such_fault" in capsys.readouterr().err
+    assert main(["run", "--dtype", "float8"]) == 2
+    assert "float8" in capsys.readouterr().err
+
+
+def test_matrix_writes_json_and_exit_0(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _run("run", "--world-size", "1", "2", "--fault", "all", "--json", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["schema"] == "tpcheck.report/1"
+    assert report["summary"]["cases"] == len(report["cases"]) >= 3
+    assert all(c["as_expected"] for c in report["cases"])
+
+
+def test_faults_lists_the_catalogue():
+    proc = _run("faults", "--json")
+    names = {f["name"] for f in json.loads(proc.stdout)}
+    assert {"missing_forward_reduce", "missing_backward_reduce"} <= names
+
+
+def test_runs_under_torchrun():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "tpcheck",
+                           "run", "--mode", "equivalence", "-q"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["passed"] is True and result["world_size"] == 2

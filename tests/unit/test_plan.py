@@ -1,0 +1,64 @@
+"""Placements are pure indexing; unshard(shard(x)) == x for every placement and world size."""
+import pytest
+import torch
+
+from tpcheck.errors import UsageError
+from tpcheck.plan import Fused, Plan, Replicate, Shard, unshard, validate
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("placement", [Replicate(), Shard(0), Shard(1), Fused(0, (12, 12))])
+def test_roundtrip(placement, world):
+    x = torch.randn(24, 12)
+    locals_ = [placement.shard(x, r, world) for r in range(world)]
+    dense, spread = unshard(placement, locals_, tuple(x.shape))
+    assert torch.equal(dense.float(), x)
+    assert spread == 0.0
+
+
+def test_fused_rank_holds_its_gate_and_up_rows():
+    ffn, world = 4, 2
+    gate = torch.arange(ffn).float()[:, None]  # rows 0..3
+    up = 100 + torch.arange(ffn).float()[:, None]
+    dense = torch.cat([gate, up])  # [gate; up] = [8, 1]
+    p = Fused(0, (ffn, ffn))
+    assert p.shard(dense, 0, world).flatten().tolist() == [0, 1, 100, 101]
+    assert p.shard(dense, 1, world).flatten().tolist() == [2, 3, 102, 103]
+    # Concatenating the shards gives [g0; u0; g1; u1], not the dense [g; u].
+    cat = torch.cat([p.shard(dense, r, world) for r in range(world)])
+    assert not torch.equal(cat, dense)
+
+
+def test_fused_replicates_parts_with_fewer_units_than_ranks():
+    # q: 4 heads, k: 1 head, head size 2; at world 4 every rank holds k head 0.
+    p = Fused(0, (4, 1), (2, 2))
+    dense = torch.arange(10).float()
+    assert [p.shard(dense, r, 4).tolist() for r in range(4)] == [[0, 1, 8, 9], [2, 3, 8, 9], [4, 5, 8, 9], [6, 7, 8, 9]]
+    locals_ = [p.shard(dense, r, 4) for r in range(4)]
+    locals_[3] = locals_[3].clone()
+    locals_[3][-1] += 1.0  # one replica differs
+    _, spread = unshard(p, locals_, (10,))
+    assert spread == 1.0
+
+
+def test_shard_not_dividing_names_both_numbers():
+    with pytest.raises(UsageError, match=r"size 12.*world size 5"):
+        validate(Shard(0), (12, 3), 5, "w")
+
+
+def test_plan_missing_parameter_is_an_error():
+    dense = torch.nn.Linear(4, 4)
+    with pytest.raises(UsageError, match="no placement for dense parameter.*bias"):
+        Plan(params={"weight": Shard(0)}).check_against(dense, 2)
+    with pytest.raises(UsageError, match="does not have"):
+        Plan(params={"weight": Shard(0), "bias": Replicate(), "extra": Replicate()}).check_against(dense, 2)
+
+
+class DropLastRow(Shard):
+    def shard(self, dense, rank, world):
+        return super().shard(dense, rank, world)[:-1]
+
+
+def test_plan_that_leaves_elements_uncovered_is_an_error():
+    with pytest.raises(UsageError, match="leaves 4 of 8 elements on no rank"):
+        validate(DropLastRow(0), (4, 2), 2, "w")
