@@ -41,13 +41,15 @@ def _is_timeout(exc: BaseException) -> bool:
 def run_spec_on_rank(spec: CaseSpec, group: TPGroup) -> dict:
     """Build and run one case on this rank; never raises: failures come back as data."""
     from tpcheck.check.registry import build_case
-    from tpcheck.check.runner import run_case_on_rank
+    from tpcheck.check.runner import CollectiveMismatch, run_case_on_rank
 
     group.interceptor, group.last_collective = None, None
     try:
         return {"status": "ok", **run_case_on_rank(build_case(spec), group)}
     except UsageError as e:
         return {"status": "usage", "rank": group.rank, "message": str(e)}
+    except CollectiveMismatch as e:
+        return {"status": "hang", "rank": group.rank, "message": str(e), "last_collective": group.last_collective}
     except Exception as e:  # noqa: BLE001 - a rank's failure is a result, reported with its traceback
         status = "hang" if _is_timeout(e) else "error"
         return {"status": status, "rank": group.rank, "message": f"{type(e).__name__}: {e}",
@@ -60,7 +62,7 @@ def _worker(rank: int, world: int, store_path: str, tasks, results, timeout_s: f
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        group = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD)
+        group = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD, store=store, timeout_s=timeout_s)
         while (spec := tasks.get()) is not None:
             results.put(run_spec_on_rank(spec, group))
         dist.destroy_process_group()
@@ -187,6 +189,7 @@ class TorchrunLauncher:
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         self.group_args = (dist.get_rank(), dist.get_world_size())
+        self.timeout_s, self.group = timeout_s, None
 
     @property
     def rank(self) -> int:
@@ -197,7 +200,10 @@ class TorchrunLauncher:
         if spec.world_size != world:
             raise UsageError(f"torchrun started {world} ranks but the case asks for world size {spec.world_size}; "
                              f"pass --world-size {world} or change --nproc_per_node")
-        payload = run_spec_on_rank(spec, TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD))
+        if self.group is None:
+            self.group = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD,
+                                 store=dist.distributed_c10d._get_default_store(), timeout_s=self.timeout_s)
+        payload = run_spec_on_rank(spec, self.group)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
         return gathered

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,10 @@ from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
 from tpcheck.plan import Placement, Replicate
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives, or some never reached a checkpoint (a hang)."""
 
 
 @dataclass
@@ -91,7 +96,33 @@ class RankRun:
         if placement.replicated and world > 1:
             self._compare_replicas(stage, step, name, tp_local)
 
+    def sync(self, where: str) -> None:
+        """Before the checker's own collectives, every rank must have issued the same model collectives.
+        Ledgers are exchanged through the rendezvous store, not a collective, so a rank out of step cannot
+        make the checker's collectives pair with the model's (gloo aborts on such a size mismatch)."""
+        g = self.group
+        if g.world_size == 1 or g.store is None or g.ledger is None:
+            return
+        g.syncs += 1
+        key = f"tpcheck/sync{g.syncs}"
+        mine = [f"{e.phase} {e.op} at {e.site!r}" for e in g.ledger]
+        g.store.set(f"{key}/{g.rank}", "\n".join(mine))
+        keys = [f"{key}/{r}" for r in range(g.world_size)]
+        try:
+            g.store.wait(keys, timedelta(seconds=g.timeout_s))
+        except Exception:  # noqa: BLE001 - a store wait past its timeout: some rank is stuck
+            missing = [r for r, k in enumerate(keys) if not g.store.check([k])]
+            raise CollectiveMismatch(
+                f"hang detected: rank(s) {missing} did not reach the checkpoint after {where} within "
+                f"{g.timeout_s:g} s; this rank had issued {len(mine)} collective(s), the last "
+                f"{mine[-1] if mine else 'none'}") from None
+        ledgers = [g.store.get(k).decode().split("\n") if g.store.get(k) else [] for k in keys]
+        if any(ld != ledgers[0] for ld in ledgers):
+            raise CollectiveMismatch(f"collective mismatch after {where}: " + _ledger_diff(ledgers))
+
     def _compare_replicas(self, stage: str, step: int, name: str, t: torch.Tensor) -> None:
+        self.group.last_collective = ("all_reduce", f"checker:replicas of {name}", "optimizer"
+                                      if stage == "optimizer" else "backward" if stage != "forward" else "forward")
         hi = t.detach().double().clone()
         lo = -hi
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group.pg)
@@ -120,9 +151,11 @@ class RankRun:
                 self.tp.finalize_grads()
             else:
                 finalize_grads(self.tp, group)
+            self.sync(f"finalize_grads of step {step}")
             self._compare_params(step, "grads", lambda p: p.grad)
             for opt in self.opts:
                 opt.step()
+            self.sync(f"optimizer step {step}")
             self._compare_params(step, "optimizer", lambda p: p)
         return self.checks
 
@@ -149,6 +182,7 @@ class RankRun:
         target_local = case.target_placement.shard(_cast(target, self.dtype), group.rank, group.world_size)
         loss_tp = case.compute_tp_loss(out_tp, target_local, group) / case.micro_batches
         loss_tp.backward()
+        self.sync(f"forward and backward of step {step}")
         (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = sides["dense"], sides["truth"]
         self.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
         self.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
@@ -205,6 +239,16 @@ def run_case_on_rank(case: Case, group: TPGroup) -> dict:
     checks = RankRun(case, group).run()
     return {"rank": group.rank, "checks": [asdict(c) for c in checks],
             "ledger": [asdict(e) for e in group.ledger], "seconds": time.perf_counter() - t0}
+
+
+def _ledger_diff(ledgers: list[list[str]]) -> str:
+    counts = ", ".join(f"rank {r}: {len(ld)}" for r, ld in enumerate(ledgers))
+    for i in range(max(len(ld) for ld in ledgers)):
+        at = [ld[i] if i < len(ld) else "nothing" for ld in ledgers]
+        if len(set(at)) > 1:
+            which = "; ".join(f"rank {r}: {a}" for r, a in enumerate(at))
+            return f"collectives issued ({counts}) first differ at #{i + 1}: {which}"
+    return f"collectives issued: {counts}"
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:

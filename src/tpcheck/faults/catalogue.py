@@ -43,6 +43,11 @@ CATALOGUE: dict[str, Fault] = {f.name: f for f in [
           "backward all-reduce entering the TP region (site 'gate_up')",
           "backward", "partial_sum",
           _tamper(inj.drop_collective("all_reduce", "gate_up", "backward"))),
+    Fault("collective_on_some_ranks",
+          "A collective is issued on some ranks only (a rank-dependent branch around it): ranks wait forever.",
+          "forward all-reduce of the down projection skipped on ranks > 0",
+          "forward", "hang",
+          _tamper(inj.drop_collective("all_reduce", "down", "forward", ranks=lambda r, w: r > 0))),
 ]}
 
 

@@ -43,6 +43,10 @@ class TPGroup:
     interceptor: Interceptor | None = None
     # (op, site, phase) of the collective most recently entered: names the spot of a hang.
     last_collective: tuple[str, str, str] | None = None
+    # The rendezvous store, used by the checker to compare ledgers without a collective.
+    store: dist.Store | None = None
+    timeout_s: float = 20.0
+    syncs: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
