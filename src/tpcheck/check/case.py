@@ -64,8 +64,18 @@ class Case:
     optimizer: str = "adamw"
     lr: float = 1e-3
     dtype: str = "float32"
+    # Compare module outputs and their grads (plan.activations) to localize the first divergence.
+    capture: bool = True
     # Called on every rank after the TP module is built and loaded (fault injection uses it).
     tamper: Callable[[nn.Module, TPGroup], None] | None = None
+    # The plan the TP side loads its weights with, when it differs from `plan` (a TP implementation
+    # with its own checkpoint loading); checks always use `plan`.
+    load_plan: Plan | None = None
+    # (phase, op, site) the TP module should issue per micro-batch (forward, backward) and per step
+    # (optimizer); None when unknown. The ledger is checked against it.
+    expected_collectives: tuple | None = None
+    # Builds the TP side's optimizer: (tp_module, group, default_factory) -> Optimizer.
+    tp_optimizer: Callable | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

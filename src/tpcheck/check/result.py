@@ -10,8 +10,9 @@ Expectation: a case with an injected fault is expected to be "not equivalent", a
 from __future__ import annotations
 
 from tpcheck.check.case import CaseSpec
+from tpcheck.check.diagnose import diagnose
+from tpcheck.check.ledger import check_ledger
 
-STAGE_ORDER = {"weights": 0, "forward": 1, "loss": 2, "backward": 3, "grads": 4, "optimizer": 5}
 SEED_KEYS = {  # seed RunResult key -> our check name
     "forward_max_abs_diff": "output",
     "loss_abs_diff": "loss",
@@ -35,15 +36,17 @@ def merge(spec: CaseSpec, payloads: list[dict]) -> dict:
         result["as_expected"] = result["verdict"] == "hang" and not spec.expect_equivalent
         result["summary"] = _failure_summary(result)
         return result
-    checks = []
-    for p in payloads:
-        for i, c in enumerate(p["checks"]):
-            checks.append({**c, "order": i})
-    failed = sorted((c for c in checks if not c["passed"]), key=lambda c: (c["order"], c["rank"]))
+    checks = [c for p in payloads for c in p["checks"]]
+    failed = sorted((c for c in checks if not c["passed"]), key=lambda c: (c["seq"], c["stage"] == "replicas",
+                                                                          c["rank"]))
     verdict = "not equivalent" if failed else "equivalent"
+    entries = [e for p in payloads for e in p["ledger"]]
     result.update(verdict=verdict, as_expected=verdict == result["expected"], checks=checks,
-                  ledger=[e for p in payloads for e in p["ledger"]])
+                  ledger=check_ledger(entries, payloads[0].get("expected_collectives"), spec.world_size, spec.steps,
+                                      spec.micro_batches))
     result["first_divergence"] = _first(failed) if failed else None
+    result["diagnosis"] = (diagnose(result["first_divergence"], [p.get("evidence", {}) for p in payloads],
+                                    spec.world_size) if failed else None)
     result["summary"] = _summary(result, failed)
     return result
 
@@ -59,9 +62,10 @@ def _first(failed: list[dict]) -> dict:
 def _summary(result: dict, failed: list[dict]) -> str:
     if not failed:
         return f"equivalent: {len(result['checks'])} checks passed on {result['world_size']} rank(s)"
-    f = result["first_divergence"]
+    f, d = result["first_divergence"], result["diagnosis"]
     return (f"not equivalent: {len(failed)} of {len(result['checks'])} checks failed; first: {f['name']} "
-            f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound {f['bound']:.3g}")
+            f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
+            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}")
 
 
 def _failure_verdict(statuses: set[str]) -> str:
@@ -83,7 +87,9 @@ def _failure_summary(result: dict) -> str:
         ranks = sorted(p["rank"] for p in problems)
         return (f"hang detected: rank(s) {ranks} waited on {spots} until the timeout; "
                 "a collective was issued on some ranks only")
-    first = problems[0]
+    # the problem that decided the verdict (a rank's usage error, not a peer's timeout waiting for it)
+    status = {"invalid": "usage"}.get(result["verdict"], result["verdict"])
+    first = next((p for p in problems if p["status"] == status), problems[0])
     return f"{result['verdict']}: rank {first['rank']}: {first['message']}"
 
 

@@ -6,6 +6,11 @@ knows a layer: shapes and layouts come from the plan.
 
 Three models run on every rank: the dense model in the working dtype, a float64 copy of it (the
 ground truth that calibrates tolerances) and the TP model. All start from the same weights.
+
+Order of a step: dense and float64 forward/backward (capturing the activations named in
+`plan.activations`), then the TP forward/backward, whose captured tensors are compared as they are
+produced (local comparisons only, no collective inside the model's forward), then a ledger sync, then
+the checker's own collectives (replica comparisons), then grads, optimizer step, weights.
 """
 from __future__ import annotations
 
@@ -18,24 +23,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpcheck.check import tolerance
+from tpcheck.check import capture, tolerance
 from tpcheck.check.case import Case
+from tpcheck.check.loading import cast, leaf, load_from_dense, maxdiff
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
 from tpcheck.plan import Placement, Replicate
 
+EVIDENCE_MAX_NUMEL = 1 << 16  # tensors up to this size are sent to the parent for diagnosis
+EVIDENCE_BUDGET = 1 << 21  # total elements per rank and case
+
 
 class CollectiveMismatch(RuntimeError):
-    """Ranks issued different collectives, or some never reached a checkpoint (a hang)."""
+    """Ranks issued different collectives, or some never reached a checkpoint (a hang).
+    `checkpoint` names the checkpoint this rank waited at (the launcher reports it)."""
+
+    def __init__(self, message: str, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 @dataclass
 class Check:
     """One comparison on one rank. error: max |TP - truth| (or |TP - dense| for exact checks);
-    diff_vs_dense: max |TP - dense| in the working dtype (the seed's metric)."""
+    diff_vs_dense: max |TP - dense| in the working dtype (the seed's metric); seq: position in
+    execution order (a replica check shares the seq of the tensor it checks)."""
 
-    stage: str  # weights | forward | loss | backward | grads | optimizer
+    stage: str  # weights | forward | loss | backward | grads | optimizer | replicas
     step: int
     name: str
     rank: int
@@ -46,6 +61,7 @@ class Check:
     reason: str
     passed: bool
     placement: str = "replicate"
+    seq: int = 0
 
 
 class RankRun:
@@ -55,6 +71,10 @@ class RankRun:
         self.case, self.group = case, group
         self.dtype = case.torch_dtype
         self.checks: list[Check] = []
+        self.pending_replicas: list[tuple[Check, torch.Tensor]] = []
+        self.evidence: dict[str, dict] = {}
+        self.evidence_left = EVIDENCE_BUDGET
+        self.seq = 0
         self.gen = torch.Generator().manual_seed(case.seed)
         self.first_batch = case.make_batch(self.gen, torch.float32)  # drawn before the weights, as the seed
         master = case.build_dense(torch.float32)
@@ -68,6 +88,8 @@ class RankRun:
             case.tamper(self.tp, group)
         self.models = [self.dense, self.tp] + ([] if self.truth is self.dense else [self.truth])
         self.opts = [case.make_optimizer(m.parameters()) for m in self.models]
+        if case.tp_optimizer is not None:
+            self.opts[1] = case.tp_optimizer(self.tp, group, case.make_optimizer)
 
     def _copy_of(self, src: nn.Module, dtype: torch.dtype) -> nn.Module:
         model = self.case.build_dense(dtype)
@@ -80,21 +102,54 @@ class RankRun:
 
     def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
                 truth: torch.Tensor, placement: Placement, exact: bool = False) -> None:
+        """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
+        are compared across ranks later, in `flush_replicas`, outside the model's collectives."""
         rank, world = self.group.rank, self.group.world_size
         if not bool(torch.isfinite(truth).all()):
             raise UsageError(f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
                              "the inputs or weights are bad, not the TP implementation")
+        if not bool(torch.isfinite(dense).all()):
+            raise UsageError(f"the dense {self.case.dtype} reference's {name} (step {step}, {stage}) contains "
+                             "NaN/Inf while the float64 truth is finite: this dtype overflows here (float16 with "
+                             "AdamW, whose eps underflows, is a known cause); use float32/bfloat16 or --optimizer "
+                             "sgd. The reference is bad, not the TP implementation")
         ref = placement.shard(dense, rank, world)
-        diff = _maxdiff(tp_local, ref)
+        diff = maxdiff(tp_local, ref)
         if exact:
             bound, err = tolerance.EXACT, diff
         else:
             bound = tolerance.calibrated(dense, truth, self.dtype, world)
-            err = _maxdiff(tp_local, placement.shard(truth, rank, world))
-        self.checks.append(Check(stage, step, name, rank, err, diff, bound.value, bound.kind, bound.reason,
-                                 err <= bound.value, str(placement)))
+            err = maxdiff(tp_local, placement.shard(truth, rank, world))
+        self.seq += 1
+        check = Check(stage, step, name, rank, err, diff, bound.value, bound.kind, bound.reason,
+                      err <= bound.value, str(placement), self.seq)
+        self.checks.append(check)
+        self._keep_evidence(check, tp_local, ref, dense)
         if placement.replicated and world > 1:
-            self._compare_replicas(stage, step, name, tp_local)
+            self.pending_replicas.append((check, tp_local.detach().clone()))
+
+    def _keep_evidence(self, check: Check, tp_local, ref, dense) -> None:
+        if check.step > 1 or tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
+            return
+        self.evidence_left -= 3 * dense.numel()
+        self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
+            "tp": tp_local.detach().double().numpy().copy(), "ref": ref.detach().double().numpy().copy(),
+            "dense": dense.detach().double().numpy().copy(), "placement": check.placement}
+
+    def flush_replicas(self) -> None:
+        """Compare every pending replicated tensor across ranks (max - min over ranks, bitwise)."""
+        for check, t in self.pending_replicas:
+            self.group.last_collective = ("all_reduce", f"checker:replicas of {check.name}", "optimizer")
+            hi = t.double()
+            lo = -hi
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group.pg)
+            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group.pg)
+            spread = float((hi + lo).abs().max()) if t.numel() else 0.0
+            spread = spread if not math.isnan(spread) else math.inf
+            b = tolerance.REPLICA
+            self.checks.append(Check("replicas", check.step, check.name, check.rank, spread, spread, b.value,
+                                     "replica", b.reason, spread <= b.value, check.placement, check.seq))
+        self.pending_replicas.clear()
 
     def sync(self, where: str) -> None:
         """Before the checker's own collectives, every rank must have issued the same model collectives.
@@ -115,32 +170,21 @@ class RankRun:
             raise CollectiveMismatch(
                 f"hang detected: rank(s) {missing} did not reach the checkpoint after {where} within "
                 f"{g.timeout_s:g} s; this rank had issued {len(mine)} collective(s), the last "
-                f"{mine[-1] if mine else 'none'}") from None
+                f"{mine[-1] if mine else 'none'}", checkpoint=where) from None
         ledgers = [g.store.get(k).decode().split("\n") if g.store.get(k) else [] for k in keys]
         if any(ld != ledgers[0] for ld in ledgers):
-            raise CollectiveMismatch(f"collective mismatch after {where}: " + _ledger_diff(ledgers))
-
-    def _compare_replicas(self, stage: str, step: int, name: str, t: torch.Tensor) -> None:
-        self.group.last_collective = ("all_reduce", f"checker:replicas of {name}", "optimizer"
-                                      if stage == "optimizer" else "backward" if stage != "forward" else "forward")
-        hi = t.detach().double().clone()
-        lo = -hi
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group.pg)
-        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group.pg)
-        spread = float((hi + lo).abs().max()) if t.numel() else 0.0
-        spread = spread if not math.isnan(spread) else math.inf
-        b = tolerance.REPLICA
-        self.checks.append(Check("replicas", step, name, self.group.rank, spread, spread, b.value, "replica",
-                                 b.reason, spread <= b.value))
+            raise CollectiveMismatch(f"collective mismatch after {where}: " + _ledger_diff(ledgers), checkpoint=where)
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> list[Check]:
-        case, group = self.case, self.group
+        case = self.case
         tp_params = dict(self.tp.named_parameters())
         for name, p in self.dense.named_parameters():
             self.compare("weights", 0, f"param:{name}", tp_params[case.plan.tp_name(name)].detach(), p.detach(),
                          p.detach(), case.plan.params[name], exact=True)
+        self.sync("loading the weights")
+        self.flush_replicas()
         for step in range(1, case.steps + 1):
             for opt in self.opts:
                 opt.zero_grad(set_to_none=True)
@@ -150,47 +194,64 @@ class RankRun:
             if hasattr(self.tp, "finalize_grads"):
                 self.tp.finalize_grads()
             else:
-                finalize_grads(self.tp, group)
+                finalize_grads(self.tp, self.group)
             self.sync(f"finalize_grads of step {step}")
             self._compare_params(step, "grads", lambda p: p.grad)
+            self.flush_replicas()
             for opt in self.opts:
                 opt.step()
             self.sync(f"optimizer step {step}")
             self._compare_params(step, "optimizer", lambda p: p)
+            self.flush_replicas()
         return self.checks
+
+    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder):
+        case = self.case
+        handles = capture.attach(model, set(case.plan.activations), recorder) if case.capture else []
+        kw = {k: leaf(cast(v, dtype), k in case.grad_inputs) for k, v in inputs.items()}
+        out = model(**kw)
+        loss = case.loss(out, cast(target, dtype)) / case.micro_batches
+        loss.backward()
+        capture.detach_all(handles)
+        return kw, out.detach(), loss.detach()
 
     def _forward_backward(self, step: int, batch) -> None:
         case, group = self.case, self.group
         inputs, target = batch
-        sides = {}
-        for side, model, dtype in (("dense", self.dense, self.dtype), ("truth", self.truth, torch.float64)):
-            if side == "truth" and self.truth is self.dense:
-                sides["truth"] = sides["dense"]
-                continue
-            kw = {k: _leaf(v.to(dtype) if v.is_floating_point() else v, k in case.grad_inputs)
-                  for k, v in inputs.items()}
-            out = model(**kw)
-            loss = case.loss(out, _cast(target, dtype)) / case.micro_batches
-            loss.backward()
-            sides[side] = (kw, out.detach(), loss.detach())
+        rec_d, rec_t = capture.Recorder(), capture.Recorder()
+        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d)
+        if self.truth is self.dense:
+            (kw_t, out_t, loss_t), rec_t = (kw_d, out_d, loss_d), rec_d
+        else:
+            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t)
+
+        def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
+            d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None
+            if d is not None:
+                label = "act" if stage == "forward" else "actgrad"
+                self.compare(stage, step, f"{label}:{name}", t, d, tr if tr is not None else d,
+                             case.plan.activations[name])
+
+        handles = capture.attach(self.tp, set(case.plan.activations), on_tp_tensor) if case.capture else []
         kw_tp = {}
         for k, v in inputs.items():
-            local = case.input_placements.get(k, Replicate()).shard(_cast(v, self.dtype), group.rank,
+            local = case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
                                                                     group.world_size)
-            kw_tp[k] = _leaf(local.clone(), k in case.grad_inputs)
+            kw_tp[k] = leaf(local, k in case.grad_inputs)
         out_tp = self.tp(**kw_tp)
-        target_local = case.target_placement.shard(_cast(target, self.dtype), group.rank, group.world_size)
-        loss_tp = case.compute_tp_loss(out_tp, target_local, group) / case.micro_batches
-        loss_tp.backward()
-        self.sync(f"forward and backward of step {step}")
-        (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = sides["dense"], sides["truth"]
         self.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
+        target_local = case.target_placement.shard(cast(target, self.dtype), group.rank, group.world_size)
+        loss_tp = case.compute_tp_loss(out_tp, target_local, group) / case.micro_batches
         self.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
+        loss_tp.backward()
+        capture.detach_all(handles)
+        self.sync(f"forward and backward of step {step}")
         for k in case.grad_inputs:
             if kw_tp[k].grad is None:
                 raise UsageError(f"input {k!r} got no gradient on the TP side: is it used in forward?")
             self.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
                          case.input_placements.get(k, Replicate()))
+        self.flush_replicas()
 
     def _compare_params(self, step: int, stage: str, get) -> None:
         plan = self.case.plan
@@ -209,35 +270,14 @@ class RankRun:
                          plan.params[name])
 
 
-def load_from_dense(tp: nn.Module, dense: nn.Module, case: Case, group: TPGroup) -> None:
-    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes."""
-    plan = case.plan
-    tp_params = dict(tp.named_parameters())
-    expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
-    unplanned = sorted(set(tp_params) - expected)
-    if unplanned:
-        raise UsageError(f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
-                         "name them like the dense ones or add plan.tp_names entries")
-    with torch.no_grad():
-        for name, p in dense.named_parameters():
-            tp_name = plan.tp_name(name)
-            if tp_name not in tp_params:
-                raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; "
-                                 f"TP parameters are {sorted(tp_params)}")
-            local = plan.params[name].shard(p.detach(), group.rank, group.world_size)
-            if tuple(local.shape) != tuple(tp_params[tp_name].shape):
-                raise UsageError(f"parameter {tp_name!r} on rank {group.rank}: the plan ({plan.params[name]}) gives a "
-                                 f"shard of shape {list(local.shape)} but the TP module holds "
-                                 f"{list(tp_params[tp_name].shape)}")
-            tp_params[tp_name].copy_(local)
-
-
 def run_case_on_rank(case: Case, group: TPGroup) -> dict:
-    """Run `case` on this rank; returns plain data (checks and ledger) for the launcher."""
+    """Run `case` on this rank; returns plain data (checks, ledger, evidence) for the launcher."""
     t0 = time.perf_counter()
     group.ledger = []
-    checks = RankRun(case, group).run()
-    return {"rank": group.rank, "checks": [asdict(c) for c in checks],
+    run = RankRun(case, group)
+    checks = run.run()
+    return {"rank": group.rank, "checks": [asdict(c) for c in checks], "evidence": run.evidence,
+            "expected_collectives": case.expected_collectives,
             "ledger": [asdict(e) for e in group.ledger], "seconds": time.perf_counter() - t0}
 
 
@@ -251,20 +291,3 @@ def _ledger_diff(ledgers: list[list[str]]) -> str:
     return f"collectives issued: {counts}"
 
 
-def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        raise UsageError(f"TP tensor of shape {list(a.shape)} cannot be compared with the plan's shard "
-                         f"{list(b.shape)}: the plan or the TP module's layout is wrong")
-    if a.numel() == 0:
-        return 0.0
-    d = (a.detach().double() - b.detach().double()).abs().max()
-    return float(d) if not torch.isnan(d) else math.inf
-
-
-def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    t = t.detach().clone()
-    return t.requires_grad_(requires_grad and t.is_floating_point())
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t

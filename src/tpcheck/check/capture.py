@@ -1,0 +1,57 @@
+"""Capture of intermediate tensors: each named module's forward output and the gradient flowing
+into that output in backward. The dense and float64 sides store theirs; the TP side compares each one
+as it is produced, so the checks come out in execution order (forward, then backward) and nothing is
+held longer than one step."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# (stage, module name, tensor) -> None; stage is "forward" (module output) or "backward" (its grad).
+Sink = Callable[[str, str, torch.Tensor], None]
+
+
+def attach(model: nn.Module, names: set[str], sink: Sink) -> list:
+    """Hook the modules of `model` named in `names`; returns handles (call .remove() on each)."""
+    handles = []
+    for name, module in model.named_modules():
+        if name in names:
+            handles.append(module.register_forward_hook(_hook(name, sink)))
+    return handles
+
+
+def _hook(name: str, sink: Sink):
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if not isinstance(out, torch.Tensor):
+            return
+        sink("forward", name, out.detach())
+        if out.requires_grad:
+            out.register_hook(lambda grad: sink("backward", name, grad.detach()))
+
+    return hook
+
+
+class Recorder:
+    """The dense/float64 side: keeps captured tensors until the TP side asks for them."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[tuple[str, str], list[torch.Tensor]] = defaultdict(list)
+
+    def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
+        self.tensors[(stage, name)].append(t)
+
+    def take(self, stage: str, name: str) -> torch.Tensor | None:
+        queue = self.tensors.get((stage, name))
+        return queue.pop(0) if queue else None
+
+    def clear(self) -> None:
+        self.tensors.clear()
+
+
+def detach_all(handles: list) -> None:
+    for h in handles:
+        h.remove()

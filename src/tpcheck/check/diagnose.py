@@ -1,0 +1,144 @@
+"""Diagnosis: what the numbers of the first divergent tensor say about the bug.
+
+Signatures are computed from the tensors every rank sent back (`evidence`: the TP local tensor, the
+plan's shard of the dense reference, and the dense tensor), for the first divergent check in execution
+order. Each signature is a test on numbers, not on the fault's name:
+
+  partial_sum       replicated tensor; each rank differs, the sum over ranks equals the reference
+  scaled_by_world   TP = world x reference            (reduced twice; summed instead of averaged)
+  scaled_by_1/world TP = reference / world            (loss divided by tp as if data parallel)
+  scaled            TP = c x reference for another c
+  offset            TP - reference is one per-feature vector broadcast over tokens (a bias counted
+                    (tp-1) extra times when added before the reduction)
+  rank0_shard       every rank holds what rank 0 should hold (shards loaded without the rank offset)
+  permuted          same values, wrong places (fused weight split contiguously, wrong shard/gather dim,
+                    wrong head index)
+  replicas_differ   a replicated tensor differs across ranks
+  nan_inf           NaN/Inf appears on the TP side while the reference is finite
+  mismatch          none of the above
+"""
+from __future__ import annotations
+
+import numpy as np
+
+REL = 1e-3  # how close "equal up to rounding" must be for a signature, relative to the tensor scale
+
+CAUSES = {
+    "partial_sum": "partial sum: the per-rank values add up to the reference, so an all-reduce is missing "
+                   "(or its result was dropped) before this tensor",
+    "scaled_by_world": "scaled by the world size: reduced twice, or summed where it should be averaged",
+    "scaled_by_1/world": "scaled by 1/world size: divided by tp as if data parallel, or averaged where it "
+                         "should be summed",
+    "scaled": "scaled by a constant factor",
+    "offset": "offset by a per-feature vector: a bias added before the reduction is counted tp times",
+    "rank0_shard": "every rank holds rank 0's shard: weights loaded without the rank offset",
+    "permuted": "same values in the wrong places: a layout bug (a fused weight split contiguously, a wrong "
+                "shard or gather dim, a wrong head index)",
+    "replicas_differ": "replicas differ across ranks: a replicated tensor was computed or updated differently "
+                       "on some rank",
+    "nan_inf": "NaN/Inf appears first here on the TP side while the reference is finite",
+    "mismatch": "a numerical mismatch with no recognised collective signature",
+}
+
+
+def diagnose(first: dict, evidence: list[dict], world: int) -> dict:
+    """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict."""
+    key = f"{first['stage']}|{first['step']}|{first['name']}"
+    if first["stage"] == "replicas":
+        key = next((k for k in _keys(evidence) if k.endswith(f"|{first['step']}|{first['name']}")), key)
+    ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
+    signature, details = ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
+    if len(ev) == world:
+        signature, details = classify(ev, world, evidence)
+    elif ev and signature == "mismatch":
+        signature, details = classify_local(ev, world)
+    location = first["name"].split(":", 1)[-1]
+    return {"signature": signature, "cause": CAUSES[signature], "location": location, "tensor": first["name"],
+            "stage": first["stage"], "step": first["step"], "ranks": first["ranks"], "evidence": details,
+            "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
+                        f"{CAUSES[signature]}"}
+
+
+def _keys(evidence: list[dict]):
+    for e in evidence:
+        yield from e
+
+
+def _scale(a: np.ndarray) -> float:
+    return float(np.abs(a).max()) if a.size else 0.0
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= REL * max(_scale(b), 1e-30)
+
+
+def _per_feature(d: np.ndarray) -> bool:
+    """d is one nonzero vector over the last dim, broadcast over all other dims."""
+    if d.ndim < 2 or _scale(d) == 0:
+        return False
+    rows = d.reshape(-1, d.shape[-1])
+    return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= REL * _scale(d)
+
+
+def classify(ev: dict[int, dict], world: int, evidence: list[dict]) -> tuple[str, dict]:
+    tps = [ev[r]["tp"] for r in range(world)]
+    refs = [ev[r]["ref"] for r in range(world)]
+    if any(not np.isfinite(t).all() for t in tps):
+        return "nan_inf", {"ranks": [r for r in range(world) if not np.isfinite(tps[r]).all()]}
+    replicated = ev[0]["placement"] == "replicate"
+    if replicated and world > 1:
+        total = np.sum(tps, axis=0)
+        if not _close(tps[0], refs[0]):
+            if _close(total, refs[0]):
+                return "partial_sum", {"sum_over_ranks_error": float(np.abs(total - refs[0]).max())}
+            if _per_feature(total - refs[0]):  # a replicated bias added on every rank rides along
+                return "partial_sum", {"plus": "(world - 1) x a per-feature vector (a bias added on each rank)"}
+        if any(not np.array_equal(t, tps[0]) for t in tps[1:]):
+            sig, details = classify_local({0: ev[0]}, world)
+            return ("replicas_differ", details) if sig == "mismatch" else (sig, details)
+    if world > 1 and not replicated and all(_close(tps[r], refs[0]) for r in range(world)) \
+            and not _close(refs[1], refs[0]):
+        return "rank0_shard", {}
+    sig, details = classify_local(ev, world)
+    if sig == "offset":
+        details.update(_offset_source(ev, world, evidence))
+    if sig == "mismatch":
+        flat_tp = np.sort(np.concatenate([t.ravel() for t in tps]))
+        flat_ref = np.sort(np.concatenate([r.ravel() for r in refs]))
+        if _close(flat_tp, flat_ref):
+            return "permuted", {}
+    return sig, details
+
+
+def classify_local(ev: dict[int, dict], world: int) -> tuple[str, dict]:
+    """Signatures visible on one rank's tensor alone (scale, offset, layout)."""
+    e = next(iter(ev.values()))
+    tp, ref = e["tp"], e["ref"]
+    if not np.isfinite(tp).all():
+        return "nan_inf", {}
+    denom = float((ref * ref).sum())
+    if denom > 0:
+        c = float((tp * ref).sum()) / denom
+        if _close(tp, c * ref):
+            for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
+                if world > 1 and abs(c - target) <= 1e-2 * target:
+                    return name, {"factor": c}
+            if abs(c - 1.0) > 1e-2:
+                return "scaled", {"factor": c}
+    d = tp - ref
+    if _per_feature(d):
+        return "offset", {"offset_norm": float(np.linalg.norm(d.reshape(-1, d.shape[-1])[0]))}
+    if tp.shape == ref.shape and _close(np.sort(tp.ravel()), np.sort(ref.ravel())):
+        return "permuted", {}
+    return "mismatch", {"relative_error": float(np.abs(d).max()) / max(_scale(ref), 1e-30)}
+
+
+def _offset_source(ev: dict[int, dict], world: int, evidence: list[dict]) -> dict:
+    """Name the replicated parameter p with offset == (world - 1) * p, if the loaded weights say so."""
+    d = (ev[0]["tp"] - ev[0]["ref"]).reshape(-1, ev[0]["tp"].shape[-1])[0]
+    for key, e in evidence[0].items():
+        stage, step, name = key.split("|", 2)
+        if stage == "weights" and e["dense"].shape == d.shape and world > 1:
+            if _close(d, (world - 1) * e["dense"]):
+                return {"offset_is": f"(world - 1) x {name.split(':', 1)[-1]}"}
+    return {}

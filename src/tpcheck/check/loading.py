@@ -1,0 +1,55 @@
+"""Moving tensors between the dense and TP sides through the plan, and small tensor helpers."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tpcheck.check.case import Case
+from tpcheck.errors import UsageError
+from tpcheck.parallel.group import TPGroup
+
+
+def load_from_dense(tp: nn.Module, dense: nn.Module, case: Case, group: TPGroup) -> None:
+    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes.
+    `case.load_plan`, when set, stands for a TP implementation that loads its weights its own way
+    (a checkpoint converter): the checks still use `case.plan`."""
+    plan = case.load_plan or case.plan
+    tp_params = dict(tp.named_parameters())
+    expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
+    unplanned = sorted(set(tp_params) - expected)
+    if unplanned:
+        raise UsageError(f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
+                         "name them like the dense ones or add plan.tp_names entries")
+    with torch.no_grad():
+        for name, p in dense.named_parameters():
+            tp_name = plan.tp_name(name)
+            if tp_name not in tp_params:
+                raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; "
+                                 f"TP parameters are {sorted(tp_params)}")
+            local = plan.params[name].shard(p.detach(), group.rank, group.world_size)
+            if tuple(local.shape) != tuple(tp_params[tp_name].shape):
+                raise UsageError(f"parameter {tp_name!r} on rank {group.rank}: the plan ({plan.params[name]}) gives a "
+                                 f"shard of shape {list(local.shape)} but the TP module holds "
+                                 f"{list(tp_params[tp_name].shape)}")
+            tp_params[tp_name].copy_(local)
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise UsageError(f"TP tensor of shape {list(a.shape)} cannot be compared with the plan's shard "
+                         f"{list(b.shape)}: the plan or the TP module's layout is wrong")
+    if a.numel() == 0:
+        return 0.0
+    d = (a.detach().double() - b.detach().double()).abs().max()
+    return float(d) if not torch.isnan(d) else math.inf
+
+
+def leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    t = t.detach().clone()
+    return t.requires_grad_(requires_grad and t.is_floating_point())
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
