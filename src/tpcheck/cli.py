@@ -41,9 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_args(run)
     run.set_defaults(func=cmd_run)
 
+    verify = sub.add_parser("verify", help="check your own TP code: a case file (docs/case-files.md)")
+    verify.add_argument("target", nargs="+", help="path/to/case.py or path/to/case.py:NAME")
+    verify.add_argument("--world-size", type=int, nargs="+", default=None, help="TP world sizes (default: 2)")
+    verify.add_argument("--dtype", nargs="+", default=None, help="override the case's dtype(s)")
+    verify.add_argument("--steps", type=int, default=None, help="override the case's optimizer steps")
+    verify.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
+    verify.add_argument("--lr", type=float, default=None)
+    verify.add_argument("--micro-batches", type=int, default=None)
+    verify.add_argument("--seed", type=int, default=None)
+    _add_output_args(verify)
+    verify.set_defaults(func=cmd_verify)
+
     faults = sub.add_parser("faults", help="list the fault catalogue")
     faults.add_argument("--json", action="store_true")
     faults.set_defaults(func=cmd_faults)
+
+    report = sub.add_parser("report", help="print the summary of a JSON report and render it as HTML")
+    report.add_argument("result", metavar="RESULT.json", help="a report written by `tpcheck run --json`")
+    report.add_argument("--html", dest="html_path", metavar="PATH", help="write the HTML report here")
+    report.set_defaults(func=cmd_report)
     return parser
 
 
@@ -77,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if len(world_sizes) != 1:
             raise UsageError(f"--mode takes one --world-size, got {world_sizes}")
         modes = SEED_MODES if args.mode == "all" else () if args.mode == "inspect" else (args.mode,)
-        specs = [CaseSpec(block="mlp", preset=args.preset or "seed", world_size=world_sizes[0], steps=args.steps or 1,
+        specs = [CaseSpec(block="mlp", preset=args.preset or "seed", world_size=world_sizes[0], steps=1 if args.steps is None else args.steps,
                           optimizer=args.optimizer or "sgd", lr=args.lr, seed=args.seed,
                           fault=None if m == "equivalence" else m, label=m) for m in modes]
     else:
@@ -99,15 +116,40 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
         faults += [get_fault(f).name for f in args.fault]
     specs = []
     for block, ws, dtype, fault in itertools.product(args.block, world_sizes, args.dtype, faults):
-        if fault is not None and (block not in CATALOGUE[fault].blocks or ws < CATALOGUE[fault].min_world):
-            continue
-        specs.append(CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, dtype=dtype,
-                              steps=args.steps or 3, optimizer=args.optimizer or "adamw", lr=args.lr,
-                              micro_batches=args.micro_batches, sequence_parallel=args.sp, fault=fault,
-                              seed=args.seed))
+        spec = CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, dtype=dtype,
+                        steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw", lr=args.lr,
+                        micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed)
+        if fault is None:
+            specs.append(spec)
+        elif CATALOGUE[fault].applies(block, ws) and _feasible(CATALOGUE[fault].spec_for(spec)):
+            specs.append(CATALOGUE[fault].spec_for(spec))
     if not specs:
         raise UsageError("no case to run: the faults given apply to none of the blocks and world sizes given")
     return specs
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Case files: the world size is the launcher's; flags given override the Case's own values."""
+    from tpcheck.check.launch import under_torchrun
+    from tpcheck.check.registry import file_spec
+
+    world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
+    given = {"steps": args.steps, "optimizer": args.optimizer, "lr": args.lr,
+             "micro_batches": args.micro_batches, "seed": args.seed}
+    specs = [file_spec(t, ws, dtype=d, **given)
+             for t, ws, d in itertools.product(args.target, world_sizes, args.dtype or [None])]
+    return execute(specs, args)
+
+
+def _feasible(spec) -> bool:
+    """Can this fault case run at all (e.g. an SP fault needs a sequence that divides the world size)?"""
+    from tpcheck.models.cases import config_for
+
+    try:
+        config_for(spec)
+    except UsageError:
+        return False
+    return True
 
 
 def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None) -> int:
@@ -118,6 +160,11 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None)
     from tpcheck.report.schema import build_report, write_atomic
 
     timeout = args.timeout or DEFAULT_TIMEOUT_S
+    if not under_torchrun():  # bad input fails fast, before any rank is forked
+        from tpcheck.check.launch import validate_spec
+
+        for spec in specs:
+            validate_spec(spec)
     launcher = TorchrunLauncher(timeout) if under_torchrun() else Launcher(timeout)
     try:
         progress = None if args.quiet or len(specs) < 2 else progress_printer()
@@ -131,6 +178,10 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None)
                 print(json.dumps(report["seed"], indent=2))
             if not args.quiet:
                 print_summary(results, sys.stderr)
+            else:  # quiet, but never silent about why the exit code is 2
+                for r in results:
+                    if r["verdict"] in ("invalid", "error"):
+                        print(f"tpcheck: error: {r['name']}: {r['summary']}", file=sys.stderr)
             if args.json_path:
                 write_atomic(args.json_path, json.dumps(report, indent=2, sort_keys=True) + "\n")
                 _say(args, f"JSON report: {args.json_path}")
@@ -151,6 +202,30 @@ def _say(args: argparse.Namespace, text: str) -> None:
         print(text, file=sys.stderr)
 
 
+# ------------------------------------------------------------------------------ report
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tpcheck.report.console import print_summary
+    from tpcheck.report.schema import SCHEMA, write_atomic
+
+    try:
+        with open(args.result) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read the report {args.result!r}: {e}; pass a file from `tpcheck run --json`")
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        found = report.get("schema") if isinstance(report, dict) else type(report).__name__
+        raise UsageError(f"{args.result!r} has schema {found!r}, this tpcheck reads {SCHEMA!r}")
+    print_summary(report["cases"], sys.stderr)
+    if args.html_path:
+        from tpcheck.report.html import render_html
+
+        write_atomic(args.html_path, render_html(report))
+        print(f"HTML report: {args.html_path}", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------------------------ faults
 
 
@@ -158,7 +233,8 @@ def cmd_faults(args: argparse.Namespace) -> int:
     from tpcheck.faults import CATALOGUE
 
     rows = [{"name": f.name, "bug_class": f.bug_class, "where": f.where, "expected_stage": f.expected_stage,
-             "expected_signature": f.expected_signature, "blocks": list(f.blocks), "min_world": f.min_world}
+             "expected_signature": f.expected_signature, "blocks": list(f.blocks), "world_sizes": list(f.worlds),
+             "sequence_parallel": f.sequence_parallel}
             for f in CATALOGUE.values()]
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -72,6 +72,25 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= REL * max(_scale(b), 1e-30)
 
 
+def _scale_factor(tp: np.ndarray, ref: np.ndarray) -> float | None:
+    """c with tp == c * ref, or tp == c * ref + v for one per-feature vector v (a replicated bias
+    that was not scaled, e.g. a row-parallel output reduced twice, then biased); else None."""
+    denom = float((ref * ref).sum())
+    if denom > 0:
+        c = float((tp * ref).sum()) / denom
+        if _close(tp, c * ref):
+            return c
+    if ref.ndim >= 2 and ref.size > ref.shape[-1]:
+        rows_t, rows_r = tp.reshape(-1, tp.shape[-1]), ref.reshape(-1, ref.shape[-1])
+        ct, cr = rows_t - rows_t.mean(0), rows_r - rows_r.mean(0)
+        denom = float((cr * cr).sum())
+        if denom > 0:
+            c = float((ct * cr).sum()) / denom
+            if _per_feature(tp - c * ref) or _close(tp, c * ref):
+                return c
+    return None
+
+
 def _per_feature(d: np.ndarray) -> bool:
     """d is one nonzero vector over the last dim, broadcast over all other dims."""
     if d.ndim < 2 or _scale(d) == 0:
@@ -86,16 +105,19 @@ def classify(ev: dict[int, dict], world: int, evidence: list[dict]) -> tuple[str
     if any(not np.isfinite(t).all() for t in tps):
         return "nan_inf", {"ranks": [r for r in range(world) if not np.isfinite(tps[r]).all()]}
     replicated = ev[0]["placement"] == "replicate"
-    if replicated and world > 1:
+    identical = all(np.array_equal(t, tps[0]) for t in tps[1:])
+    if replicated and world > 1 and not identical:
+        errs = [float(np.abs(t - refs[0]).max(initial=0.0)) for t in tps]
+        if min(errs) * 10 < max(errs):  # some ranks (nearly) right, others not
+            return "replicas_differ", {"ranks_off": [r for r in range(world) if errs[r] > 10 * min(errs)]}
         total = np.sum(tps, axis=0)
         if not _close(tps[0], refs[0]):
             if _close(total, refs[0]):
                 return "partial_sum", {"sum_over_ranks_error": float(np.abs(total - refs[0]).max())}
             if _per_feature(total - refs[0]):  # a replicated bias added on every rank rides along
                 return "partial_sum", {"plus": "(world - 1) x a per-feature vector (a bias added on each rank)"}
-        if any(not np.array_equal(t, tps[0]) for t in tps[1:]):
-            sig, details = classify_local({0: ev[0]}, world)
-            return ("replicas_differ", details) if sig == "mismatch" else (sig, details)
+        sig, details = classify_local({0: ev[0]}, world)
+        return ("replicas_differ", details) if sig == "mismatch" else (sig, details)
     if world > 1 and not replicated and all(_close(tps[r], refs[0]) for r in range(world)) \
             and not _close(refs[1], refs[0]):
         return "rank0_shard", {}
@@ -116,19 +138,17 @@ def classify_local(ev: dict[int, dict], world: int) -> tuple[str, dict]:
     tp, ref = e["tp"], e["ref"]
     if not np.isfinite(tp).all():
         return "nan_inf", {}
-    denom = float((ref * ref).sum())
-    if denom > 0:
-        c = float((tp * ref).sum()) / denom
-        if _close(tp, c * ref):
-            for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
-                if world > 1 and abs(c - target) <= 1e-2 * target:
-                    return name, {"factor": c}
-            if abs(c - 1.0) > 1e-2:
-                return "scaled", {"factor": c}
+    c = _scale_factor(tp, ref)
+    if c is not None:
+        for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
+            if world > 1 and abs(c - target) <= 1e-2 * target:
+                return name, {"factor": c}
+        if abs(c - 1.0) > 1e-2:
+            return "scaled", {"factor": c}
     d = tp - ref
     if _per_feature(d):
         return "offset", {"offset_norm": float(np.linalg.norm(d.reshape(-1, d.shape[-1])[0]))}
-    if tp.shape == ref.shape and _close(np.sort(tp.ravel()), np.sort(ref.ravel())):
+    if tp.shape == ref.shape and not _close(tp, ref) and _close(np.sort(tp.ravel()), np.sort(ref.ravel())):
         return "permuted", {}
     return "mismatch", {"relative_error": float(np.abs(d).max()) / max(_scale(ref), 1e-30)}
 

@@ -1,5 +1,8 @@
-"""Declarative fault entries. Each names a bug class in one sentence, where it is injected and what
-the checker must say about it; `inject` turns a correct Case into the faulty one."""
+"""Declarative fault entries: real TP bug classes, each injected into our own blocks on purpose.
+
+An entry names the bug class in one sentence, where it is injected, and what the checker must say:
+the stage of the first divergent tensor and the signature computed from its numbers (see
+check/diagnose.py). `inject(case, spec) -> case` turns a correct Case into the faulty one."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,45 +13,88 @@ from tpcheck.check.case import Case, CaseSpec
 from tpcheck.errors import UsageError
 from tpcheck.faults import injectors as inj
 
+MLP_BLOCKS = ("mlp", "layer", "lm")
+
 
 @dataclass(frozen=True)
 class Fault:
     name: str
     bug_class: str
     where: str
-    expected_stage: str  # the stage of the first divergent check
+    expected_stage: str  # stage of the first divergent check ("hang" for a hang)
     expected_signature: str
     inject: Callable[[Case, CaseSpec], Case]
-    blocks: tuple[str, ...] = ("mlp",)
-    min_world: int = 2
+    blocks: tuple[str, ...] = MLP_BLOCKS
+    worlds: tuple[int, ...] = (2, 3, 4, 6, 8)
+    sequence_parallel: bool | None = None  # True: only under SP (the spec is switched to SP)
+
+    def applies(self, block: str, world: int) -> bool:
+        return block in self.blocks and world in self.worlds
+
+    def spec_for(self, spec: CaseSpec) -> CaseSpec:
+        if self.sequence_parallel is None:
+            return dataclasses.replace(spec, fault=self.name)
+        return dataclasses.replace(spec, fault=self.name, sequence_parallel=self.sequence_parallel)
 
 
-def _tamper(fn) -> Callable[[Case, CaseSpec], Case]:
-    """An injector that acts on the built TP module (and its group) on every rank."""
+def _entries() -> list[Fault]:
+    i = inj
+    return [
+        Fault("missing_forward_reduce",
+              "The row-parallel output is used without the all-reduce: each rank keeps its partial sum.",
+              "forward all-reduce of the down projection (site 'down')", "forward", "partial_sum",
+              i.intercept("all_reduce", "down", "forward", i.skip), sequence_parallel=False),
+        Fault("missing_backward_reduce",
+              "The column-parallel input grad is not all-reduced: forward is bit-identical, grads are partial.",
+              "backward all-reduce entering the TP region (site 'gate_up')", "backward", "partial_sum",
+              i.intercept("all_reduce", "gate_up", "backward", i.skip), sequence_parallel=False),
+        Fault("reduced_twice",
+              "The row-parallel partial sums are all-reduced twice: the output is tp times too large.",
+              "forward all-reduce of the down projection, issued twice", "forward", "scaled_by_world",
+              i.intercept("all_reduce", "down", "forward", i.twice), sequence_parallel=False),
+        Fault("bias_before_reduce",
+              "The row-parallel bias is added to each rank's partial sum before the all-reduce: counted tp times.",
+              "RowParallelLinear 'down' forward", "forward", "offset",
+              i.bias_before_reduce("down"), sequence_parallel=False),
+        Fault("collective_on_temporary",
+              "The all-reduce runs on a contiguous copy of a non-contiguous grad and its result is dropped.",
+              "backward all-reduce at 'gate_up' applied to a temporary", "backward", "partial_sum",
+              i.intercept("all_reduce", "gate_up", "backward", i.on_temporary), sequence_parallel=False),
+        Fault("naive_fused_split",
+              "A fused [gate; up] (or [q; k; v]) weight is split contiguously instead of per part.",
+              "weight loading of fused weights (Shard instead of Fused)", "weights", "permuted",
+              i.naive_fused_split),
+        Fault("wrong_shard_dim",
+              "A row-parallel weight is split along the wrong dim and viewed as the expected shard shape.",
+              "weight loading of row-parallel weights (dim 0 instead of 1)", "weights", "permuted",
+              i.load_with(lambda p: i.WrongDim(p, 0), i.is_row_parallel_weight), worlds=(2, 4, 8)),
+        Fault("every_rank_loads_shard_0",
+              "Every rank loads rank 0's shard: the rank offset is missing from the checkpoint loader.",
+              "weight loading of every sharded weight", "weights", "rank0_shard",
+              i.load_with(lambda p: i.FromRank(p, 0), i.not_replicated)),
+        Fault("sp_norm_grad_not_reduced",
+              "Under sequence parallelism the norm weight grad is not all-reduced: each rank saw a sequence shard.",
+              "optimizer-phase all-reduce of 'norm.weight' grads", "grads", "partial_sum",
+              i.intercept("all_reduce", "norm.weight", "optimizer", i.skip), sequence_parallel=True),
+        Fault("gather_wrong_dim",
+              "The sequence-parallel all-gather gathers the batch dim and views it as the sequence.",
+              "forward all-gather at 'gate_up' under sequence parallelism", "forward", "permuted",
+              i.intercept("all_gather", "gate_up", "forward", i.gather_wrong_dim), sequence_parallel=True),
+        Fault("loss_divided_by_tp",
+              "The loss is divided by the TP size as if the ranks were data-parallel replicas.",
+              "the TP loss", "loss", "scaled_by_1/world", i.divide_loss_by_world),
+        Fault("optimizer_differs_across_ranks",
+              "A replicated parameter is updated with a rank-dependent learning rate: replicas drift apart.",
+              "the TP optimizer's parameter groups", "optimizer", "replicas_differ", i.replicated_lr_by_rank),
+        Fault("collective_on_some_ranks",
+              "A collective is issued on some ranks only (a rank-dependent branch): the others wait forever.",
+              "forward all-reduce of the down projection skipped on ranks > 0", "hang", "hang",
+              i.intercept("all_reduce", "down", "forward", i.skip, ranks=lambda r, w: r > 0),
+              sequence_parallel=False),
+    ]
 
-    def inject(case: Case, spec: CaseSpec) -> Case:
-        return dataclasses.replace(case, tamper=fn)
 
-    return inject
-
-
-CATALOGUE: dict[str, Fault] = {f.name: f for f in [
-    Fault("missing_forward_reduce",
-          "The row-parallel output is used without the all-reduce: each rank keeps its partial sum.",
-          "forward all-reduce of the down projection (site 'down')",
-          "forward", "partial_sum",
-          _tamper(inj.drop_collective("all_reduce", "down", "forward"))),
-    Fault("missing_backward_reduce",
-          "The column-parallel input grad is not all-reduced: forward is bit-identical, grads are partial.",
-          "backward all-reduce entering the TP region (site 'gate_up')",
-          "backward", "partial_sum",
-          _tamper(inj.drop_collective("all_reduce", "gate_up", "backward"))),
-    Fault("collective_on_some_ranks",
-          "A collective is issued on some ranks only (a rank-dependent branch around it): ranks wait forever.",
-          "forward all-reduce of the down projection skipped on ranks > 0",
-          "forward", "hang",
-          _tamper(inj.drop_collective("all_reduce", "down", "forward", ranks=lambda r, w: r > 0))),
-]}
+CATALOGUE: dict[str, Fault] = {f.name: f for f in _entries()}
 
 
 def get_fault(name: str) -> Fault:
@@ -60,8 +106,13 @@ def get_fault(name: str) -> Fault:
 
 def apply_fault(case: Case, spec: CaseSpec) -> Case:
     fault = get_fault(spec.fault)
-    if spec.block not in fault.blocks:
-        raise UsageError(f"fault {fault.name!r} applies to block(s) {list(fault.blocks)}, not {spec.block!r}")
-    if spec.world_size < fault.min_world:
-        raise UsageError(f"fault {fault.name!r} needs world size >= {fault.min_world}, got {spec.world_size}")
+    if not fault.applies(spec.block, spec.world_size):
+        raise UsageError(f"fault {fault.name!r} applies to blocks {list(fault.blocks)} at world sizes "
+                         f"{list(fault.worlds)}, not {spec.block!r} at {spec.world_size}")
+    if fault.sequence_parallel is not None and spec.sequence_parallel != fault.sequence_parallel:
+        need = "with" if fault.sequence_parallel else "without"
+        raise UsageError(f"fault {fault.name!r} needs a case {need} sequence parallelism (--sp)")
     return fault.inject(case, spec)
+
+
+__all__ = ["CATALOGUE", "Fault", "apply_fault", "get_fault"]

@@ -1,19 +1,153 @@
-"""Small injectors the catalogue is built from. Each returns a `tamper(tp_module, group)` callable."""
+"""Small injectors the catalogue is built from. Each returns a function `(case, spec) -> case`.
+
+Sites match by suffix, so a fault written for the MLP's 'down' also hits 'layers.0.mlp.down'."""
 from __future__ import annotations
 
+import dataclasses
+import types
+
+import torch.nn.functional as F
+
+from tpcheck.check.case import Case, CaseSpec
+from tpcheck.parallel.collectives import reduce_from_tp_region
 from tpcheck.parallel.group import TPGroup
+from tpcheck.plan import Placement, Plan, Replicate, Shard
 
 
-def drop_collective(op: str, site: str, phase: str, ranks=lambda rank, world: True):
-    """The collective `op` at `site` in `phase` is not issued (on the ranks `ranks` selects): its input
-    passes through unchanged."""
+def site_matches(site: str, suffix: str) -> bool:
+    return site == suffix or site.endswith("." + suffix)
+
+
+def intercept(op: str, site: str, phase: str, action, ranks=lambda rank, world: True):
+    """Replace the collective `op` at `site` in `phase` (on the ranks `ranks` selects) by
+    `action(x, perform)`; every other collective runs as usual."""
 
     def tamper(module, group: TPGroup) -> None:
-        def intercept(op_, site_, phase_, x, perform):
-            if (op_, site_, phase_) == (op, site, phase) and ranks(group.rank, group.world_size):
-                return x
+        def hook(op_, site_, phase_, x, perform):
+            if op_ == op and phase_ == phase and site_matches(site_, site) and ranks(group.rank, group.world_size):
+                return action(x, perform)
             return perform(x)
 
-        group.interceptor = intercept
+        group.interceptor = hook
 
-    return tamper
+    return lambda case, spec: dataclasses.replace(case, tamper=tamper)
+
+
+def skip(x, perform):
+    """The collective is not issued: its input passes through."""
+    return x
+
+
+def twice(x, perform):
+    return perform(perform(x))
+
+
+def on_temporary(x, perform):
+    """Reduce a non-contiguous copy and drop the result: the input passes through, the ledger shows
+    the collective (Megatron's old bug with non-contiguous tensors)."""
+    perform(x.transpose(0, 1).contiguous())
+    return x
+
+
+def gather_wrong_dim(x, perform):
+    """All-gather the batch dim of [s/tp, b, h] then view it as the sequence: right shape, wrong rows."""
+    out = perform(x.transpose(0, 1).contiguous())  # [tp*b, s/tp, h]
+    return out.reshape(x.shape[0] * out.shape[0] // x.shape[1], x.shape[1], x.shape[2])
+
+
+def bias_before_reduce(site: str):
+    """Row-parallel layers at `site` add their bias to the partial sums: counted tp times."""
+
+    def forward(self, x_local):
+        partial = F.linear(x_local, self.weight, self.bias)
+        return reduce_from_tp_region(partial, self.group, self.site)
+
+    def tamper(module, group):
+        for name, m in module.named_modules():
+            if site_matches(name, site) and getattr(m, "bias", None) is not None:
+                m.forward = types.MethodType(forward, m)
+
+    return lambda case, spec: dataclasses.replace(case, tamper=tamper)
+
+
+def divide_loss_by_world(case: Case, spec: CaseSpec) -> Case:
+    def tp_loss(out, target, group):
+        return case.compute_tp_loss(out, target, group) / group.world_size
+
+    return dataclasses.replace(case, tp_loss=tp_loss)
+
+
+def replicated_lr_by_rank(case: Case, spec: CaseSpec) -> Case:
+    """Replicated parameters get a rank-dependent learning rate (a per-rank schedule bug)."""
+    replicated = {case.plan.tp_name(n) for n, p in case.plan.params.items() if p.replicated}
+
+    def make(tp, group, default):
+        opt = default([p for n, p in tp.named_parameters() if n not in replicated])
+        rest = [p for n, p in tp.named_parameters() if n in replicated]
+        opt.add_param_group({"params": rest, "lr": case.lr * (1.0 + 0.5 * group.rank)})
+        return opt
+
+    return dataclasses.replace(case, tp_optimizer=make)
+
+
+# ------------------------------------------------------------------ wrong loading (load_plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class FromRank(Placement):
+    """Every rank loads what rank `source` should hold."""
+
+    inner: Placement
+    source: int = 0
+
+    def shard(self, dense, rank, world):
+        return self.inner.shard(dense, self.source, world)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongDim(Placement):
+    """Split along dim `used`, then viewed as the shape the right placement gives."""
+
+    right: Placement
+    used: int = 0
+
+    def shard(self, dense, rank, world):
+        shape = self.right.shard(dense, rank, world).shape
+        return Shard(self.used).shard(dense, rank, world).reshape(shape)
+
+
+def load_with(rewrite, needs=lambda name, p: True):
+    """The TP side loads its weights with rewrite(placement) for the (name, placement) `needs` selects."""
+
+    def inject(case: Case, spec: CaseSpec) -> Case:
+        params = {n: rewrite(p) if needs(n, p) else p for n, p in case.plan.params.items()}
+        return dataclasses.replace(case, load_plan=Plan(params=params, tp_names=case.plan.tp_names))
+
+    return inject
+
+
+def naive_fused_split(case: Case, spec: CaseSpec) -> Case:
+    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part."""
+    from tpcheck.models.cases import builtin_case
+    from tpcheck.plan import Fused
+
+    if not any(isinstance(p, Fused) for p in case.plan.params.values()):
+        layout = dataclasses.replace(spec, overrides=spec.overrides + (("gate_up_layout", "concat"),), fault=None)
+        case = builtin_case(layout)
+    return load_with(lambda p: Shard(p.dim), lambda n, p: isinstance(p, Fused))(case, spec)
+
+
+def is_row_parallel_weight(name: str, p: Placement) -> bool:
+    """2-D weights sharded on their input dim: the MLP's down and attention's output projection."""
+    parts = name.split(".")
+    return type(p) is Shard and p.dim == 1 and parts[-1] == "weight" and len(parts) > 1 and parts[-2] in (
+        "down", "o", "o_proj", "out_proj")
+
+
+def not_replicated(name: str, p: Placement) -> bool:
+    return not isinstance(p, Replicate)
+
+
+__all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
+           "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
+           "WrongDim", "is_row_parallel_weight", "not_replicated"]
