@@ -1,10 +1,45 @@
-"""Turn a CaseSpec into a Case on a rank: a built-in block or a user's case file, plus a fault."""
+"""Turn a CaseSpec into a Case on a rank: a built-in block, a user's case file, or a registered Case.
+
+`block` forms:
+  "mlp"                      a built-in block (models/cases.py)
+  "file:PATH[:NAME]"         a user's case file (docs/case-files.md): a module-level `Case` object or
+                             a function `case`/`case_*` taking the CaseSpec and returning a Case
+  "registered:ID"            a Case registered in this process with `register()` before the ranks
+                             were forked (the pytest plugin uses it for Cases defined in test modules)
+
+User code runs inside wrappers (`guard_user_case`): an exception in a user callable becomes a
+UsageError naming the callable and the user's file and line ("in your build_tp (case.py:42):
+ValueError: ..."), not a traceback from our internals. A rank whose setup fails tells the other
+ranks through the rendezvous store, so they stop before their first collective instead of waiting
+for the collective timeout.
+"""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
 from tpcheck.check.case import Case, CaseSpec
+from tpcheck.errors import UsageError
+
+FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
+# Case fields a CaseSpec may override for a user case (set by the CLI/plugin only for values given).
+OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches")
+USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "loss", "tp_loss", "tamper")
+
+_REGISTERED: dict[str, Case] = {}
+_MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)
 
 
 def build_case(spec: CaseSpec) -> Case:
+    if spec.block.startswith((FILE_PREFIX, REGISTERED_PREFIX)):
+        return apply_overrides(user_case(spec), spec)
     from tpcheck.models.cases import builtin_case
 
     case = builtin_case(spec)
@@ -13,3 +48,231 @@ def build_case(spec: CaseSpec) -> Case:
 
         case = apply_fault(case, spec)
     return case
+
+
+# ------------------------------------------------------------------------------ registered cases
+
+
+def register(case: Case) -> str:
+    """Keep `case` in this process under a stable id; returns the block name "registered:ID".
+    Register before the ranks fork (they inherit the registry); a Case cannot be pickled."""
+    if not isinstance(case, Case):
+        raise UsageError(f"tpcheck can register a tpcheck.Case, not {type(case).__name__}")
+    key = f"{case.name}-{id(case):x}"
+    _REGISTERED[key] = case
+    return REGISTERED_PREFIX + key
+
+
+# ------------------------------------------------------------------------------ case files
+
+
+def parse_target(target: str) -> tuple[str, str | None]:
+    """"path/to/case.py[:NAME]" -> (absolute path, NAME or None)."""
+    path, name = target, None
+    if ":" in target and not target.endswith(".py"):
+        path, name = target.rsplit(":", 1)
+    if not path.endswith(".py"):
+        raise UsageError(f"{target!r} is not a case file: give path/to/case.py or path/to/case.py:NAME")
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise UsageError(f"case file {path} does not exist")
+    return path, name or None
+
+
+def load_module(path: str):
+    """Import the case file by path under a unique module name (cached: forked ranks inherit it)."""
+    if path in _MODULES:
+        return _MODULES[path]
+    mod_name = "tpcheck_case_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[mod_name]
+        raise UsageError(f"syntax error in your case file ({_short(e.filename or path)}:{e.lineno}): {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported at its line
+        del sys.modules[mod_name]
+        raise UsageError(f"importing your case file failed ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
+    _MODULES[path] = module
+    return module
+
+
+def available(module) -> dict[str, object]:
+    """Module-level Case objects and case functions (`case`, `case_*`) defined in the file."""
+    found = {}
+    for attr, value in vars(module).items():
+        if isinstance(value, Case):
+            found[attr] = value
+        elif (inspect.isfunction(value) and value.__module__ == module.__name__
+              and (attr == "case" or attr.startswith("case_"))):
+            found[attr] = value
+    return found
+
+
+def pick(module, path: str, name: str | None):
+    found = available(module)
+    if not found:
+        raise UsageError(f"case file {_short(path)} defines no tpcheck.Case and no `def case(spec)` function; "
+                         "see docs/case-files.md")
+    if name is None:
+        if len(found) > 1:
+            raise UsageError(f"case file {_short(path)} defines several cases {sorted(found)}; pick one with "
+                             f"{_short(path)}:NAME")
+        return next(iter(found.items()))
+    for key in (name, f"case_{name}"):
+        if key in found:
+            return key, found[key]
+    raise UsageError(f"case file {_short(path)} has no case {name!r}; available: {sorted(found)}")
+
+
+def user_case(spec: CaseSpec) -> Case:
+    """The user's Case for `spec` (not yet overridden by the spec's fields), with guarded callables."""
+    if spec.block.startswith(REGISTERED_PREFIX):
+        key = spec.block[len(REGISTERED_PREFIX):]
+        if key not in _REGISTERED:
+            raise UsageError(f"no registered case {key!r} in this process: register() it before the ranks start")
+        case = _REGISTERED[key]
+        return guard_user_case(case, _defined_in(case.build_tp))
+    path, name = parse_target(spec.block[len(FILE_PREFIX):])
+    attr, obj = pick(load_module(path), path, name)
+    if not isinstance(obj, Case):
+        try:
+            obj = obj(spec)
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"in your {attr} ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
+        if not isinstance(obj, Case):
+            raise UsageError(f"your {attr}(spec) in {_short(path)} returned {type(obj).__name__}, not a tpcheck.Case")
+    return guard_user_case(obj, path)
+
+
+def apply_overrides(case: Case, spec: CaseSpec) -> Case:
+    """The spec's overrides (values the user gave on the CLI / to verify) replace the Case's own."""
+    fields = dict(spec.overrides)
+    unknown = sorted(set(fields) - set(OVERRIDABLE))
+    if unknown:
+        raise UsageError(f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}")
+    return dataclasses.replace(case, name=spec.name, **fields)
+
+
+def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpec:
+    """A CaseSpec for a case file or a registered Case, resolved in this process: loads the file (so
+    mistakes in it are reported once, here, before any rank starts) and fills the spec's dtype/steps/...
+    from the Case, except those the caller gave (`given`, None meaning not given), which override it."""
+    given = {k: v for k, v in given.items() if v is not None}
+    unknown = sorted(set(given) - set(OVERRIDABLE))
+    if unknown:
+        raise UsageError(f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}")
+    block = target if target.startswith(REGISTERED_PREFIX) else FILE_PREFIX + target
+    probe = CaseSpec(block=block, world_size=world_size, overrides=tuple(sorted(given.items())), **given)
+    own = user_case(probe)
+    case = apply_overrides(own, probe)
+    display = label or f"{own.name}/tp{world_size}/{case.dtype}"
+    return dataclasses.replace(probe, label=display, **{k: getattr(case, k) for k in OVERRIDABLE})
+
+
+# ------------------------------------------------------------------------------ guarding user code
+
+
+def user_frame(exc: BaseException, path: str | None) -> str:
+    """"file.py:LINE" of the deepest traceback frame in the user's file (else outside tpcheck and torch)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if path and os.path.abspath(f.filename) == path]
+    if not mine:
+        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        mine = [f for f in frames if not os.path.abspath(f.filename).startswith(pkg)
+                and "site-packages" not in f.filename and "/lib/python" not in f.filename]
+    if not mine:
+        return _short(path) if path else "?"
+    return f"{_short(mine[-1].filename)}:{mine[-1].lineno}"
+
+
+def guard_user_case(case: Case, path: str | None) -> Case:
+    """Wrap the Case's callables so a user exception names the callable, file and line; make every rank
+    meet (through the store) after the TP module is built, so a rank that failed stops the others."""
+    wrapped = {f: _guard(getattr(case, f), f, path) for f in USER_CALLABLES if getattr(case, f) is not None}
+    wrapped["tamper"] = _setup_barrier(wrapped.get("tamper"))
+    return dataclasses.replace(case, **wrapped)
+
+
+def _guard(fn: Callable, what: str, path: str | None) -> Callable:
+    if getattr(fn, "_tpcheck_guarded", False):
+        return fn
+
+    def guarded(*args):
+        try:
+            return fn(*args)
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
+            group = next((a for a in args if hasattr(a, "store") and hasattr(a, "rank")), None)
+            where = user_frame(e, path or _defined_in(fn))
+            msg = f"in your {what} ({where}): {type(e).__name__}: {e}"
+            if group is not None:
+                _post(group, "failed", msg)
+            raise UsageError(msg) from None
+
+    guarded._tpcheck_guarded = True
+    return guarded
+
+
+def _setup_barrier(user_tamper: Callable | None) -> Callable:
+    """Runs on every rank after the TP module is built and loaded: wait (store, not a collective) until
+    every rank got here or one reported a failure in its setup."""
+
+    def tamper(module, group):
+        if user_tamper is not None:
+            user_tamper(module, group)
+        _post(group, "ready", "")
+        _wait_all(group)
+
+    tamper._tpcheck_guarded = True
+    return tamper
+
+
+def _key(group) -> str:
+    return f"tpcheck/setup{getattr(group, 'setup_round', 0)}"
+
+
+def _post(group, status: str, msg: str) -> None:
+    if group.world_size > 1 and group.store is not None:
+        group.store.set(f"{_key(group)}/{group.rank}", f"{status}\n{msg}")
+
+
+def _wait_all(group) -> None:
+    if group.world_size == 1 or group.store is None:
+        return
+    key, store = _key(group), group.store
+    group.setup_round = getattr(group, "setup_round", 0) + 1
+    keys = [f"{key}/{r}" for r in range(group.world_size)]
+    deadline = time.monotonic() + group.timeout_s
+    while True:
+        have = [k for k in keys if store.check([k])]
+        for k in have:
+            status, _, msg = store.get(k).decode().partition("\n")
+            if status == "failed":
+                raise UsageError(f"rank {k.rsplit('/', 1)[1]} failed, so this rank stopped before its first "
+                                 f"collective: {msg}")
+        if len(have) == len(keys):
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if k not in have]
+            raise UsageError(f"rank(s) {missing} did not finish building the TP module within {group.timeout_s:g} s")
+        time.sleep(0.002)
+
+
+def _defined_in(fn) -> str | None:
+    try:
+        return os.path.abspath(inspect.getsourcefile(inspect.unwrap(fn)))
+    except (TypeError, OSError):
+        return None
+
+
+def _short(path: str | None) -> str:
+    if not path:
+        return "?"
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path

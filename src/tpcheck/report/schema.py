@@ -56,3 +56,11 @@ def write_atomic(path: str, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def load_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of what build_report returns; shipped as report/schema.json."""
+    import json
+    from importlib.resources import files
+
+    return json.loads(files("tpcheck.report").joinpath("schema.json").read_text())

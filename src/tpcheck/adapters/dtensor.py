@@ -1,0 +1,212 @@
+"""Check a `torch.distributed.tensor.parallel.parallelize_module` plan against the dense module.
+
+    case = dtensor_case(name="llama", build_dense=MyModel, tp_plan={"layers.*.attention.wq":
+                        ColwiseParallel(), ...}, make_batch=make_batch)
+
+The TP side is `parallelize_module(copy_of_dense, DeviceMesh("cpu", ranks), tp_plan)` on the ranks'
+existing gloo group. Its parameters are DTensors, so the engine sees it through `LocalShards`: a
+module whose parameters are plain tensors, each the local shard of one DTensor parameter, named as the
+dense parameter. Every forward rebuilds the DTensors from them (`DTensor.from_local`, no copy, no
+communication) and calls the parallelized module with them (`torch.func.functional_call`); gradients
+flow back to the local shards through `from_local`'s backward, which redistributes a grad to the
+parameter's own placement (a replicated norm weight's partial grad under sequence parallelism is
+all-reduced there). AdamW and SGD are elementwise, so stepping the local shards is exactly what a
+DTensor optimizer computes.
+
+The tpcheck plan is derived from the DTensor placements: `Shard(d)` -> `Shard(d)`, `Replicate` ->
+`Replicate`. It is derived once without a process group, from torch's documented style rules
+(Colwise: Linear weight/bias Shard(0), Embedding weight Shard(1); Rowwise: Linear weight Shard(1),
+bias Replicate, Embedding weight Shard(0); everything else replicated), and on every rank the real
+DTensor placements are checked against it (a custom ParallelStyle that places differently is an error
+naming the parameter; pass `placements=` for it).
+
+Collectives: DTensor's collectives do not pass through a TPGroup, so `torch.distributed.tensor.debug.
+CommDebugMode` counts them, per phase, into the case's ledger (site "dtensor"): forward = during the
+module's forward; backward = from the output's gradient to the end of the backward pass. The checker
+compares the ledgers of all ranks like any other, and reports them.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tpcheck.check.case import Case
+from tpcheck.errors import UsageError
+from tpcheck.parallel.group import LedgerEntry, TPGroup
+from tpcheck.plan import Placement, Plan, Replicate, Shard
+
+_MESHES: dict[int, object] = {}
+
+
+def device_mesh(group: TPGroup):
+    """A 1-D CPU mesh over the rank's existing default (gloo) group; one per world size per process."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group.world_size not in _MESHES:
+        _MESHES[group.world_size] = DeviceMesh("cpu", list(range(group.world_size)))
+    return _MESHES[group.world_size]
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def _style_placements(style, module: nn.Module) -> dict[str, Placement]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    local = {n: Replicate() for n, _ in module.named_parameters(recurse=False)}
+    if isinstance(style, ColwiseParallel):
+        dim = 1 if isinstance(module, nn.Embedding) else 0
+        local.update({n: Shard(dim) for n in local})
+    elif isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            local["weight"] = Shard(0)
+        elif "weight" in local:
+            local["weight"] = Shard(1)
+    return local
+
+
+def _matches(pattern: str, name: str) -> bool:
+    a, b = pattern.split("."), name.split(".")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(a, b))
+
+
+def derive_plan(dense: nn.Module, tp_plan: dict, placements: dict[str, Placement] | None = None) -> Plan:
+    """{dense parameter: tpcheck placement} for `parallelize_module(dense, mesh, tp_plan)`."""
+    params: dict[str, Placement] = {n: Replicate() for n, _ in dense.named_parameters()}
+    for pattern, style in tp_plan.items():
+        hits = [(n, m) for n, m in dense.named_modules() if _matches(pattern, n)]
+        if not hits:
+            raise UsageError(f"the DTensor plan's key {pattern!r} matches no submodule of the dense model; "
+                             f"modules are {[n for n, _ in dense.named_modules() if n][:12]}...")
+        for name, module in hits:
+            for pname, placement in _style_placements(style, module).items():
+                params[f"{name}.{pname}" if name else pname] = placement
+    params.update(placements or {})
+    return Plan(params=params)
+
+
+def from_dtensor_placements(placements, ndim: int, name: str) -> Placement:
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    (p,) = placements  # a 1-D mesh
+    if isinstance(p, DShard):
+        return Shard(p.dim % ndim)
+    if isinstance(p, DReplicate):
+        return Replicate()
+    raise UsageError(f"parameter {name!r} is placed {p} by the DTensor plan; tpcheck compares Shard and Replicate "
+                     "parameters only")
+
+
+# ------------------------------------------------------------------------------ the TP side
+
+
+class LocalShards(nn.Module):
+    """The engine's view of a parallelized module: plain local parameters under the dense names.
+
+    The parallelized module is held outside the module tree (its DTensor parameters stay hidden);
+    `forward` feeds it DTensors made from the local shards."""
+
+    def __init__(self, parallel: nn.Module, mesh, group: TPGroup, plan: Plan) -> None:
+        super().__init__()
+        object.__setattr__(self, "parallel", parallel)
+        self.mesh, self.group = mesh, group
+        self.specs: dict[str, tuple] = {}  # name -> (placements, global shape, global stride)
+        self.shards = nn.ParameterDict()
+        for name, p in parallel.named_parameters():
+            if hasattr(p, "to_local"):
+                seen = from_dtensor_placements(p.placements, p.dim(), name)
+                if str(seen) != str(plan.params[name]):
+                    raise UsageError(f"parameter {name!r}: the DTensor plan placed it {seen}, the derived plan says "
+                                     f"{plan.params[name]}; pass placements={{{name!r}: {seen!r}}} to dtensor_case")
+                self.specs[name] = (p.placements, p.shape, p.stride())
+                local = p.to_local()
+            else:
+                local = p
+            self.shards[name.replace(".", "__")] = nn.Parameter(local.detach().clone())
+        self.comm = None  # an open CommDebugMode between a forward and the end of its backward
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for key, p in self.shards.items():
+            yield prefix + key.replace("__", "."), p
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name, p in self.named_parameters():
+            if name in self.specs:
+                placements, shape, stride = self.specs[name]
+                p = DTensor.from_local(p, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+            out[name] = p
+        return out
+
+    def forward(self, **inputs):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self._close()
+        self.comm = CommDebugMode()
+        self.comm.__enter__()
+        out = torch.func.functional_call(self.parallel, self._params(), args=(), kwargs=inputs)
+        if hasattr(out, "to_local"):
+            out = out.to_local()
+        self._record("forward", Counter())
+        if out.requires_grad:
+            out.register_hook(self._on_backward_start)
+        return out
+
+    def _on_backward_start(self, grad):
+        start = _counts(self.comm)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._record("backward", start))
+        return grad
+
+    def _record(self, phase: str, since: Counter) -> None:
+        if self.comm is None or self.group.ledger is None:
+            return
+        now = _counts(self.comm)
+        for op, n in sorted((now - since).items()):
+            self.group.ledger.extend(LedgerEntry(self.group.rank, phase, op, "dtensor", 0) for _ in range(n))
+
+    def _close(self) -> None:
+        if self.comm is not None:
+            self.comm.__exit__(None, None, None)
+            self.comm = None
+
+    def finalize_grads(self) -> None:
+        """Called by the engine after the backward passes of a step: stop counting collectives."""
+        self._close()
+
+
+def _counts(comm) -> Counter:
+    counts = Counter()
+    for op, n in comm.get_comm_counts().items():
+        name = str(getattr(op, "__name__", op)).split(".")[-1]
+        for short in ("all_reduce", "allreduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+            if short in name:
+                name = short.replace("allreduce", "all_reduce")
+                break
+        counts[name] += n
+    return counts
+
+
+# ------------------------------------------------------------------------------ the Case
+
+
+def dtensor_case(*, name: str, build_dense: Callable[[torch.dtype], nn.Module], tp_plan: dict,
+                 make_batch: Callable, placements: dict[str, Placement] | None = None, **fields) -> Case:
+    """A Case whose TP side is `parallelize_module(build_dense(dtype), mesh, tp_plan)`. `fields` are
+    any other Case fields (init, loss, tp_loss, input_placements, output_placement, steps, ...)."""
+    plan = derive_plan(build_dense(torch.float32), tp_plan, placements)
+
+    def build_tp(group: TPGroup, dtype: torch.dtype) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = device_mesh(group)
+        parallel = parallelize_module(build_dense(dtype), mesh, dict(tp_plan))
+        return LocalShards(parallel, mesh, group, plan)
+
+    return Case(name=name, build_dense=build_dense, build_tp=build_tp, plan=plan, make_batch=make_batch, **fields)

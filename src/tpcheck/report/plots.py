@@ -1,0 +1,149 @@
+"""Figures for the HTML report, as inline PNG data URIs.
+
+Everything is drawn in units of each check's own bound: log10(error / bound), so 0 is the bound,
+negative is inside it and positive is a failure, whatever the tensor's scale or dtype. Exact checks
+have bound 0; they are divided by a tiny epsilon instead, so an exact check that matched (error 0)
+sits at the floor and one that missed by any amount sits at the ceiling.
+
+matplotlib is imported here only (html.py imports this module lazily), through its object API: a
+`Figure` drawn by the Agg canvas, no pyplot, so the process-wide backend is never switched.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import math
+
+import numpy as np
+from matplotlib.colors import ListedColormap, Normalize
+from matplotlib.figure import Figure
+from matplotlib import colormaps
+
+# Where a tensor sits in the flow of a step; a stage not listed (replicas, or one added later) sorts first.
+STAGE_ORDER = {"weights": 0, "forward": 1, "loss": 2, "backward": 3, "grads": 4, "optimizer": 5}
+EXACT_EPS = 1e-300  # stands in for a bound of 0 (exact checks): any nonzero error is off the scale
+CAP = 6.0  # colour range [-CAP, +CAP] decades around the bound
+MAX_ANNOTATED_CELLS = 400  # beyond this the numbers in the cells are unreadable; colours only
+PAGE_WIDTH_IN = 12.0  # the HTML page's content width at 96 dpi
+PNG_META = {"Software": None}  # no matplotlib version in the bytes: same report, same image
+
+
+def log_ratio(error: float, bound: float) -> float:
+    """log10(error / bound) clipped to [-CAP, CAP]; NaN errors (non-finite TP tensors) count as CAP."""
+    if math.isnan(error) or math.isinf(error):
+        return CAP
+    if error <= 0:
+        return -CAP
+    return max(-CAP, min(CAP, math.log10(error / max(bound, EXACT_EPS))))
+
+
+def tensor_columns(cases: list[dict]) -> list[str]:
+    """Checked tensor names in the order data flows: output, loss, input grads, param grads, params.
+    A name is placed by its latest stage (param:w is loaded at 'weights' and updated at 'optimizer')."""
+    place: dict[str, tuple[int, int]] = {}  # name -> (latest stage, first seq at that stage)
+    for case in cases:
+        for c in case.get("checks", []):
+            here = (STAGE_ORDER.get(c["stage"], -1), c["seq"])
+            now = place.get(c["name"], (-2, 0))
+            if here[0] > now[0] or (here[0] == now[0] and here[1] < now[1]):
+                place[c["name"]] = here
+    return sorted(place, key=place.__getitem__)
+
+
+def heatmap_matrix(cases: list[dict]) -> tuple[list[str], list[str], np.ndarray]:
+    """Rows: cases, columns: tensors; cell: max over ranks, steps and stages of log_ratio (NaN when the
+    case never checked that tensor, e.g. a hang)."""
+    cols = tensor_columns(cases)
+    index = {n: j for j, n in enumerate(cols)}
+    m = np.full((len(cases), len(cols)), np.nan)
+    for i, case in enumerate(cases):
+        for c in case.get("checks", []):
+            j = index[c["name"]]
+            v = log_ratio(c["error"], c["bound"])
+            m[i, j] = v if np.isnan(m[i, j]) else max(m[i, j], v)
+    return [c["name"] for c in cases], cols, m
+
+
+def bound_cmap() -> ListedColormap:
+    """Greens below the bound (darker = further inside), reds above; a visible step at the bound;
+    grey where a tensor was not checked."""
+    below = colormaps["Greens_r"](np.linspace(0.05, 0.8, 128))
+    above = colormaps["Reds"](np.linspace(0.3, 1.0, 128))
+    return ListedColormap(np.vstack([below, above]), name="tpcheck_bound").with_extremes(bad="#d0d0d0")
+
+
+def heatmap_png(cases: list[dict]) -> str:
+    """The case x tensor heatmap as a data URI."""
+    rows, cols, m = heatmap_matrix(cases)
+    labels = 0.075 * max(map(len, rows))  # inches of row labels at fontsize 9
+    cell = min(0.75, max(0.4, (PAGE_WIDTH_IN - labels - 1.3) / len(cols)))  # fit the page when possible
+    width = labels + 1.3 + cell * len(cols)
+    height = min(40.0, 1.0 + 0.065 * max(map(len, cols)) + 0.42 * len(rows))
+    fig = Figure(figsize=(width, height), dpi=96, layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(np.ma.masked_invalid(m), cmap=bound_cmap(), norm=Normalize(-CAP, CAP), aspect="auto",
+                      interpolation="nearest")
+    ax.set_xticks(range(len(cols)), cols, rotation=40, ha="right", fontsize=9)
+    ax.set_yticks(range(len(rows)), rows, fontsize=9)
+    ax.set_xticks(np.arange(-0.5, len(cols)), minor=True)
+    ax.set_yticks(np.arange(-0.5, len(rows)), minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.5)
+    ax.tick_params(which="minor", length=0)
+    if m.size <= MAX_ANNOTATED_CELLS:
+        _annotate(ax, m)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.01)
+    bar.set_label("log10(error / bound)   0 = the bound", fontsize=9)
+    return _data_uri(fig)
+
+
+def _annotate(ax, m: np.ndarray) -> None:
+    for (i, j), v in np.ndenumerate(m):
+        if np.isnan(v):
+            text = "–"
+        elif v >= CAP:
+            text = f"≥{CAP:g}"
+        elif v <= -CAP:
+            text = f"≤−{CAP:g}"
+        else:
+            text = f"{v:+.1f}".replace("-", "−")
+        dark = not np.isnan(v) and abs(v) > 0.55 * CAP
+        ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black",
+                fontweight="bold" if not np.isnan(v) and v > 0 else "normal")
+
+
+def step_curves(case: dict) -> dict[str, dict[int, float]]:
+    """Per tensor, per step (>= 1): max over ranks and stages of error / bound (0 for exact matches)."""
+    curves: dict[str, dict[int, float]] = {}
+    for c in case.get("checks", []):
+        if c["step"] < 1:
+            continue
+        ratio = 10.0 ** log_ratio(c["error"], c["bound"])
+        per_step = curves.setdefault(c["name"], {})
+        per_step[c["step"]] = max(per_step.get(c["step"], 0.0), ratio)
+    return {n: curves[n] for n in tensor_columns([case]) if n in curves}
+
+
+def curves_png(case: dict) -> str:
+    """error / bound against step, one line per tensor, log scale, the bound drawn at 1."""
+    curves = step_curves(case)
+    fig = Figure(figsize=(8.5, 3.6), dpi=96, layout="constrained")
+    ax = fig.add_subplot()
+    styles = ["-", "--", ":", "-."]
+    for k, (name, per_step) in enumerate(curves.items()):
+        steps = sorted(per_step)
+        ax.plot(steps, [per_step[s] for s in steps], styles[(k // 10) % 4], marker="o", markersize=3,
+                linewidth=1.2, label=name)
+    ax.axhline(1.0, color="black", linewidth=1, label="bound")
+    ax.set_yscale("log")
+    ax.set_ylim(10 ** -CAP / 2, 10 ** CAP * 2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("error / bound (max over ranks)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncols=1 + len(curves) // 16)
+    return _data_uri(fig)
+
+
+def _data_uri(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata=PNG_META)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")

@@ -1,0 +1,77 @@
+"""Mistakes in a user's case file: exit 2, a message naming the user's file and line, no traceback
+from tpcheck's internals, no hang. All the rank-side ones run in one launch."""
+import time
+
+from tpcheck.cli import main
+
+HEAD = '''
+import dataclasses, sys
+sys.path.insert(0, {examples!r})
+import own_module
+from own_module import TPBlock, PLAN
+from tpcheck import Plan, Shard
+'''
+CASES = {
+    "missing_param": "case = dataclasses.replace(own_module.correct, plan=Plan(params={k: v for k, v in "
+                     "PLAN.params.items() if k != 'fc2.bias'}))",
+    "wrong_shard": "case = dataclasses.replace(own_module.correct, plan=Plan(params={**PLAN.params, "
+                   "'fc1.weight': Shard(1)}))",
+    "one_rank_raises": '''
+def build_tp(group, dtype):
+    if group.rank == 1:
+        raise ValueError("rank one is unhappy")
+    return TPBlock(group, dtype)
+case = dataclasses.replace(own_module.correct, build_tp=build_tp)''',
+}
+
+
+def _write(tmp_path, name, body):
+    from conftest import REPO
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEAD.format(examples=str(REPO / "examples")) + body + "\n")
+    return path
+
+
+def test_import_time_errors_name_file_and_line(tmp_path, capsys):
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("import torch\ndef case(spec:\n    pass\n")
+    boom = tmp_path / "boom.py"
+    boom.write_text("import torch\n\nraise RuntimeError('no config here')\n")
+    assert main(["verify", str(syntax)]) == 2
+    assert "syntax.py:2" in capsys.readouterr().err
+    assert main(["verify", str(boom)]) == 2
+    err = capsys.readouterr().err
+    assert "boom.py:3" in err and "RuntimeError: no config here" in err and "Traceback" not in err
+    assert main(["verify", f"{boom}:nope"]) == 2  # import first; listing names needs an importable file
+    several = _write(tmp_path, "several", "a = own_module.correct\nb = own_module.buggy")
+    assert main(["verify", f"{several}:c"]) == 2
+    assert "available: ['a', 'b']" in capsys.readouterr().err
+
+
+def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):
+    paths = {n: _write(tmp_path, n, body) for n, body in CASES.items()}
+    t0 = time.monotonic()
+    code = main(["verify", *map(str, paths.values()), "--world-size", "2", "--timeout", "10"])
+    elapsed = time.monotonic() - t0
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert code == 2
+    assert "plan has no placement for dense parameter(s) ['fc2.bias']" in err
+    assert "'fc1.weight'" in err and "shape" in err
+    lineno = HEAD.count("\n") + 4  # the `raise` line in one_rank_raises.py
+    assert "in your build_tp (" in err and f"one_rank_raises.py:{lineno}): ValueError: rank one is unhappy" in err
+    assert "Traceback" not in err
+    assert elapsed < 10, f"a rank-only failure must not wait for the collective timeout ({elapsed:.1f} s)"
+
+
+def test_correct_file_still_passes_with_overrides(tmp_path, capsys):
+    from conftest import REPO
+
+    code = main(["verify", str(REPO / "examples" / "own_module.py:correct"), "--world-size", "2", "--steps", "1",
+                 "--dtype", "float64", "--json", str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr().err
+    import json
+
+    case = json.loads((tmp_path / "r.json").read_text())["cases"][0]
+    assert case["name"] == "own_mlp/tp2/float64" and case["spec"]["steps"] == 1
+    assert max(c["step"] for c in case["checks"]) == 1

@@ -1,0 +1,70 @@
+"""Mutation score: every catalogue fault is caught at every world size where it applies, with its
+expected stage and signature; and the correct twin of each case passes."""
+import dataclasses
+
+import pytest
+
+from tpcheck import CaseSpec, check
+from tpcheck.faults import CATALOGUE
+
+WORLDS = (2, 4)
+
+
+def _specs(world):
+    base = CaseSpec(block="mlp", preset="tiny", world_size=world)
+    specs = []
+    for fault in CATALOGUE.values():
+        if fault.expected_stage != "hang" and fault.applies("mlp", world):
+            faulty = fault.spec_for(base)
+            specs += [faulty, dataclasses.replace(faulty, fault=None)]  # the fault and its correct twin
+    return specs
+
+
+@pytest.fixture(scope="module")
+def results():
+    specs = [s for w in WORLDS for s in _specs(w)]
+    return dict(zip(specs, check(specs)))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", [n for n, f in CATALOGUE.items() if f.expected_stage != "hang"])
+def test_fault_caught_with_its_signature_and_twin_passes(results, name, world):
+    fault = CATALOGUE[name]
+    faulty = fault.spec_for(CaseSpec(block="mlp", preset="tiny", world_size=world))
+    r = results[faulty]
+    assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
+    assert r["first_divergence"]["stage"] == fault.expected_stage, r["summary"]
+    assert r["diagnosis"]["signature"] == fault.expected_signature, r["summary"]
+    twin = results[dataclasses.replace(faulty, fault=None)]
+    assert twin["verdict"] == "equivalent" and twin["as_expected"], twin["summary"]
+
+
+def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_region():
+    (r,) = check([CaseSpec(block="mlp", preset="seed", world_size=2, steps=1, optimizer="sgd",
+                           fault="missing_backward_reduce")])
+    d = r["diagnosis"]
+    # the gradient of the norm's output: the tensor right after the norm, where the copy-to-TP-region
+    # backward all-reduce should have summed the ranks' partial input grads
+    assert (d["tensor"], d["stage"], d["signature"]) == ("actgrad:norm", "backward", "partial_sum")
+    assert d["ranks"] == [0, 1]
+    # forward bit-identical: nothing in forward or loss failed
+    assert not [c for c in r["checks"] if c["stage"] in ("forward", "loss") and not c["passed"]]
+
+
+def test_ledger_names_missing_and_extra_collectives(results):
+    by_fault = {s.fault: r for s, r in results.items() if s.world_size == 2 and s.fault}
+    missing = by_fault["missing_forward_reduce"]["ledger"]["problems"]
+    assert [(p["kind"], p["op"], p["site"], p["phase"]) for p in missing] == [("missing", "all_reduce", "down", "forward")]
+    extra = by_fault["reduced_twice"]["ledger"]["problems"]
+    assert [(p["kind"], p["expected"], p["observed"]) for p in extra] == [("extra", 3, 6)]
+    # a collective on a temporary was issued: the ledger is clean while the numbers are partial sums
+    assert by_fault["collective_on_temporary"]["ledger"]["problems"] == []
+    twin = next(r for s, r in results.items() if s.world_size == 2 and not s.fault)
+    assert twin["ledger"]["problems"] == []
+
+
+def test_collective_on_some_ranks_ends_as_a_hang_in_seconds():
+    (r,) = check([CATALOGUE["collective_on_some_ranks"].spec_for(CaseSpec(block="mlp", preset="tiny",
+                                                                             world_size=2))], timeout_s=2)
+    assert r["verdict"] == "hang" and r["as_expected"]
+    assert "hang detected" in r["summary"]

@@ -1,0 +1,82 @@
+"""The HTML report in a real headless browser (Debian's chromium; CI installs it in .ci/run):
+it renders to a non-blank page, shows the verdicts, and raises no errors."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (CI installs it: "
+                                "`apt-get install -y chromium`, see .ci/run)")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_S = 90
+
+# Injected into a copy of the page (the report itself has no script): collects script errors, failed
+# resources, console.error calls and undecoded images into the DOM, where --dump-dom shows them.
+PROBE = """<script>
+(function(){var errs=[];function put(){var p=document.getElementById('probe')||document.createElement('pre');
+p.id='probe';p.textContent='errors='+errs.length+(errs.length?': '+errs.join(' | '):'');
+if(!p.parentNode)(document.body||document.documentElement).appendChild(p);}
+window.addEventListener('error',function(e){
+ errs.push('error: '+(e.message||(e.target&&e.target.outerHTML||'').slice(0,80)));},true);
+var ce=console.error;console.error=function(){
+ errs.push('console.error: '+[].join.call(arguments,' '));ce.apply(console,arguments);};
+window.addEventListener('load',function(){var n=0;for(var i=0;i<document.images.length;i++){var im=document.images[i];
+if(im.complete&&im.naturalWidth>0)n++;else errs.push('image not decoded: '+im.alt);}
+put();document.getElementById('probe').setAttribute('data-images',document.images.length+'/'+n);});})();
+</script>"""
+
+
+def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp_path / f"profile{len(list(tmp_path.glob('profile*')))}"
+    proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def with_probe(page: str, path: Path) -> str:
+    path.write_text(page.replace("</head>", PROBE + "</head>", 1))
+    return path.as_uri()
+
+
+def dump_dom(tmp_path: Path, url: str) -> subprocess.CompletedProcess:
+    return chromium(tmp_path, "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--dump-dom", url)
+
+
+def test_screenshot_is_a_rendered_page(seed_run, tmp_path):
+    from matplotlib.image import imread
+
+    shot = tmp_path / "page.png"
+    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,2000", seed_run.html_path.as_uri())
+    pixels = imread(shot)[..., :3]  # [2000, 1280, 3] floats in [0, 1]
+    assert pixels.shape[:2] == (2000, 1280)
+    assert pixels.std() > 0.05  # not a blank page
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    red = ((r > 0.45) & (g < 0.2) & (b < 0.2)).mean()  # failing heatmap cells
+    green = ((g > 0.5) & (g - r > 0.15) & (g - b > 0.15)).mean()  # cells inside the bound
+    assert red > 0.005 and green > 0.005, (red, green)
+
+
+def test_dom_has_the_verdicts_and_no_errors(seed_run, tmp_path):
+    url = with_probe(seed_run.html_path.read_text(), tmp_path / "page.html")
+    proc = dump_dom(tmp_path, url)
+    dom = proc.stdout
+    assert "3 of 3 case(s) as expected" in dom
+    for case in seed_run.report["cases"]:
+        assert case["name"] in dom and case["verdict"] in dom
+    assert '<pre id="probe" data-images="1/1">errors=0</pre>' in dom, dom[-1500:]
+    assert "Uncaught" not in proc.stderr and ":CONSOLE" not in proc.stderr
+
+
+def test_probe_catches_errors(tmp_path):
+    """The probe is not blind: a broken image and a throwing script are reported."""
+    page = ("<!DOCTYPE html><html><head><title>t</title></head><body><img alt=broken "
+            "src='data:image/png;base64,AAAA'><script>undefinedFunction()</script></body></html>")
+    proc = dump_dom(tmp_path, with_probe(page, tmp_path / "bad.html"))
+    assert 'data-images="1/0"' in proc.stdout
+    assert "image not decoded: broken" in proc.stdout and "undefinedFunction" in proc.stdout
+    assert "Uncaught ReferenceError" in proc.stderr  # and chromium's log shows it too
