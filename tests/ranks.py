@@ -7,6 +7,7 @@ import tempfile
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from tpcheck.parallel.group import TPGroup
@@ -14,6 +15,7 @@ from tpcheck.parallel.group import TPGroup
 
 def _entry(fn, rank, world, store, q, args):
     try:
+        torch.set_num_threads(1)  # libgomp is not fork-safe (see tpcheck.check.worker)
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=30))
         out = fn(TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD), *args)

@@ -116,6 +116,7 @@ class CaseSpec:
     fault: str | None = None
     seed: int = 31
     overrides: tuple[tuple[str, object], ...] = ()  # ModelConfig field overrides
+    capture: bool = True  # compare module outputs/grads to localize the first divergence
     label: str = ""
 
     @property

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-REL = 1e-3  # how close "equal up to rounding" must be for a signature, relative to the tensor scale
+# How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or 16
+# ulps of the working dtype when coarser (bf16). Set per diagnosis from the evidence's dtype.
+REL_MIN = 1e-3
+_rel = REL_MIN
 
 CAUSES = {
     "partial_sum": "partial sum: the per-rank values add up to the reference, so an all-reduce is missing "
@@ -48,10 +51,13 @@ def diagnose(first: dict, evidence: list[dict], world: int) -> dict:
         key = next((k for k in _keys(evidence) if k.endswith(f"|{first['step']}|{first['name']}")), key)
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     signature, details = ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
+    global _rel
+    _rel = max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0))
+    off = first["ranks"][0] if first["ranks"] else 0
     if len(ev) == world:
-        signature, details = classify(ev, world, evidence)
-    elif ev and signature == "mismatch":
-        signature, details = classify_local(ev, world)
+        signature, details = classify(ev, world, evidence, off)
+    elif off in ev and signature == "mismatch":
+        signature, details = classify_local(ev[off], world)
     location = first["name"].split(":", 1)[-1]
     return {"signature": signature, "cause": CAUSES[signature], "location": location, "tensor": first["name"],
             "stage": first["stage"], "step": first["step"], "ranks": first["ranks"], "evidence": details,
@@ -69,7 +75,7 @@ def _scale(a: np.ndarray) -> float:
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= REL * max(_scale(b), 1e-30)
+    return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= _rel * max(_scale(b), 1e-30)
 
 
 def _scale_factor(tp: np.ndarray, ref: np.ndarray) -> float | None:
@@ -91,15 +97,20 @@ def _scale_factor(tp: np.ndarray, ref: np.ndarray) -> float | None:
     return None
 
 
+def _close_exact(a: np.ndarray, b: np.ndarray) -> bool:
+    return float(np.abs(a - b).max(initial=0.0)) <= 1e-12 * max(_scale(b), 1e-30)
+
+
 def _per_feature(d: np.ndarray) -> bool:
     """d is one nonzero vector over the last dim, broadcast over all other dims."""
     if d.ndim < 2 or _scale(d) == 0:
         return False
     rows = d.reshape(-1, d.shape[-1])
-    return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= REL * _scale(d)
+    return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= _rel * _scale(d)
 
 
-def classify(ev: dict[int, dict], world: int, evidence: list[dict]) -> tuple[str, dict]:
+def classify(ev: dict[int, dict], world: int, evidence: list[dict], off: int = 0) -> tuple[str, dict]:
+    """Signatures that need every rank's tensor; `off` is a rank where the check failed."""
     tps = [ev[r]["tp"] for r in range(world)]
     refs = [ev[r]["ref"] for r in range(world)]
     if any(not np.isfinite(t).all() for t in tps):
@@ -107,21 +118,23 @@ def classify(ev: dict[int, dict], world: int, evidence: list[dict]) -> tuple[str
     replicated = ev[0]["placement"] == "replicate"
     identical = all(np.array_equal(t, tps[0]) for t in tps[1:])
     if replicated and world > 1 and not identical:
+        total = np.sum(tps, axis=0)
+        if not all(_close(t, refs[0]) for t in tps):
+            if _close(total, refs[0]):
+                return "partial_sum", {"sum_over_ranks_error": float(np.abs(total - refs[0]).max())}
+            bias = _bias_explaining(total - refs[0], world, evidence)
+            if bias or _per_feature(total - refs[0]):  # a replicated bias added on every rank rides along
+                return "partial_sum", {"plus": f"(world - 1) x {bias or 'a per-feature vector'} "
+                                               "(a bias added on each rank)"}
         errs = [float(np.abs(t - refs[0]).max(initial=0.0)) for t in tps]
         if min(errs) * 10 < max(errs):  # some ranks (nearly) right, others not
             return "replicas_differ", {"ranks_off": [r for r in range(world) if errs[r] > 10 * min(errs)]}
-        total = np.sum(tps, axis=0)
-        if not _close(tps[0], refs[0]):
-            if _close(total, refs[0]):
-                return "partial_sum", {"sum_over_ranks_error": float(np.abs(total - refs[0]).max())}
-            if _per_feature(total - refs[0]):  # a replicated bias added on every rank rides along
-                return "partial_sum", {"plus": "(world - 1) x a per-feature vector (a bias added on each rank)"}
-        sig, details = classify_local({0: ev[0]}, world)
+        sig, details = classify_local(ev[off], world)
         return ("replicas_differ", details) if sig == "mismatch" else (sig, details)
     if world > 1 and not replicated and all(_close(tps[r], refs[0]) for r in range(world)) \
             and not _close(refs[1], refs[0]):
         return "rank0_shard", {}
-    sig, details = classify_local(ev, world)
+    sig, details = classify_local(ev[off], world)
     if sig == "offset":
         details.update(_offset_source(ev, world, evidence))
     if sig == "mismatch":
@@ -132,9 +145,8 @@ def classify(ev: dict[int, dict], world: int, evidence: list[dict]) -> tuple[str
     return sig, details
 
 
-def classify_local(ev: dict[int, dict], world: int) -> tuple[str, dict]:
+def classify_local(e: dict, world: int) -> tuple[str, dict]:
     """Signatures visible on one rank's tensor alone (scale, offset, layout)."""
-    e = next(iter(ev.values()))
     tp, ref = e["tp"], e["ref"]
     if not np.isfinite(tp).all():
         return "nan_inf", {}
@@ -143,7 +155,7 @@ def classify_local(ev: dict[int, dict], world: int) -> tuple[str, dict]:
         for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
             if world > 1 and abs(c - target) <= 1e-2 * target:
                 return name, {"factor": c}
-        if abs(c - 1.0) > 1e-2:
+        if abs(c - 1.0) > 1e-6 and not _close_exact(tp, ref):
             return "scaled", {"factor": c}
     d = tp - ref
     if _per_feature(d):
@@ -155,10 +167,18 @@ def classify_local(ev: dict[int, dict], world: int) -> tuple[str, dict]:
 
 def _offset_source(ev: dict[int, dict], world: int, evidence: list[dict]) -> dict:
     """Name the replicated parameter p with offset == (world - 1) * p, if the loaded weights say so."""
-    d = (ev[0]["tp"] - ev[0]["ref"]).reshape(-1, ev[0]["tp"].shape[-1])[0]
+    bias = _bias_explaining(ev[0]["tp"] - ev[0]["ref"], world, evidence)
+    return {"offset_is": f"(world - 1) x {bias}"} if bias else {}
+
+
+def _bias_explaining(d: np.ndarray, world: int, evidence: list[dict]) -> str | None:
+    """The name of a 1-D parameter p (as loaded) with every row of d equal to (world - 1) * p."""
+    if world < 2 or d.ndim < 1 or _scale(d) == 0:
+        return None
+    rows = d.reshape(-1, d.shape[-1])
     for key, e in evidence[0].items():
-        stage, step, name = key.split("|", 2)
-        if stage == "weights" and e["dense"].shape == d.shape and world > 1:
-            if _close(d, (world - 1) * e["dense"]):
-                return {"offset_is": f"(world - 1) x {name.split(':', 1)[-1]}"}
-    return {}
+        stage, _, name = key.split("|", 2)
+        if stage == "weights" and e["dense"].shape == rows.shape[1:]:
+            if all(_close(row, (world - 1) * e["dense"]) for row in rows):
+                return name.split(":", 1)[-1]
+    return None

@@ -2,154 +2,196 @@
 
 Pool: for each world size, `world` processes are forked from this one (after `import torch`, so a
 rank starts in milliseconds) and join one gloo group through a FileStore in a fresh temp directory
-(no port to pick, so concurrent checks cannot collide). Cases are sent to every rank through a
-queue; each rank sends back its checks. The pool is reused for the next case of that world size.
+(no port to pick, so concurrent checks cannot collide). Each rank talks to the parent over its own
+pipe: cases go down, results and progress notes come up. Pipes, not `multiprocessing.Queue`: a
+Queue's feeder thread may still hold a lock (or unsent data) when the parent forks the next pool, or
+when a rank calls `os._exit`; `Connection.send` is synchronous, so neither can happen.
 
-Bounded: every collective has the process group's timeout; the parent waits at most
-`2 * timeout + 10` s for a case, then kills the ranks. A rank that raises sends its traceback; one
-that dies (os._exit, a signal) is noticed through its exit code. Either way the pool is torn down
-(its group may be out of step) and a fresh one serves the next case.
+Never hang: every collective has the process group's timeout, and the checker's checkpoints wait on
+the store with the same timeout, so a rank stuck in a collective reports "hang" by itself. The parent
+is the backstop: it waits on the ranks' pipes and exit sentinels, never longer than `stall_s`
+(default 2 * timeout + 10 s) without progress (a rank entering a collective or passing a checkpoint;
+a world-1 case, which has none, gets 10 * stall_s in all). After the first problem it gives the other
+ranks a short grace (timeout + 2 s after a hang, so their own diagnosis arrives; 1 s after a crash,
+since they only wait for the dead rank), then kills the stragglers. A pool that saw any problem is
+torn down (its group may be out of step) and a fresh one serves the next case.
+
+Ranks die with the parent (PR_SET_PDEATHSIG, plus a parent-pid check while idle): a killed check
+leaves no process behind.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 
 import torch.distributed as dist
 
 from tpcheck.check.case import CaseSpec
+from tpcheck.check.validate import MAX_WORLD_SIZE, check_world_size, max_world_size, validate_spec  # noqa: F401
+from tpcheck.check.worker import _worker, run_spec_on_rank
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 
 DEFAULT_TIMEOUT_S = 20.0
-MAX_WORLD_SIZE = 64
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}".lower()
-    return "timed out" in text or "timeout" in text or "deadline" in text
+# ---------------------------------------------------------------------------- the pool
 
 
-def run_spec_on_rank(spec: CaseSpec, group: TPGroup) -> dict:
-    """Build and run one case on this rank; never raises: failures come back as data."""
-    from tpcheck.check.registry import build_case
-    from tpcheck.check.runner import CollectiveMismatch, run_case_on_rank
+def _preload() -> None:
+    """Import, once in the parent, what every rank would otherwise import after the fork: the checker
+    and torch's lazily imported optimizer machinery (torch._dynamo, seconds). Forked ranks inherit it,
+    so a respawned pool serves its first case in milliseconds, not seconds."""
+    import torch
 
-    group.interceptor, group.last_collective = None, None
-    try:
-        return {"status": "ok", **run_case_on_rank(build_case(spec), group)}
-    except UsageError as e:
-        return {"status": "usage", "rank": group.rank, "message": str(e)}
-    except CollectiveMismatch as e:
-        return {"status": "hang", "rank": group.rank, "message": str(e), "last_collective": group.last_collective}
-    except Exception as e:  # noqa: BLE001 - a rank's failure is a result, reported with its traceback
-        status = "hang" if _is_timeout(e) else "error"
-        return {"status": status, "rank": group.rank, "message": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(), "last_collective": group.last_collective}
+    import tpcheck.check.registry  # noqa: F401
+    import tpcheck.check.runner  # noqa: F401
+    import tpcheck.faults  # noqa: F401
+    import tpcheck.models.cases  # noqa: F401
 
-
-def _worker(rank: int, world: int, store_path: str, tasks, results, timeout_s: float) -> None:
-    code = 0
-    try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        group = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD, store=store, timeout_s=timeout_s)
-        while (spec := tasks.get()) is not None:
-            results.put(run_spec_on_rank(spec, group))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        results.put({"status": "error", "rank": rank, "message": "rank failed outside a case",
-                     "traceback": traceback.format_exc()})
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip torch's slow (and, with gloo, sometimes aborting) interpreter exit
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 class RankPool:
     """`world` forked rank processes sharing one gloo group."""
 
-    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: float | None = None) -> None:
+        _preload()
         ctx = mp.get_context("fork")
         self.world, self.timeout_s = world, timeout_s
+        self.stall_s = stall_s if stall_s is not None else 2 * timeout_s + 10
         self.tmpdir = tempfile.mkdtemp(prefix="tpcheck-")
         store = os.path.join(self.tmpdir, "store")
-        self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, store, self.tasks[r], self.results, timeout_s),
-                                  daemon=True, name=f"tpcheck-rank{r}") for r in range(world)]
-        for p in self.procs:
+        self.conns: list[Connection] = []
+        self.procs = []
+        for r in range(world):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker, args=(r, world, store, theirs, list(self.conns), timeout_s, os.getpid()),
+                            daemon=True, name=f"tpcheck-rank{r}")
             p.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(p)
         self.healthy = True
 
     def run(self, spec: CaseSpec) -> list[dict]:
-        """Run one case on every rank; returns one payload per rank (synthesised for dead ranks)."""
-        for q in self.tasks:
-            q.put(spec)
-        got: dict[int, dict] = {}
-        deadline = time.monotonic() + 2 * self.timeout_s + 10
-        while len(got) < self.world and time.monotonic() < deadline:
+        """Run one case on every rank; returns one payload per rank (synthesised for dead or killed ranks)."""
+        for conn in self.conns:
             try:
-                msg = self.results.get(timeout=0.05)
-                got.setdefault(msg["rank"], msg)
-                continue
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in got]
-            if dead:  # give the others a moment to report, then stop waiting
-                deadline = min(deadline, time.monotonic() + 1.0)
-                for r in dead:
-                    got.setdefault(r, _death(r, self.procs[r].exitcode))
-        for r in range(self.world):
-            got.setdefault(r, {"status": "hang", "rank": r, "message":
-                               f"rank {r} gave no result within {2 * self.timeout_s + 10:.0f} s; killed"})
+                conn.send(spec)
+            except OSError:
+                pass  # that rank is dead: its sentinel says so below
+        got, seen = self._collect()
+        self._synthesise(got, seen)
         payloads = [got[r] for r in range(self.world)]
         if any(p["status"] != "ok" for p in payloads):
             self.healthy = False  # the group may be out of step: never reuse it
         return payloads
 
+    def _collect(self) -> tuple[dict[int, dict], dict[int, tuple]]:
+        """Wait for every rank's result, a death, or the deadline; returns results and last spots seen."""
+        got: dict[int, dict] = {}
+        seen: dict[int, tuple] = {}
+        # world 1 issues no collective, hence no progress note: one fixed, longer deadline
+        deadline = time.monotonic() + (10 * self.stall_s if self.world == 1 else self.stall_s)
+        while len(got) < self.world and (left := deadline - time.monotonic()) > 0:
+            pending = {c: r for r, c in enumerate(self.conns) if r not in got}
+            sentinels = {self.procs[r].sentinel: r for r in pending.values()}
+            for obj in wait([*pending, *sentinels], timeout=left):
+                r = pending.get(obj, sentinels.get(obj))
+                if r in got:
+                    continue
+                msg = self._read(r)
+                if msg is None and obj in sentinels:
+                    self.procs[r].join(timeout=1)
+                    msg = _death(r, self.procs[r].exitcode)
+                if msg is None:
+                    continue
+                if isinstance(msg, tuple):  # ("progress", rank, last_collective)
+                    seen[r] = msg[2]
+                    if self.world > 1 and all(p["status"] == "ok" for p in got.values()):
+                        deadline = time.monotonic() + self.stall_s
+                    continue
+                got[r] = msg
+                if msg["status"] != "ok":
+                    grace = self.timeout_s + 2 if msg["status"] == "hang" else 1.0
+                    deadline = min(deadline, time.monotonic() + grace)
+        return got, seen
+
+    def _read(self, r: int):
+        conn = self.conns[r]
+        try:
+            return conn.recv() if conn.poll() else None
+        except (EOFError, OSError):
+            return None
+
+    def _synthesise(self, got: dict[int, dict], seen: dict[int, tuple]) -> None:
+        """Payloads for ranks that gave none: killed after another rank's failure, or after the deadline."""
+        failed = sorted(r for r, p in got.items() if p["status"] != "ok")
+        for r in range(self.world):
+            if r in got:
+                continue
+            spot = seen.get(r)
+            where = f"; last seen in {spot[2]} {spot[0]} at {spot[1]!r}" if spot else ""
+            if failed:
+                got[r] = {"status": "aborted", "rank": r, "last_collective": spot,
+                          "message": f"rank {r} was stopped: still running after rank(s) {failed} failed{where}"}
+            else:
+                got[r] = {"status": "hang", "rank": r, "last_collective": spot, "waiting_in": "unknown",
+                          "message": f"rank {r} gave no result and no sign of progress "
+                          f"for {self.stall_s:g} s (stuck outside any collective?){where}; killed"}
+
     def close(self) -> None:
         if self.healthy:
-            for q in self.tasks:
-                q.put(None)
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
             for p in self.procs:
                 p.join(timeout=5)
         for p in self.procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-        for q in [self.results, *self.tasks]:
-            q.close()
-            q.cancel_join_thread()
+        for conn in self.conns:
+            conn.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _death(rank: int, exitcode: int) -> dict:
-    how = f"killed by signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
+def _death(rank: int, exitcode: int | None) -> dict:
+    if exitcode is None:
+        how = "its pipe closed"
+    elif exitcode < 0:
+        how = f"killed by signal {signal.Signals(-exitcode).name}"
+    else:
+        how = f"exited with code {exitcode}"
     return {"status": "crash", "rank": rank, "message": f"rank {rank} died ({how}) before reporting"}
 
 
 class Launcher:
     """Runs specs on pools, one pool per world size, respawning a pool after any failure."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: float | None = None) -> None:
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 3600):
+            raise UsageError(f"timeout {timeout_s!r} must be in (0, 3600] seconds")
+        self.timeout_s, self.stall_s = float(timeout_s), stall_s
         self.pools: dict[int, RankPool] = {}
 
     def run(self, spec: CaseSpec) -> list[dict]:
-        check_world_size(spec.world_size)
+        try:
+            validate_spec(spec)
+        except UsageError as e:  # one bad case of a matrix is an "invalid" result; the rest still run
+            return [{"status": "usage", "rank": 0, "message": str(e)}]
         pool = self.pools.get(spec.world_size)
         if pool is None:
-            pool = self.pools[spec.world_size] = RankPool(spec.world_size, self.timeout_s)
+            pool = self.pools[spec.world_size] = RankPool(spec.world_size, self.timeout_s, self.stall_s)
         payloads = pool.run(spec)
         if not pool.healthy:
             pool.close()
@@ -166,12 +208,6 @@ class Launcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def check_world_size(world: int) -> None:
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise UsageError(f"world size {world} is outside 1..{MAX_WORLD_SIZE}: each rank is a process on this "
-                         f"machine ({os.cpu_count()} CPUs); choose a smaller world size")
 
 
 # ---------------------------------------------------------------------------- torchrun

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tpcheck.check.case import CaseSpec
 from tpcheck.check.diagnose import diagnose
+from tpcheck.check.failures import failure_fields
 from tpcheck.check.ledger import check_ledger
 
 SEED_KEYS = {  # seed RunResult key -> our check name
@@ -29,14 +30,10 @@ def merge(spec: CaseSpec, payloads: list[dict]) -> dict:
     result = {"name": spec.name, "spec": spec_dict(spec), "world_size": spec.world_size, "dtype": spec.dtype,
               "expected": "equivalent" if spec.expect_equivalent else "not equivalent",
               "seconds": max((p.get("seconds", 0.0) for p in payloads), default=0.0)}
-    if statuses != {"ok"}:
-        result.update(verdict=_failure_verdict(statuses), problems=[_problem(p) for p in payloads
-                                                                      if p["status"] != "ok"])
-        # A hang is how a collective issued on some ranks only shows: for an injected fault, caught.
-        result["as_expected"] = result["verdict"] == "hang" and not spec.expect_equivalent
-        result["summary"] = _failure_summary(result)
+    if statuses != {"ok"}:  # a hang, a crash or bad input: see failures.py
+        result.update(failure_fields(spec, payloads))
         return result
-    checks = [c for p in payloads for c in p["checks"]]
+    checks = _fill_bounds([c for p in payloads for c in p["checks"]])
     failed = sorted((c for c in checks if not c["passed"]), key=lambda c: (c["seq"], c["stage"] == "replicas",
                                                                           c["rank"]))
     verdict = "not equivalent" if failed else "equivalent"
@@ -44,11 +41,31 @@ def merge(spec: CaseSpec, payloads: list[dict]) -> dict:
     result.update(verdict=verdict, as_expected=verdict == result["expected"], checks=checks,
                   ledger=check_ledger(entries, payloads[0].get("expected_collectives"), spec.world_size, spec.steps,
                                       spec.micro_batches))
+    control = payloads[0].get("control")
+    result["self_test"] = control
+    if control is not None and not (control["flagged"] and control["sensitive"]):
+        result.update(verdict="error", as_expected=False,
+                      summary=f"checker self-test failed: a perturbed {control['tensor']} was "
+                              f"{'flagged' if control['flagged'] else 'not flagged'}, relative bound "
+                              f"{control['relative_bound']:.3g} (must be < 0.25); no verdict can be trusted")
+        return result
     result["first_divergence"] = _first(failed) if failed else None
     result["diagnosis"] = (diagnose(result["first_divergence"], [p.get("evidence", {}) for p in payloads],
                                     spec.world_size) if failed else None)
     result["summary"] = _summary(result, failed)
     return result
+
+
+def _fill_bounds(checks: list[dict]) -> list[dict]:
+    """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor (same seq)."""
+    rank0 = {c["seq"]: c for c in checks if c["rank"] == 0 and c["stage"] != "replicas"}
+    for c in checks:
+        if c["bound"] is None:
+            ref = rank0.get(c["seq"])
+            if ref is None or ref["name"] != c["name"] or ref["bound"] is None:
+                raise RuntimeError(f"no bound from rank 0 for {c['name']} (seq {c['seq']})")
+            c.update(bound=ref["bound"], reason=ref["reason"], kind=ref["kind"], passed=c["error"] <= ref["bound"])
+    return checks
 
 
 def _first(failed: list[dict]) -> dict:
@@ -66,31 +83,6 @@ def _summary(result: dict, failed: list[dict]) -> str:
     return (f"not equivalent: {len(failed)} of {len(result['checks'])} checks failed; first: {f['name']} "
             f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
             f"{f['bound']:.3g}; {d['signature']}: {d['cause']}")
-
-
-def _failure_verdict(statuses: set[str]) -> str:
-    for status, verdict in (("usage", "invalid"), ("hang", "hang"), ("crash", "error"), ("error", "error")):
-        if status in statuses:
-            return verdict
-    return "error"
-
-
-def _problem(p: dict) -> dict:
-    return {k: p[k] for k in ("status", "rank", "message", "traceback", "last_collective") if k in p}
-
-
-def _failure_summary(result: dict) -> str:
-    problems = result["problems"]
-    if result["verdict"] == "hang":
-        where = {tuple(p["last_collective"]) for p in problems if p.get("last_collective")}
-        spots = ", ".join(f"{op} at {site!r} in {phase}" for op, site, phase in sorted(where)) or "a collective"
-        ranks = sorted(p["rank"] for p in problems)
-        return (f"hang detected: rank(s) {ranks} waited on {spots} until the timeout; "
-                "a collective was issued on some ranks only")
-    # the problem that decided the verdict (a rank's usage error, not a peer's timeout waiting for it)
-    status = {"invalid": "usage"}.get(result["verdict"], result["verdict"])
-    first = next((p for p in problems if p["status"] == status), problems[0])
-    return f"{result['verdict']}: rank {first['rank']}: {first['message']}"
 
 
 def spec_dict(spec: CaseSpec) -> dict:

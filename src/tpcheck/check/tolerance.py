@@ -6,17 +6,20 @@ Three kinds of comparison, each recorded with the bound it used and why:
   from the dense ones (pure indexing), and copies of a replicated tensor on different ranks (the
   result of one all-reduce, or the same computation on the same inputs).
 
-* calibrated: the TP tensor is compared with a float64 ground truth (the dense model run in float64),
-  and the bound is tied to the dense model's own error in the working dtype:
+* calibrated: the TP tensor is compared with the dense model's tensor in the same dtype, and the
+  bound is tied to the dense model's own error against a float64 ground truth (the dense model run
+  in float64, on rank 0 only):
 
-      bound = factor(world) * err_dense + floor_ulps * eps(dtype) * scale
+      max|TP - dense| <= factor(world) * err_dense + floor_ulps * eps(dtype) * scale
 
   where err_dense = max|dense_dtype - truth|, scale = max|truth|. A correct TP implementation only
   reorders sums (partials per rank, then a cross-rank reduction, each rounded in the working dtype),
-  so its error is of the order of the dense model's own. factor = 4 + 2 * world_size allows one extra
-  rounding of each rank's partial sum plus the reduction; the floor covers tensors (a scalar loss)
-  where the dense result happens to round exactly to the truth. Faults move values by orders of
-  magnitude more (a missing reduction is an O(1) relative error).
+  so it lands as far from the truth as the dense model does, and |TP - dense| <= |TP - truth| +
+  |dense - truth| is of the order of err_dense. factor = 4 + 2 * world_size allows one extra rounding
+  of each rank's partial sum plus the reduction, with room for the max over a small tensor being a
+  noisy statistic (measured: correct blocks stay below 0.5 of the bound in random sweeps); the floor covers tensors (a scalar loss) where the
+  dense result happens to round exactly to the truth. Faults move values by orders of magnitude more
+  (a missing reduction is an O(1) relative error).
 
 * float64 as the working dtype has no higher-precision truth here, so the bound is
   `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-FLOOR_ULPS = 8
+FLOOR_ULPS = 2
 FP64_FLOOR_ULPS = 2**20
 
 
@@ -42,12 +45,13 @@ def eps(dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class Bound:
-    value: float
+    value: float | None
     kind: str  # "exact" | "calibrated" | "fp64"
     reason: str
 
 
 EXACT = Bound(0.0, "exact", "bitwise: no arithmetic separates TP from the reference (layout only)")
+PENDING = Bound(None, "calibrated", "from rank 0, which holds the float64 ground truth")
 REPLICA = Bound(0.0, "exact", "bitwise: replicas come from one all-reduce or identical computation")
 
 

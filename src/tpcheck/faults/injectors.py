@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import torch
 import torch.nn.functional as F
 
 from tpcheck.check.case import Case, CaseSpec
@@ -90,6 +91,23 @@ def replicated_lr_by_rank(case: Case, spec: CaseSpec) -> Case:
     return dataclasses.replace(case, tp_optimizer=make)
 
 
+def perturb_shard(rank: int = 1, rel: float = 1e-3):
+    """Rank `rank`'s first sharded weight is off by `rel` relative: a stale or mis-converted shard."""
+
+    def inject(case: Case, spec: CaseSpec) -> Case:
+        name = next(n for n, p in case.plan.params.items() if not p.replicated)
+
+        def tamper(module, group):
+            if group.rank == rank % group.world_size:
+                param = dict(module.named_parameters())[case.plan.tp_name(name)]
+                with torch.no_grad():
+                    param.mul_(1.0 + rel)
+
+        return dataclasses.replace(case, tamper=tamper)
+
+    return inject
+
+
 # ------------------------------------------------------------------ wrong loading (load_plan)
 
 
@@ -150,4 +168,4 @@ def not_replicated(name: str, p: Placement) -> bool:
 
 __all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
            "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
-           "WrongDim", "is_row_parallel_weight", "not_replicated"]
+           "WrongDim", "is_row_parallel_weight", "not_replicated", "perturb_shard"]

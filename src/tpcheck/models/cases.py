@@ -1,6 +1,7 @@
 """Checker cases for the built-in blocks: one function per block, from a CaseSpec and a config."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -44,13 +45,17 @@ def gate_up_placement(cfg: ModelConfig):
     return Shard(1) if cfg.gate_up_layout == "stacked" else Fused(0, (cfg.ffn, cfg.ffn))
 
 
-def mlp_plan(cfg: ModelConfig) -> Plan:
+def mlp_plan(cfg: ModelConfig, sp: bool = False) -> Plan:
+    """Weights: gate/up column-parallel, down row-parallel, norm weight and down bias replicated.
+    Activations: the SwiGLU output is sharded on the last dim; the norm and down outputs are replicated
+    (sequence-sharded under SP)."""
+    seq_or_rep = Shard(0) if sp else Replicate()
     return Plan(params={
         "norm.weight": Replicate(),
         "gate_up.weight": gate_up_placement(cfg),
         "down.weight": Shard(1),
         "down.bias": Replicate(),
-    })
+    }, activations={"norm": seq_or_rep, "gate_up": Shard(-1), "down": seq_or_rep})
 
 
 def mlp_case(spec: CaseSpec, cfg: ModelConfig) -> Case:
@@ -59,7 +64,7 @@ def mlp_case(spec: CaseSpec, cfg: ModelConfig) -> Case:
         name=spec.name,
         build_dense=lambda dtype: DenseMLP(cfg, dtype),
         build_tp=lambda group, dtype: ParallelMLP(cfg, group, sequence_parallel=sp, dtype=dtype),
-        plan=mlp_plan(cfg),
+        plan=mlp_plan(cfg, sp),
         make_batch=hidden_batch(cfg),
         **sequence_parallel_fields(sp),
         **common_fields(spec),
@@ -69,10 +74,10 @@ def mlp_case(spec: CaseSpec, cfg: ModelConfig) -> Case:
 def common_fields(spec: CaseSpec) -> dict:
     lr = spec.lr if spec.lr is not None else (0.05 if spec.optimizer == "sgd" else 1e-3)
     return {"seed": spec.seed, "steps": spec.steps, "micro_batches": spec.micro_batches,
-            "optimizer": spec.optimizer, "lr": lr, "dtype": spec.dtype}
+            "optimizer": spec.optimizer, "lr": lr, "dtype": spec.dtype, "capture": spec.capture}
 
 
-def mlp_collectives(sp: bool) -> list[tuple[str, str, str]]:
+def mlp_collectives(sp: bool, cfg: ModelConfig | None = None, world: int = 2) -> list[tuple[str, str, str]]:
     """(phase, op, site) the MLP issues per micro-batch (forward, backward) and per step (optimizer)."""
     if not sp:
         return [("forward", "all_reduce", "down"), ("backward", "all_reduce", "gate_up")]
@@ -83,7 +88,9 @@ def mlp_collectives(sp: bool) -> list[tuple[str, str, str]]:
 
 
 BLOCKS: dict[str, Callable[[CaseSpec, ModelConfig], Case]] = {"mlp": mlp_case}
-COLLECTIVES: dict[str, Callable[[bool], list[tuple[str, str, str]]]] = {"mlp": mlp_collectives}
+# block -> fn(sp, cfg=None, world=2) -> [(phase, op, site)]; cfg and world matter where the list
+# depends on them (kv heads replicated when kv_heads < world).
+COLLECTIVES: dict[str, Callable[..., list[tuple[str, str, str]]]] = {"mlp": mlp_collectives}
 
 
 def config_for(spec: CaseSpec) -> ModelConfig:
@@ -102,4 +109,12 @@ def builtin_case(spec: CaseSpec) -> Case:
         make = BLOCKS[spec.block]
     except KeyError:
         raise UsageError(f"unknown block {spec.block!r}; choose one of {sorted(BLOCKS)}") from None
-    return make(spec, config_for(spec))
+    case = make(spec, config_for(spec))
+    if case.expected_collectives is None and spec.block in COLLECTIVES:
+        case = dataclasses.replace(case, expected_collectives=tuple(COLLECTIVES[spec.block](spec.sequence_parallel)))
+    return case
+
+
+# The transformer blocks (attention, layer, lm, embedding, cross_entropy) register themselves into
+# BLOCKS and COLLECTIVES; a plain `import` so that either module may be imported first.
+import tpcheck.models.transformer_cases  # noqa: E402, F401

@@ -55,11 +55,13 @@ def describe_blocks(preset: str, world_size: int) -> dict:
             for rank in range(world_size):
                 tp = case.build_tp(TPGroup(rank=rank, world_size=world_size), torch.float32)
                 per_rank[rank] = {n: list(p.shape) for n, p in tp.named_parameters()}
+            # the case's own list when it has one: it knows the config and world size
+            collectives = case.expected_collectives or COLLECTIVES[block](sp)
             out[f"{block}{'/sp' if sp else ''}"] = {
                 "params": {n: {"dense": list(p.shape), "placement": str(case.plan.params[n]),
                                "rank_local": {r: per_rank[r][case.plan.tp_name(n)] for r in per_rank}}
                            for n, p in dense.named_parameters()},
-                "collectives": {phase: [f"{op} at {site}" for ph, op, site in COLLECTIVES[block](sp) if ph == phase]
+                "collectives": {phase: [f"{op} at {site}" for ph, op, site in collectives if ph == phase]
                                 for phase in ("forward", "backward", "optimizer")},
             }
     return out

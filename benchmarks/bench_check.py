@@ -1,0 +1,148 @@
+"""(d) What a full check costs over the bare dense step, and what capture costs (issue 5).
+
+Check: `tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, steps=1, optimizer="sgd")])`
+(dense fp32 + float64 truth + TP model on every rank, compare everything, capture activations for the
+diagnosis). Its `seconds` field is the slower rank's time for the whole case (build, load, step, compare).
+Floor: one dense forward + backward + SGD step of `DenseMLP` at the same size, timed in one process.
+Every process runs with OMP_NUM_THREADS=1 (2 ranks, 2 cores), the floor too.
+
+Capture overhead: the same check with `capture=False` vs `capture=True`, each in its own subprocess
+(alternating), timed by the case `seconds` and measured for memory by polling /proc of the process
+tree (benchmarks/_common.watched_run): per-process peak = the kernel's VmHWM (exact), total = peak of
+the summed Pss (pages the forked ranks share with their parent split, not double counted)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PY, child_env, median, parser, table, verdict, watched_run, write  # noqa: E402
+
+FULL, QUICK = (512, 4, 1024, 4096), (128, 2, 512, 2048)
+TARGET = 3.0
+
+
+def overrides(size) -> tuple:
+    return tuple(zip(("seq", "batch", "hidden", "ffn"), size))
+
+
+def inner_check(size, capture: bool) -> None:
+    import tpcheck
+
+    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=2, steps=1,
+                            optimizer="sgd", capture=capture)
+    t0 = time.perf_counter()
+    (r,) = tpcheck.check([spec], timeout_s=300)
+    print(json.dumps({"seconds": r["seconds"], "wall_s": time.perf_counter() - t0, "verdict": r["verdict"],
+                      "checks": len(r["checks"])}))
+
+
+def inner_dense(size, steps: int) -> None:
+    import torch
+
+    from tpcheck.models.config import preset
+    from tpcheck.models.dense import DenseMLP
+
+    cfg = preset("seed").replace(**dict(overrides(size)))
+    g = torch.Generator().manual_seed(0)
+    model = DenseMLP(cfg)
+    model.reset_parameters(g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, target = (torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g) for _ in range(2))
+    times = []
+    for _ in range(steps + 1):
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        torch.nn.functional.mse_loss(model(x.requires_grad_(True)), target).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"step_s": median(times[1:]), "steps": times[1:]}))
+
+
+PROFILED = {"_reference_pass": "dense + float64 forward/backward (with capture)", "compare": "compare() calls",
+            "maxdiff": "  of which maxdiff", "calibrated": "  of which tolerance.calibrated",
+            "isfinite": "  of which isfinite checks", "__init__": "RankRun.__init__ (build, copy, load)",
+            "step": "optimizer steps (3 models)", "flush_replicas": "flush_replicas"}
+
+
+def inner_profile(size) -> None:
+    """cProfile of one rank's case at world size 1 (no collectives; the TP model is then full size, so
+    this over-counts the TP share by ~2x vs world 2): where the check's time goes."""
+    import cProfile
+    import pstats
+
+    import tpcheck
+    from tpcheck.check.registry import build_case
+    from tpcheck.check.runner import run_case_on_rank
+    from tpcheck.parallel.group import TPGroup
+
+    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=1, steps=1,
+                            optimizer="sgd")
+    run_case_on_rank(build_case(spec), TPGroup.single())  # warm-up
+    prof = cProfile.Profile()
+    prof.enable()
+    out = run_case_on_rank(build_case(spec), TPGroup.single())
+    prof.disable()
+    cum: dict[str, float] = {}
+    for (file, _, fn), (_, _, _, ct, _) in pstats.Stats(prof).stats.items():
+        key = "isfinite" if "isfinite" in fn else fn
+        if key in PROFILED and ("tpcheck" in file or key in ("isfinite", "step")):
+            cum[key] = cum.get(key, 0.0) + ct
+    print(json.dumps({"seconds": out["seconds"], "cumulative_s": cum}))
+
+
+def child(*args: str, limit_gib: float = 21.0) -> dict:
+    res = watched_run([PY, __file__, *args], limit_gib=limit_gib, timeout=600, env=child_env(OMP_NUM_THREADS="1"))
+    if res["returncode"] != 0 or res["exceeded"]:
+        sys.exit(f"child {args} failed: rc {res['returncode']}, exceeded {res['exceeded']}\n{res['stderr']}")
+    res.update(json.loads(res.pop("stdout").strip().splitlines()[-1]))
+    return res
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--inner", choices=("capture", "nocapture", "dense", "profile"), help=__import__("argparse").SUPPRESS)
+    args = p.parse_args()
+    size = QUICK if args.quick else FULL
+    if args.inner == "dense":
+        return inner_dense(size, 3 if args.quick else 5)
+    if args.inner == "profile":
+        return inner_profile(size)
+    if args.inner:
+        return inner_check(size, args.inner == "capture")
+    q = ["--quick"] if args.quick else []
+    repeats = 1 if args.quick else 3
+    runs = {"capture": [], "nocapture": [], "dense": []}
+    for _ in range(repeats):
+        for kind in ("capture", "nocapture", "dense"):
+            runs[kind].append(child("--inner", kind, *q))
+    check_s, nocap_s = median([r["seconds"] for r in runs["capture"]]), median([r["seconds"] for r in runs["nocapture"]])
+    floor_s = median([r["step_s"] for r in runs["dense"]])
+    mem = {k: median([r["peak_total_pss_gib"] for r in runs[k]]) for k in runs}
+    rank_peak = {k: median([r["peak_rss_per_process_gib"][0] for r in runs[k]]) for k in runs}
+    ratio = check_s / floor_s
+    print(f"size (seq, batch, hidden, ffn) = {size}, world 2, steps 1, sgd, OMP_NUM_THREADS=1, median of {repeats}")
+    print(table(["run", "seconds (s)", "vs dense step", "peak RSS, largest process (GiB)", "peak total PSS (GiB)"], [
+        ["dense fwd+bwd+SGD step (1 process)", floor_s, 1.0, rank_peak["dense"], mem["dense"]],
+        ["check, capture=True", check_s, ratio, rank_peak["capture"], mem["capture"]],
+        ["check, capture=False", nocap_s, nocap_s / floor_s, rank_peak["nocapture"], mem["nocapture"]],
+    ]))
+    verdicts = [r["verdict"] for k in ("capture", "nocapture") for r in runs[k]]
+    targets = [verdict("full check vs bare dense step", ratio <= TARGET, f"{ratio:.2f}x", f"<= {TARGET:g}x (floor ~2x)")]
+    cap_t, cap_m = check_s / nocap_s, rank_peak["capture"] / rank_peak["nocapture"]
+    print(f"capture overhead: time {cap_t:.3f}x, peak rank RSS {cap_m:.3f}x, "
+          f"total PSS {mem['capture'] / mem['nocapture']:.3f}x; verdicts {sorted(set(verdicts))}")
+    prof = child("--inner", "profile", *q)
+    print(f"where one rank's time goes (cProfile, world 1, case {prof['seconds']:.3f} s; cumulative):")
+    print(table(["part", "seconds", "share"], [[PROFILED[k], v, f"{v / prof['seconds']:.0%}"]
+                                              for k, v in sorted(prof["cumulative_s"].items(), key=lambda kv: -kv[1])]))
+    write("check", {"profile_world1": prof, "size": dict(overrides(size)), "repeats": repeats, "runs": runs, "check_s": check_s,
+                    "nocapture_s": nocap_s, "dense_step_s": floor_s, "ratio": ratio, "capture_time_ratio": cap_t,
+                    "capture_rank_peak_ratio": cap_m, "peak_total_pss_gib": mem, "peak_rank_rss_gib": rank_peak,
+                    "targets": targets})
+
+
+if __name__ == "__main__":
+    main()

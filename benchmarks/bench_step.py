@@ -1,0 +1,224 @@
+"""(c) Step time (forward + backward, no checker) of tpcheck's TP blocks vs DTensor vs dense.
+
+At (seq, batch, hidden, ffn) = (512, 4, 1024, 4096), world size 2 (two forked gloo ranks, FileStore
+rendezvous, as tests/ranks.py). For each block (MLP; attention and transformer layer when
+`tpcheck.models.cases.BLOCKS` has them; attention uses 16 heads, 8 KV heads):
+- tpcheck TP: `ParallelMLP` / `ParallelAttention` / `ParallelLayer` (plain autograd collectives);
+- DTensor TP: the same math as a dense module with separate nn.Linear projections (gate/up/down;
+  wq/wk/wv/wo), parallelized with `parallelize_module` + ColwiseParallel/RowwiseParallel
+  (torchtitan's Llama plan);
+- dense, world size 1: tpcheck's dense block in one process.
+Every process runs with torch.set_num_threads(1): 2 ranks on a 2-core machine, one core each; the
+dense baseline also gets one core, so "dense / TP" is the speed-up per core count.
+A step is timed per rank after a barrier; per step we take the slower rank, then the median."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, parser, table, verdict, write  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from tpcheck.models import dense as tdense  # noqa: E402
+from tpcheck.models.config import ModelConfig  # noqa: E402
+
+TARGET = 1.0  # tpcheck TP / DTensor TP
+
+
+class SepMLP(nn.Module):
+    """x + down(silu(gate(norm x)) * up(norm x)), separate nn.Linear projections (DTensor-friendly)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = tdense.RMSNorm(cfg.hidden, cfg.eps)
+        self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=True)
+
+    def forward(self, x):
+        n = self.norm(x)
+        return x + self.down(F.silu(self.gate(n)) * self.up(n))  # [s, b, h]
+
+
+class SepAttention(nn.Module):
+    """x + wo(attention(wq, wk, wv of norm x)); heads inferred from the local width (view(..., -1, d)),
+    so the same code runs dense and colwise-sharded."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg, d = cfg, cfg.head_dim
+        self.norm = tdense.RMSNorm(cfg.hidden, cfg.eps)
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * d, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.num_kv_heads * d, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.num_kv_heads * d, bias=False)
+        self.wo = nn.Linear(cfg.heads * d, cfg.hidden, bias=False)
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        d, n = self.cfg.head_dim, self.norm(x)
+        q, k, v = (w(n).view(s, b, -1, d) for w in (self.wq, self.wk, self.wv))
+        return x + self.wo(tdense.causal_attention(q, k, v, self.cfg.rope_theta))  # [s, b, h]
+
+
+class SepLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention, self.mlp = SepAttention(cfg), SepMLP(cfg)
+
+    def forward(self, x):
+        return self.mlp(self.attention(x))
+
+
+def dtensor_plan(block: str) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mlp = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    attn = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+    if block == "mlp":
+        return mlp
+    if block == "attention":
+        return attn
+    return {**{f"attention.{k}": v for k, v in attn.items()}, **{f"mlp.{k}": v for k, v in mlp.items()}}
+
+
+def init_(model: nn.Module) -> nn.Module:
+    """Small random weights (torch.empty may hold NaN/denormals, which distort timings)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def one_step(model: nn.Module, x: torch.Tensor, barrier) -> float:
+    model.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_(True)
+    barrier()
+    t0 = time.perf_counter()
+    model(xi).float().pow(2).mean().backward()
+    return time.perf_counter() - t0
+
+
+def time_steps(models: list[nn.Module], x: torch.Tensor, warmup: int, steps: int, barrier) -> list[list[float]]:
+    """Per model, its step times; the models take turns step by step, so load bursts hit all alike."""
+    times: list[list[float]] = [[] for _ in models]
+    for i in range(warmup + steps):
+        for m, t in zip(models, times):
+            dt = one_step(m, x, barrier)
+            if i >= warmup:
+                t.append(dt)
+    return times
+
+
+def tpcheck_tp(block: str, cfg: ModelConfig, group):
+    from tpcheck.models.parallel import ParallelAttention, ParallelLayer, ParallelMLP
+
+    cls = {"mlp": ParallelMLP, "attention": ParallelAttention, "layer": ParallelLayer}[block]
+    return init_(cls(cfg, group))
+
+
+def dtensor_tp(block: str, cfg: ModelConfig, mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = init_({"mlp": SepMLP, "attention": SepAttention, "layer": SepLayer}[block](cfg))
+    return parallelize_module(model, mesh, dtensor_plan(block))
+
+
+def _rank(rank, world, store, conn, blocks, cfgs, warmup, steps):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from tpcheck.parallel.group import TPGroup
+
+        group, mesh = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD), init_device_mesh("cpu", (world,))
+        out = {}
+        for block in blocks:
+            cfg = cfgs[block]
+            x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1))
+            models = [tpcheck_tp(block, cfg, group), dtensor_tp(block, cfg, mesh)]
+            out[(block, "tpcheck TP")], out[(block, "DTensor TP")] = time_steps(models, x, warmup, steps, dist.barrier)
+            del models
+        conn.send(("ok", out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc()))
+    os._exit(0)
+
+
+def run_tp(world, blocks, cfgs, warmup, steps) -> list[dict]:
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as d:
+        pipes = [ctx.Pipe() for _ in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(d, "store"), pipes[r][1], blocks, cfgs,
+                                                 warmup, steps)) for r in range(world)]
+        for p in procs:
+            p.start()
+        outs = []
+        for r in range(world):
+            status, out = pipes[r][0].recv()
+            if status != "ok":
+                sys.exit(f"rank {r} failed:\n{out}")
+            outs.append(out)
+        for p in procs:
+            p.join(timeout=10)
+    return outs
+
+
+def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int) -> list[float]:
+    cls = {"mlp": tdense.DenseMLP, "attention": tdense.DenseAttention, "layer": tdense.DenseLayer}[block]
+    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1))
+    return time_steps([init_(cls(cfg))], x, warmup, steps, lambda: None)[0]
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    from tpcheck.models.cases import BLOCKS
+
+    seq, batch, hidden, ffn = (128, 2, 512, 2048) if args.quick else (512, 4, 1024, 4096)
+    warmup, steps, world = 1, (3 if args.quick else 5), 2
+    blocks = [b for b in ("mlp", "attention", "layer") if b in BLOCKS]
+    skipped = [b for b in ("attention", "layer") if b not in BLOCKS]
+    cfgs = {b: ModelConfig(seq=seq, batch=batch, hidden=hidden, ffn=ffn, heads=16, kv_heads=8) for b in blocks}
+    outs = run_tp(world, blocks, cfgs, warmup, steps)
+    torch.set_num_threads(1)
+    rows, res, targets = [], {}, []
+    for block in blocks:
+        med = {}
+        for side in ("tpcheck TP", "DTensor TP"):
+            per_step = [max(o[(block, side)][i] for o in outs) for i in range(steps)]
+            med[side] = median(per_step)
+            res[f"{block}/{side}"] = per_step
+        res[f"{block}/dense w1"] = dense_w1(block, cfgs[block], warmup, steps)
+        med["dense w1"] = median(res[f"{block}/dense w1"])
+        ratio = med["tpcheck TP"] / med["DTensor TP"]
+        rows.append([block, med["tpcheck TP"] * 1e3, med["DTensor TP"] * 1e3, med["dense w1"] * 1e3, ratio,
+                     med["dense w1"] / med["tpcheck TP"]])
+        targets.append(verdict(f"{block}: tpcheck TP vs DTensor TP step", ratio <= TARGET, f"{ratio:.3f}x",
+                               f"<= {TARGET:g}x"))
+    print(f"(seq, batch, hidden, ffn) = {(seq, batch, hidden, ffn)}, world 2, 1 thread per process, "
+          f"median of {steps} steps after {warmup} warm-up")
+    print(table(["block", "tpcheck TP (ms)", "DTensor TP (ms)", "dense w1 (ms)", "tpcheck/DTensor",
+                 "dense w1 / tpcheck TP"], rows))
+    if skipped:
+        print(f"skipped (block not in BLOCKS): {skipped}")
+    write("step", {"shape": {"seq": seq, "batch": batch, "hidden": hidden, "ffn": ffn, "heads": 16, "kv_heads": 8},
+                   "world_size": world, "threads_per_process": 1, "warmup": warmup, "steps": steps,
+                   "step_seconds": res, "rows": rows, "skipped": skipped, "targets": targets})
+
+
+if __name__ == "__main__":
+    main()

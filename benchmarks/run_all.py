@@ -1,0 +1,33 @@
+"""Run every benchmark in turn (`make bench`); `--quick` is passed through. The heavy Llama-layer
+benchmark runs last, alone. Each script prints its table and writes benchmarks/results/<name>.json."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ORDER = ("bench_seed.py", "bench_matrix.py", "bench_step.py", "bench_check.py", "bench_llama_layer.py")
+
+
+def main() -> int:
+    extra = [a for a in sys.argv[1:] if a == "--quick"]
+    skip = {a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--skip=")}
+    failed = []
+    for script in ORDER:
+        if script.removeprefix("bench_").removesuffix(".py") in skip:
+            continue
+        print(f"\n=== {script} {' '.join(extra)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call([sys.executable, str(HERE / script), *extra])
+        print(f"=== {script}: exit {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(script)
+    if failed:
+        print(f"failed: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The transformer blocks against their dense twins: attention, layer, the tiny LM, the vocab-parallel
+embedding and cross-entropy, at world sizes 1, 2, 4, with and without sequence parallelism, float32
+and bfloat16, 3 AdamW steps (CaseSpec defaults); GQA/MQA with kv_heads below the world size; a naive
+contiguous split of fused weights caught while the interleaved layout passes."""
+import dataclasses
+
+import pytest
+import torch
+
+from ranks import run_ranks
+from tpcheck import CaseSpec, check
+from tpcheck.models import cases
+from tpcheck.models.dense import DenseAttention
+from tpcheck.models.parallel import ParallelAttention
+from tpcheck.models.transformer_cases import attention_case, attention_plan
+from tpcheck.plan import Plan, Shard
+
+BLOCK_NAMES = ("attention", "layer", "lm", "embedding", "cross_entropy")
+
+
+def _matrix(worlds):
+    return [CaseSpec(block=b, preset="tiny", world_size=w, dtype=dt, sequence_parallel=sp)
+            for b in BLOCK_NAMES for w in worlds for sp in (False, True) for dt in ("float32", "bfloat16")]
+
+
+def _assert_equivalent(results):
+    for r in results:
+        assert r["verdict"] == "equivalent", f"{r['name']}: {r['summary']}"
+        assert {c["rank"] for c in r["checks"]} == set(range(r["world_size"]))  # every rank checked
+        assert {c["step"] for c in r["checks"] if c["stage"] == "optimizer"} == {1, 2, 3}
+        assert r["ledger"]["problems"] == [], f"{r['name']}: {r['ledger']['problems']}"
+
+
+def _count(result, phase, op, site):
+    return sum(1 for e in result["ledger"]["expected"] if (e["phase"], e["op"], e["site"]) == (phase, op, site))
+
+
+def test_blocks_at_world_sizes_1_and_2():
+    tied = [CaseSpec(block="lm", preset="tiny", world_size=2, sequence_parallel=sp,
+                     overrides=(("tie_embeddings", True),), label=f"lm-tied-sp{sp}") for sp in (False, True)]
+    _assert_equivalent(check(_matrix((1, 2)) + tied))
+
+
+def test_blocks_at_world_size_4_and_gqa():
+    gqa = [CaseSpec(block="attention", preset="tiny", world_size=4, overrides=(("heads", 8), ("kv_heads", kv),
+                                                                           ("hidden", 64)), label=f"gqa-kv{kv}")
+           for kv in (1, 2, 4, 8)]
+    gqa_sp = CaseSpec(block="attention", preset="tiny", world_size=4, sequence_parallel=True, dtype="bfloat16",
+                      overrides=(("heads", 8), ("kv_heads", 1), ("hidden", 64)), label="mqa-sp-bf16")
+    results = check(_matrix((4,)) + gqa + [gqa_sp])
+    _assert_equivalent(results)
+    by_name = {r["name"]: r for r in results}
+    # kv heads replicated (kv < 4): exactly one optimizer all-reduce of the qkv grads per step; else none
+    for kv in (1, 2, 4, 8):
+        observed = by_name[f"gqa-kv{kv}"]["ledger"]["per_rank"]["0"].get("optimizer", {})
+        assert observed.get("all_reduce", {}).get("count", 0) == (3 if kv < 4 else 0)
+    assert _count(by_name["lm/tiny/tp4/float32"], "optimizer", "all_reduce", "layers.1.attention.qkv.weight")
+
+
+def test_vocab_not_divisible_by_world_size_is_invalid():
+    (r,) = check([CaseSpec(block="lm", preset="tiny", world_size=2, overrides=(("vocab", 63),))])
+    assert r["verdict"] == "invalid" and "63" in r["summary"]
+
+
+def _replica_grads(group, kv):
+    """Rank-local qkv grads of an MQA/GQA attention, before and after the replica reduction, and the
+    dense grad of the rows this rank holds."""
+    cfg = cases.preset("tiny").replace(heads=8, kv_heads=kv, hidden=64)
+    g = torch.Generator().manual_seed(3)
+    dense = DenseAttention(cfg)
+    dense.reset_parameters(g)
+    tp = ParallelAttention(cfg, group)
+    plan = attention_plan(cfg)
+    with torch.no_grad():
+        for name, p in tp.named_parameters():
+            p.copy_(plan.params[name].shard(dict(dense.named_parameters())[name], group.rank, group.world_size))
+    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g)
+    dense(x).pow(2).sum().backward()
+    tp(x).pow(2).sum().backward()
+    before = tp.qkv.weight.grad.clone()
+    tp.finalize_grads()
+    want = plan.params["qkv.weight"].shard(dense.qkv.weight.grad, group.rank, group.world_size)
+    return before, tp.qkv.weight.grad.clone(), want, tp.qkv.n_q * cfg.head_dim
+
+
+@pytest.mark.parametrize("kv", [1, 2])
+def test_replicated_kv_grads_are_summed_and_bitwise_equal(kv):
+    out = run_ranks(_replica_grads, 4, kv)
+    q_rows = out[0][3]
+    for before, after, want, _ in out:
+        torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(before[q_rows:], want[q_rows:], rtol=1e-3, atol=1e-4)  # partial before
+    replicas = 4 // kv  # ranks r sharing kv head r // replicas hold bitwise-equal k/v grads
+    for r in range(4):
+        first = out[r - r % replicas][1][q_rows:]
+        assert torch.equal(out[r][1][q_rows:], first)
+
+
+def _naive_qkv(spec, cfg):
+    case = attention_case(spec, cfg)
+    return dataclasses.replace(case, plan=Plan(params={**case.plan.params, "qkv.weight": Shard(0)},
+                                               activations=case.plan.activations))
+
+
+def _naive_gate_up(spec, cfg):
+    case = cases.mlp_case(spec, cfg)
+    return dataclasses.replace(case, plan=Plan(params={**case.plan.params, "gate_up.weight": Shard(0)},
+                                               activations=case.plan.activations))
+
+
+def test_naive_contiguous_split_of_fused_weights_is_caught(monkeypatch):
+    # registered before check() forks the ranks, which inherit it
+    monkeypatch.setitem(cases.BLOCKS, "attention_naive_qkv", _naive_qkv)
+    monkeypatch.setitem(cases.BLOCKS, "mlp_naive_gate_up", _naive_gate_up)
+    concat = (("gate_up_layout", "concat"),)
+    naive_att, good_att, naive_mlp, good_mlp = check([
+        CaseSpec(block="attention_naive_qkv", preset="tiny", world_size=2),
+        CaseSpec(block="attention", preset="tiny", world_size=2),
+        CaseSpec(block="mlp_naive_gate_up", preset="tiny", world_size=2, overrides=concat),
+        CaseSpec(block="mlp", preset="tiny", world_size=2, overrides=concat),
+    ])
+    for naive in (naive_att, naive_mlp):
+        assert naive["verdict"] == "not equivalent", naive["summary"]
+        # the weights load consistently with the (wrong) plan: the math, not the loading, diverges
+        assert all(c["passed"] for c in naive["checks"] if c["stage"] == "weights")
+        assert naive["first_divergence"]["stage"] == "forward"
+        assert naive["first_divergence"]["ranks"] == [0, 1]
+    assert good_att["verdict"] == "equivalent", good_att["summary"]
+    assert good_mlp["verdict"] == "equivalent", good_mlp["summary"]

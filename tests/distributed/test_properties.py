@@ -1,0 +1,45 @@
+"""Property tests: over random shapes, world sizes {1, 2, 4}, seeds, fp32/bf16, optimizers and sequence
+parallelism, a correct MLP is never flagged, and the seed's two faults are always flagged. One pool of
+ranks per world size serves every example."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tpcheck import CaseSpec
+from tpcheck.check.launch import Launcher
+from tpcheck.check.session import run_specs
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    with Launcher(timeout_s=60) as launcher:
+        yield launcher
+
+
+@st.composite
+def mlp_specs(draw):
+    world = draw(st.sampled_from([1, 2, 4]))
+    sp = draw(st.booleans())
+    overrides = (("seq", world * draw(st.integers(1, 3)) if sp else draw(st.integers(1, 6))),
+                 ("batch", draw(st.integers(1, 3))),
+                 ("hidden", draw(st.sampled_from([4, 8, 16, 64, 128]))),
+                 ("ffn", world * draw(st.integers(1, 24))))
+    return CaseSpec(block="mlp", preset="seed", world_size=world, sequence_parallel=sp, overrides=overrides,
+                    dtype=draw(st.sampled_from(["float32", "bfloat16"])), seed=draw(st.integers(0, 10_000)),
+                    optimizer=draw(st.sampled_from(["sgd", "adamw"])), steps=draw(st.integers(1, 3)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=mlp_specs())
+def test_no_false_alarm_and_seed_faults_always_flagged(launcher, spec):
+    import dataclasses
+
+    specs = [spec]
+    if spec.world_size > 1 and not spec.sequence_parallel:
+        specs += [dataclasses.replace(spec, fault=f) for f in ("missing_forward_reduce", "missing_backward_reduce")]
+    correct, *faulty = run_specs(specs, launcher)
+    assert correct["verdict"] == "equivalent", correct["summary"]
+    assert correct["self_test"]["flagged"] and correct["self_test"]["sensitive"]
+    for r in faulty:
+        assert r["verdict"] == "not equivalent", r["summary"]
+        assert r["diagnosis"]["signature"] == "partial_sum", r["summary"]

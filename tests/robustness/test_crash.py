@@ -1,0 +1,52 @@
+"""A rank that raises or dies brings the case down cleanly: an "error" result with the rank's
+traceback (in problems and in the console summary), exit code 2, and in a matrix the next case runs
+on a respawned pool. No process is left behind."""
+import os
+import signal
+import time
+
+from tpcheck.check.case import CaseSpec
+from tpcheck.check.session import check, exit_code
+from tpcheck.cli import main
+
+
+def _on_rank1(action):
+    def tamper(module, group):
+        if group.rank == 1:
+            action()
+    return tamper
+
+
+def _raise():
+    raise RuntimeError("boom on rank 1")
+
+
+def test_crashes_in_a_matrix_fail_their_case_and_the_matrix_goes_on(register_block, children):
+    before = children()
+    register_block("crash_exc", tamper=_on_rank1(_raise))
+    register_block("crash_exit", tamper=_on_rank1(lambda: os._exit(3)))
+    register_block("crash_kill", tamper=_on_rank1(lambda: os.kill(os.getpid(), signal.SIGKILL)))
+    specs = [CaseSpec(block=b) for b in ("crash_exc", "mlp", "crash_exit", "crash_kill", "mlp")]
+    t0 = time.monotonic()
+    exc, ok1, exited, killed, ok2 = results = check(specs, timeout_s=10)
+    assert time.monotonic() - t0 < 20  # each crash is noticed at once, not after the 10 s timeout
+    assert [r["verdict"] for r in results] == ["error", "equivalent", "error", "error", "equivalent"]
+    assert exit_code(results) == 2
+    (problem,) = [p for p in exc["problems"] if p["rank"] == 1]
+    assert problem["status"] == "error" and "boom on rank 1" in problem["message"]
+    assert "Traceback" in problem["traceback"] and "in _raise" in problem["traceback"]
+    assert exc["summary"].startswith("error: rank 1: RuntimeError: boom on rank 1")
+    assert "in _raise" in exc["summary"]  # the traceback's tail, shown in the console summary
+    assert "rank 1 died (exited with code 3)" in exited["summary"]
+    assert "rank 1 died (killed by signal SIGKILL)" in killed["summary"]
+    assert all(not r["as_expected"] for r in (exc, exited, killed))
+    assert children() == before
+
+
+def test_single_crashing_case_exits_2_and_prints_the_traceback(register_block, capsys, children):
+    before = children()
+    register_block("crash_exc", tamper=_on_rank1(_raise))
+    assert main(["run", "--block", "crash_exc", "--timeout", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "boom on rank 1" in err and "in _raise" in err and 'raise RuntimeError("boom on rank 1")' in err
+    assert children() == before
