@@ -1,12 +1,11 @@
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SEED = Path(os.environ.get("TPCHECK_SEED_DIR", REPO.parent / "shared" / "seed")) / "reference.py"
 sys.path.insert(0, str(Path(__file__).parent))
+
+from paths import SEED  # noqa: E402
 
 
 @pytest.fixture(scope="session")

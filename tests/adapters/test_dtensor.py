@@ -4,7 +4,7 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import REPO
+from paths import REPO
 
 from tpcheck.check.registry import file_spec
 from tpcheck.check.session import check

@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from paths import REPO
 
 from tpcheck.cli import main
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from paths import REPO
 
 MODES = ["equivalence", "missing_forward_reduce", "missing_backward_reduce"]
 

@@ -26,7 +26,7 @@ case = dataclasses.replace(own_module.correct, build_tp=build_tp)''',
 
 
 def _write(tmp_path, name, body):
-    from conftest import REPO
+    from paths import REPO
 
     path = tmp_path / f"{name}.py"
     path.write_text(HEAD.format(examples=str(REPO / "examples")) + body + "\n")
@@ -65,7 +65,7 @@ def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):
 
 
 def test_correct_file_still_passes_with_overrides(tmp_path, capsys):
-    from conftest import REPO
+    from paths import REPO
 
     code = main(["verify", str(REPO / "examples" / "own_module.py:correct"), "--world-size", "2", "--steps", "1",
                  "--dtype", "float64", "--json", str(tmp_path / "r.json")])

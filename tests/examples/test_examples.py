@@ -1,7 +1,7 @@
 """Every example: its correct cases are equivalent and its planted bug is flagged at the documented
 first-divergent tensor. One launch per example file (a pool per world size serves all its cases)."""
 import pytest
-from conftest import REPO
+from paths import REPO
 
 from tpcheck.check.registry import file_spec
 from tpcheck.check.session import check

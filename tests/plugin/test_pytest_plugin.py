@@ -21,7 +21,7 @@ def test_buggy(tpcheck):
 
 
 def test_case_object_in_test_module_pass_and_readable_failure(pytester):
-    from conftest import REPO
+    from paths import REPO
 
     pytester.makepyfile(test_inner=TEST_MODULE.format(examples=str(REPO / "examples")))
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=240)

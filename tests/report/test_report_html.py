@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import REPO, tpcheck
+from report_helpers import REPO, tpcheck
 
 from tpcheck.report.html import render_html
 from tpcheck.report.plots import CAP, heatmap_matrix, log_ratio

@@ -5,7 +5,7 @@ import json
 
 import jsonschema
 import pytest
-from conftest import SEED_ARGS, tpcheck
+from report_helpers import SEED_ARGS, tpcheck
 
 from tpcheck.report.schema import SCHEMA, load_schema
 

@@ -99,7 +99,7 @@ class RankRun:
             self.truth = self._copy_of(self.dense, torch.float64) if group.rank == 0 else None
         case.plan.check_against(self.dense, group.world_size)
         self.tp = case.build_tp(group, self.dtype)
-        load_from_dense(self.tp, self.dense, case, group)
+        load_from_dense(self.tp, master, case, group)  # from the float32 master, cast on copy: = dense
         if case.tamper is not None:
             case.tamper(self.tp, group)
         self.models = [self.dense, self.tp] + ([] if self.truth in (None, self.dense) else [self.truth])

@@ -74,7 +74,7 @@ def _entries() -> list[Fault]:
               i.load_with(lambda p: i.FromRank(p, 0), i.not_replicated)),
         Fault("stale_shard",
               "One rank's weight shard is off by 1e-3 relative (a stale or mis-converted checkpoint shard).",
-              "rank 1's first sharded weight after loading", "weights", "scaled", i.perturb_shard(1, 1e-3)),
+              "rank 1's first sharded weight as loaded", "weights", "scaled", i.perturb_first_shard(1, 1e-3)),
         Fault("sp_norm_grad_not_reduced",
               "Under sequence parallelism the norm weight grad is not all-reduced: each rank saw a sequence shard.",
               "optimizer-phase all-reduce of 'norm.weight' grads", "grads", "partial_sum",
