@@ -4,7 +4,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

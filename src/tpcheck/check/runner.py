@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from torch import nn
 
 from tpcheck.check import capture, tolerance
 from tpcheck.check.case import Case
+from tpcheck.check.ledger import CollectiveMismatch, sync_ledgers  # noqa: F401 (re-exported)
 from tpcheck.check.loading import cast, leaf, load_from_dense, maxdiff
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -42,15 +42,6 @@ class _NoGrad:
     """Stands for a float64 input on ranks that hold no float64 model."""
 
     grad = None
-
-
-class CollectiveMismatch(RuntimeError):
-    """Ranks issued different collectives, or some never reached a checkpoint (a hang).
-    `checkpoint` names the checkpoint this rank waited at (the launcher reports it)."""
-
-    def __init__(self, message: str, checkpoint: str | None = None) -> None:
-        super().__init__(message)
-        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -155,43 +146,26 @@ class RankRun:
             "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
 
     def flush_replicas(self) -> None:
-        """Compare every pending replicated tensor across ranks (max - min over ranks, bitwise)."""
-        for check, t in self.pending_replicas:
-            self.group.last_collective = ("all_reduce", f"checker:replicas of {check.name}", "optimizer")
-            hi = t.double()
-            lo = -hi
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group.pg)
-            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group.pg)
-            spread = float((hi + lo).abs().max()) if t.numel() else 0.0
+        """Compare every pending replicated tensor across ranks, bitwise: max - min over ranks, for all
+        of them in one all-reduce (MAX of [x; -x])."""
+        if not self.pending_replicas:
+            return
+        flats = [t.double().reshape(-1) for _, t in self.pending_replicas]
+        both = torch.cat(flats + [-f for f in flats])
+        self.group.last_collective = ("all_reduce", "checker:replicas", "optimizer")
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group.pg)
+        hi, neg_lo = both.split(both.numel() // 2)
+        b = tolerance.REPLICA
+        for (check, t), h, n in zip(self.pending_replicas, hi.split([f.numel() for f in flats]),
+                                    neg_lo.split([f.numel() for f in flats])):
+            spread = float((h + n).abs().max()) if t.numel() else 0.0
             spread = spread if not math.isnan(spread) else math.inf
-            b = tolerance.REPLICA
             self.checks.append(Check("replicas", check.step, check.name, check.rank, spread, spread, b.value,
                                      "replica", b.reason, spread <= b.value, check.placement, check.seq))
         self.pending_replicas.clear()
 
     def sync(self, where: str) -> None:
-        """Before the checker's own collectives, every rank must have issued the same model collectives.
-        Ledgers are exchanged through the rendezvous store, not a collective, so a rank out of step cannot
-        make the checker's collectives pair with the model's (gloo aborts on such a size mismatch)."""
-        g = self.group
-        if g.world_size == 1 or g.store is None or g.ledger is None:
-            return
-        g.syncs += 1
-        key = f"tpcheck/sync{g.syncs}"
-        mine = [f"{e.phase} {e.op} at {e.site!r}" for e in g.ledger]
-        g.store.set(f"{key}/{g.rank}", "\n".join(mine))
-        keys = [f"{key}/{r}" for r in range(g.world_size)]
-        try:
-            g.store.wait(keys, timedelta(seconds=g.timeout_s))
-        except Exception:  # noqa: BLE001 - a store wait past its timeout: some rank is stuck
-            missing = [r for r, k in enumerate(keys) if not g.store.check([k])]
-            raise CollectiveMismatch(
-                f"hang detected: rank(s) {missing} did not reach the checkpoint after {where} within "
-                f"{g.timeout_s:g} s; this rank had issued {len(mine)} collective(s), the last "
-                f"{mine[-1] if mine else 'none'}", checkpoint=where) from None
-        ledgers = [g.store.get(k).decode().split("\n") if g.store.get(k) else [] for k in keys]
-        if any(ld != ledgers[0] for ld in ledgers):
-            raise CollectiveMismatch(f"collective mismatch after {where}: " + _ledger_diff(ledgers), checkpoint=where)
+        sync_ledgers(self.group, where)
 
     # ------------------------------------------------------------------ the run
 
@@ -264,7 +238,7 @@ class RankRun:
         out_tp = self.tp(**kw_tp)
         self.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
         if step == 1 and self.truth is not None:
-            self.control = self_test(self.checks[-1], out_tp.detach(), out_d, case.output_placement, group)
+            self.control = tolerance.self_test(self.checks[-1], out_tp.detach(), out_d, case.output_placement, group)
         target_local = case.target_placement.shard(cast(target, self.dtype), group.rank, group.world_size)
         loss_tp = case.compute_tp_loss(out_tp, target_local, group) / case.micro_batches
         self.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
@@ -336,35 +310,3 @@ def run_case_on_rank(case: Case, group: TPGroup) -> dict:
     return {"rank": group.rank, "checks": [asdict(c) for c in checks], "evidence": run.evidence,
             "expected_collectives": case.expected_collectives, "control": run.control,
             "ledger": [asdict(e) for e in group.ledger], "seconds": time.perf_counter() - t0}
-
-
-def self_test(check: Check, tp_out: torch.Tensor, dense_out: torch.Tensor, placement: Placement,
-              group: TPGroup) -> dict:
-    """The control run on every check (as Megatron's grad-match test does): a copy of the TP output
-    with one element moved by twice the bound must be flagged by the same comparison, and the bound
-    must be tight enough to see a 25% error (faults move values by O(1): a missing reduction at tp=2
-    by 50%). A checker that cannot fail is caught here. Measured: fp32 bounds are ~1e-6 relative,
-    bf16 up to ~0.15 at tiny hidden sizes (the dense bf16 model's own error there)."""
-    ref = placement.shard(dense_out, group.rank, group.world_size)
-    scale = float(dense_out.abs().max()) if dense_out.numel() else 0.0
-    bumped = tp_out.clone()
-    flat = bumped.view(-1)
-    i = int(flat.abs().argmax())
-    flat[i] = flat[i] + 2 * check.bound + tolerance.eps(tp_out.dtype) * max(abs(float(flat[i])), 1e-30)
-    diff = maxdiff(bumped, ref)
-    relative_bound = check.bound / scale if scale else math.inf
-    return {"tensor": check.name, "bound": check.bound, "perturbed_error": diff,
-            "flagged": bool(diff > check.bound), "relative_bound": relative_bound,
-            "sensitive": bool(relative_bound < 0.25)}
-
-
-def _ledger_diff(ledgers: list[list[str]]) -> str:
-    counts = ", ".join(f"rank {r}: {len(ld)}" for r, ld in enumerate(ledgers))
-    for i in range(max(len(ld) for ld in ledgers)):
-        at = [ld[i] if i < len(ld) else "nothing" for ld in ledgers]
-        if len(set(at)) > 1:
-            which = "; ".join(f"rank {r}: {a}" for r, a in enumerate(at))
-            return f"collectives issued ({counts}) first differ at #{i + 1}: {which}"
-    return f"collectives issued: {counts}"
-
-

@@ -27,9 +27,17 @@ Three kinds of comparison, each recorded with the bound it used and why:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from tpcheck.check.loading import maxdiff
+
+if TYPE_CHECKING:
+    from tpcheck.parallel.group import TPGroup
+    from tpcheck.plan import Placement
 
 FLOOR_ULPS = 2
 FP64_FLOOR_ULPS = 2**20
@@ -67,3 +75,23 @@ def calibrated(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, wor
     return Bound(f * err_dense + floor, "calibrated",
                  f"{f:g} x dense {str(dtype).removeprefix('torch.')} error vs float64 ({err_dense:.3g}) "
                  f"+ {FLOOR_ULPS} ulps of scale {scale:.3g}")
+
+
+def self_test(check, tp_out: torch.Tensor, dense_out: torch.Tensor, placement: Placement,
+              group: TPGroup) -> dict:
+    """The control run on every check (as Megatron's grad-match test does): a copy of the TP output
+    with one element moved by twice the bound must be flagged by the same comparison, and the bound
+    must be tight enough to see a 25% error (faults move values by O(1): a missing reduction at tp=2
+    by 50%). A checker that cannot fail is caught here. Measured: fp32 bounds are ~1e-6 relative,
+    bf16 up to ~0.15 at tiny hidden sizes (the dense bf16 model's own error there)."""
+    ref = placement.shard(dense_out, group.rank, group.world_size)
+    scale = float(dense_out.abs().max()) if dense_out.numel() else 0.0
+    bumped = tp_out.clone()
+    flat = bumped.view(-1)
+    i = int(flat.abs().argmax())
+    flat[i] = flat[i] + 2 * check.bound + eps(tp_out.dtype) * max(abs(float(flat[i])), 1e-30)
+    diff = maxdiff(bumped, ref)
+    relative_bound = check.bound / scale if scale else math.inf
+    return {"tensor": check.name, "bound": check.bound, "perturbed_error": diff,
+            "flagged": bool(diff > check.bound), "relative_bound": relative_bound,
+            "sensitive": bool(relative_bound < 0.25)}
