@@ -42,7 +42,10 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
                          f"{list(b.shape)}: the plan or the TP module's layout is wrong")
     if a.numel() == 0:
         return 0.0
-    d = (a.detach().double() - b.detach().double()).abs().max()
+    # float32 or float64 as they are (the seed's metric is a float32 difference); half types in float32,
+    # where they are exact. A NaN anywhere makes the difference infinite.
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    d = (a.detach().to(dtype) - b.detach().to(dtype)).abs().max()
     return float(d) if not torch.isnan(d) else math.inf
 
 

@@ -112,14 +112,6 @@ class RankRun:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives."""
         rank, world = self.group.rank, self.group.world_size
-        if truth is not None and not bool(torch.isfinite(truth).all()):
-            raise UsageError(f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
-                             "the inputs or weights are bad, not the TP implementation")
-        if not bool(torch.isfinite(dense).all()):
-            raise UsageError(f"the dense {self.case.dtype} reference's {name} (step {step}, {stage}) contains "
-                             "NaN/Inf while the float64 truth is finite: this dtype overflows here (float16 with "
-                             "AdamW, whose eps underflows, is a known cause); use float32/bfloat16 or --optimizer "
-                             "sgd. The reference is bad, not the TP implementation")
         ref = placement.shard(dense, rank, world)
         diff = maxdiff(tp_local, ref)
         if exact:
@@ -128,6 +120,9 @@ class RankRun:
             bound = tolerance.calibrated(dense, truth, self.dtype, world)
         else:
             bound = tolerance.PENDING
+        # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
+        if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
+            self._check_reference_finite(stage, step, name, dense, truth)
         self.seq += 1
         check = Check(stage, step, name, rank, diff, diff, bound.value, bound.kind, bound.reason,
                       None if bound.value is None else diff <= bound.value, str(placement), self.seq)
@@ -135,6 +130,16 @@ class RankRun:
         self._keep_evidence(check, tp_local, ref, dense)
         if placement.replicated and world > 1:
             self.pending_replicas.append((check, tp_local.detach().clone()))
+
+    def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
+        """Bad input is reported as such (exit 2), not as a TP bug."""
+        if truth is not None and not bool(torch.isfinite(truth).all()):
+            raise UsageError(f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
+                             "the inputs or weights are bad, not the TP implementation")
+        if not bool(torch.isfinite(dense).all()):
+            raise UsageError(f"the dense {self.case.dtype} reference's {name} (step {step}, {stage}) contains "
+                             "NaN/Inf (float16 with AdamW, whose eps underflows, is a known cause; use "
+                             "float32/bfloat16 or --optimizer sgd). The reference is bad, not the TP implementation")
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense) -> None:
         if check.step > 1 or tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
