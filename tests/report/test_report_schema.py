@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 from report_helpers import SEED_ARGS, tpcheck
 
-from tpcheck.report.schema import SCHEMA, load_schema
+from tpcheck.report.schema import SCHEMA, load_schema, without_timings
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +71,11 @@ def test_schema_is_open_for_additions(validator, seed_run):
     assert _errors(validator, report) == []
 
 
-def _without_seconds(value):
-    if isinstance(value, dict):
-        return {k: _without_seconds(v) for k, v in value.items() if k != "seconds"}
-    if isinstance(value, list):
-        return [_without_seconds(v) for v in value]
-    return value
-
-
 def test_same_command_same_json_apart_from_seconds(seed_run, tmp_path):
     again = tmp_path / "again.json"
     proc = tpcheck(*SEED_ARGS, "--json", str(again), "-q")
     assert proc.returncode == 0, proc.stderr
     first, second = seed_run.report, json.loads(again.read_text())
     assert "seconds" in first["cases"][0]  # the timings exist and are what is set aside
-    assert _without_seconds(first) == _without_seconds(second)
+    assert without_timings(first) == without_timings(second)
     assert seed_run.proc.stdout == proc.stdout  # the seed-compatible JSON on stdout too

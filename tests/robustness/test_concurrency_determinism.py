@@ -10,16 +10,9 @@ import pytest
 
 from tpcheck.cli import main
 from tpcheck.report import schema
+from tpcheck.report.schema import without_timings
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _strip_seconds(x):
-    if isinstance(x, dict):
-        return {k: _strip_seconds(v) for k, v in x.items() if k != "seconds"}
-    if isinstance(x, list):
-        return [_strip_seconds(v) for v in x]
-    return x
 
 
 def test_two_concurrent_checks_do_not_collide(tmp_path):
@@ -34,7 +27,7 @@ def test_two_concurrent_checks_do_not_collide(tmp_path):
     for p, (out, err) in zip(procs, done):
         assert p.returncode == 0, err
     assert done[0][0] == done[1][0]  # the seed's JSON on stdout
-    a, b = (_strip_seconds(json.loads(o.read_text())) for o in outs)
+    a, b = (without_timings(json.loads(o.read_text())) for o in outs)
     assert a == b and a["summary"]["cases"] == 3
 
 
@@ -45,7 +38,7 @@ def test_same_command_twice_gives_identical_json(tmp_path):
     for i in range(2):
         path = tmp_path / f"r{i}.json"
         assert main([*argv, "--json", str(path)]) == 0
-        reports.append(_strip_seconds(json.loads(path.read_text())))
+        reports.append(without_timings(json.loads(path.read_text())))
     assert reports[0] == reports[1]
     assert reports[0]["summary"]["cases"] >= 4
 
