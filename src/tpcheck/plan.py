@@ -113,9 +113,13 @@ class Fused(Placement):
             if n >= world:
                 pieces.append(part.chunk(world, dim=self.dim)[rank])
             else:  # fewer units than ranks: replicate unit r // (world // n)
-                unit = rank // (world // n)
+                unit = self.replica_unit(rank, world, n)
                 pieces.append(part.narrow(self.dim, unit * u, u))
         return torch.cat(pieces, dim=self.dim)
+
+    def replica_unit(self, rank: int, world: int, units: int) -> int:
+        """The unit a rank holds of a part with fewer units than ranks: consecutive ranks share one."""
+        return rank // (world // units)
 
     def __str__(self) -> str:
         return f"fused(dim={self.dim}, units={list(self.units)})"

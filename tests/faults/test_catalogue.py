@@ -10,27 +10,38 @@ from tpcheck.faults import CATALOGUE
 WORLDS = (2, 4)
 
 
-def _specs(world):
-    base = CaseSpec(block="mlp", preset="tiny", world_size=world)
-    specs = []
+def _cases():
+    """(fault, world, faulty spec) for every fault on every block it names, at every world size in
+    WORLDS where it applies (the tiny preset has every block)."""
+    out = []
     for fault in CATALOGUE.values():
-        if fault.expected_stage != "hang" and fault.applies("mlp", world):
-            faulty = fault.spec_for(base)
-            specs += [faulty, dataclasses.replace(faulty, fault=None)]  # the fault and its correct twin
-    return specs
+        if fault.expected_stage == "hang":
+            continue
+        for block in fault.blocks:
+            for world in WORLDS:
+                if fault.applies(block, world):
+                    out.append((fault, world, fault.spec_for(CaseSpec(block=block, preset="tiny",
+                                                                      world_size=world))))
+    return out
+
+
+CASES = _cases()
 
 
 @pytest.fixture(scope="module")
 def results():
-    specs = [s for w in WORLDS for s in _specs(w)]
+    specs = []
+    for _, _, faulty in CASES:
+        specs += [faulty, dataclasses.replace(faulty, fault=None)]  # the fault and its correct twin
     return dict(zip(specs, check(specs)))
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", [n for n, f in CATALOGUE.items() if f.expected_stage != "hang"])
-def test_fault_caught_with_its_signature_and_twin_passes(results, name, world):
-    fault = CATALOGUE[name]
-    faulty = fault.spec_for(CaseSpec(block="mlp", preset="tiny", world_size=world))
+def test_every_fault_is_exercised():
+    assert {f.name for f, _, _ in CASES} == {n for n, f in CATALOGUE.items() if f.expected_stage != "hang"}
+
+
+@pytest.mark.parametrize("fault,world,faulty", CASES, ids=[f"{f.name}-{s.block}-tp{w}" for f, w, s in CASES])
+def test_fault_caught_with_its_signature_and_twin_passes(results, fault, world, faulty):
     r = results[faulty]
     assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
     assert r["first_divergence"]["stage"] == fault.expected_stage, r["summary"]
@@ -52,14 +63,14 @@ def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_r
 
 
 def test_ledger_names_missing_and_extra_collectives(results):
-    by_fault = {s.fault: r for s, r in results.items() if s.world_size == 2 and s.fault}
+    by_fault = {s.fault: r for s, r in results.items() if s.world_size == 2 and s.fault and s.block == "mlp"}
     missing = by_fault["missing_forward_reduce"]["ledger"]["problems"]
     assert [(p["kind"], p["op"], p["site"], p["phase"]) for p in missing] == [("missing", "all_reduce", "down", "forward")]
     extra = by_fault["reduced_twice"]["ledger"]["problems"]
     assert [(p["kind"], p["expected"], p["observed"]) for p in extra] == [("extra", 3, 6)]
     # a collective on a temporary was issued: the ledger is clean while the numbers are partial sums
     assert by_fault["collective_on_temporary"]["ledger"]["problems"] == []
-    twin = next(r for s, r in results.items() if s.world_size == 2 and not s.fault)
+    twin = next(r for s, r in results.items() if s.world_size == 2 and not s.fault and s.block == "mlp")
     assert twin["ledger"]["problems"] == []
 
 

@@ -155,7 +155,7 @@ def classify_local(e: dict, world: int) -> tuple[str, dict]:
         for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
             if world > 1 and abs(c - target) <= 1e-2 * target:
                 return name, {"factor": c}
-        if abs(c - 1.0) > 1e-6 and not _close_exact(tp, ref):
+        if abs(c - 1.0) > 1e-6 and not _close_exact(tp, ref) and tp.size > 1:  # any two scalars "scale"
             return "scaled", {"factor": c}
     d = tp - ref
     if _per_feature(d):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import torch
 import torch.nn.functional as F
 
 from tpcheck.check.case import Case, CaseSpec
-from tpcheck.parallel.collectives import reduce_from_tp_region
+from tpcheck.parallel.collectives import reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region
 from tpcheck.parallel.group import TPGroup
-from tpcheck.plan import Placement, Plan, Replicate, Shard
+from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
 
 def site_matches(site: str, suffix: str) -> bool:
@@ -128,6 +129,62 @@ def perturb_first_shard(rank: int = 1, rel: float = 1e-3):
 
 
 @dataclasses.dataclass(frozen=True)
+class KVByRank(Fused):
+    """A replicated KV head indexed by rank (mod the number of heads) instead of rank // replicas."""
+
+    def replica_unit(self, rank: int, world: int, units: int) -> int:
+        return rank % units
+
+    def __str__(self) -> str:  # the checks still name the right placement; this one only loads
+        return "fused(kv head by rank)"
+
+
+def kv_head_by_rank(case: Case, spec: CaseSpec) -> Case:
+    def replicated_part(name: str, p: Placement) -> bool:
+        return isinstance(p, Fused) and any(n < spec.world_size for n in p.units)
+
+    return load_with(lambda p: KVByRank(p.dim, p.units, p.unit_size), replicated_part)(case, spec)
+
+
+def embedding_without_mask(case: Case, spec: CaseSpec) -> Case:
+    """Vocab-parallel embeddings mask foreign token ids to row 0 but do not zero those output rows:
+    every rank adds its row 0 for the tokens it does not own."""
+    from tpcheck.parallel.embedding import VocabParallelEmbedding
+
+    def forward(self, tokens):
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_local)
+        partial = F.embedding(torch.where(outside, torch.zeros_like(tokens), tokens - self.vocab_start),
+                              self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)
+        return reduce_from_tp_region(partial, self.group, self.site)
+
+    def tamper(module, group):
+        for m in module.modules():
+            if isinstance(m, VocabParallelEmbedding):
+                m.forward = types.MethodType(forward, m)
+
+    return dataclasses.replace(case, tamper=tamper)
+
+
+def smoothing_over_local_vocab(case: Case, spec: CaseSpec) -> Case:
+    """Vocab-parallel cross-entropy spreads label smoothing over the local vocabulary: the sum of
+    logits is not reduced and is divided by the local vocabulary size (Megatron's old bug)."""
+
+    def tamper(module, group):
+        def hook(op, site, phase, x, perform):
+            if op == "all_reduce" and site.endswith(".sum") and phase == "forward" and x.dim() == 2 and len(x) == 3:
+                out = perform(x).clone()
+                out[2] = x[2] * group.world_size  # local sum / (V / tp) == this rank's mean logit
+                return out
+            return perform(x)
+
+        group.interceptor = hook
+
+    return dataclasses.replace(case, tamper=tamper)
+
+
+@dataclasses.dataclass(frozen=True)
 class WrongDim(Placement):
     """Split along dim `used`, then viewed as the shape the right placement gives."""
 
@@ -150,14 +207,18 @@ def load_with(rewrite, needs=lambda name, p: True):
 
 
 def naive_fused_split(case: Case, spec: CaseSpec) -> Case:
-    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part."""
+    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part. The block is built
+    with the concatenated [gate; up] layout, so every block with an MLP has a fused weight to split;
+    parts replicated over ranks (kv_heads < world) are left alone (the shapes would not even match)."""
     from tpcheck.models.cases import builtin_case
-    from tpcheck.plan import Fused
 
-    if not any(isinstance(p, Fused) for p in case.plan.params.values()):
-        layout = dataclasses.replace(spec, overrides=spec.overrides + (("gate_up_layout", "concat"),), fault=None)
-        case = builtin_case(layout)
-    return load_with(lambda p: Shard(p.dim), lambda n, p: isinstance(p, Fused))(case, spec)
+    concat = dataclasses.replace(spec, overrides=spec.overrides + (("gate_up_layout", "concat"),), fault=None)
+    case = dataclasses.replace(builtin_case(concat), name=case.name)
+
+    def splittable(name: str, p: Placement) -> bool:
+        return isinstance(p, Fused) and all(n >= spec.world_size for n in p.units)
+
+    return load_with(lambda p: Shard(p.dim), splittable)(case, spec)
 
 
 def is_row_parallel_weight(name: str, p: Placement) -> bool:
@@ -173,4 +234,5 @@ def not_replicated(name: str, p: Placement) -> bool:
 
 __all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
            "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
-           "WrongDim", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed"]
+           "WrongDim", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed", "KVByRank",
+           "kv_head_by_rank", "embedding_without_mask", "smoothing_over_local_vocab"]

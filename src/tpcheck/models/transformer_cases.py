@@ -69,11 +69,13 @@ def layer_plan(cfg: ModelConfig, sp: bool = False, prefix: str = "") -> Plan:
 
 def lm_plan(cfg: ModelConfig, sp: bool = False) -> Plan:
     """Embedding and head vocab-sharded (`Shard(0)`, the same rows; one tensor when tied).
-    Activations: embedding, each layer, final norm and head outputs."""
+    Activations: embedding, every module of every layer, final norm and head outputs."""
     seq_or_rep = Shard(0) if sp else Replicate()
     params, acts = {"embed.weight": Shard(0)}, {"embed": seq_or_rep, "norm": seq_or_rep}
-    for i in range(cfg.layers):  # captures per layer only: the layer block localizes further, and
-        params.update(layer_plan(cfg, sp, prefix=f"layers.{i}.").params)  # every capture costs replica checks
+    for i in range(cfg.layers):
+        layer = layer_plan(cfg, sp, prefix=f"layers.{i}.")
+        params.update(layer.params)
+        acts.update(layer.activations)
         acts[f"layers.{i}"] = seq_or_rep
     params["norm.weight"] = Replicate()
     if not cfg.tie_embeddings:
