@@ -11,7 +11,8 @@ from tpcheck.check.case import CaseSpec
 from tpcheck.models.cases import BLOCKS, COLLECTIVES, config_for
 from tpcheck.parallel.group import TPGroup
 
-NOT_INCLUDED = ["CUDA/NCCL (untested on this CPU machine)", "fused kernels", "pipeline and data parallelism"]
+NOT_INCLUDED = ["CUDA/NCCL (untested on this CPU machine)", "mixed precision (autocast, float32 master weights)",
+                "fused kernels", "pipeline and data parallelism"]
 
 
 def seed_inspect(world_size: int) -> dict:
