@@ -47,7 +47,7 @@ def merge(spec: CaseSpec, payloads: list[dict]) -> dict:
         result.update(verdict="error", as_expected=False,
                       summary=f"checker self-test failed: a perturbed {control['tensor']} was "
                               f"{'flagged' if control['flagged'] else 'not flagged'}, relative bound "
-                              f"{control['relative_bound']:.3g} (must be < 0.25); no verdict can be trusted")
+                              f"{control['relative_bound']:.3g} (must be < 0.5); no verdict can be trusted")
         return result
     result["first_divergence"] = _first(failed) if failed else None
     result["diagnosis"] = (diagnose(result["first_divergence"], [p.get("evidence", {}) for p in payloads],
