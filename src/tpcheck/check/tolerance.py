@@ -21,6 +21,11 @@ Three kinds of comparison, each recorded with the bound it used and why:
   dense result happens to round exactly to the truth. Faults move values by orders of magnitude more
   (a missing reduction is an O(1) relative error).
 
+* after an adaptive optimizer step (AdamW), each element may also differ by 2 * lr * |u_tp - u_dense|,
+  u = m_hat / (sqrt(v_hat) + eps) from each side's own moments (see RankRun._adaptive_slack): AdamW
+  turns rounding-level grad differences into up to 2 * lr where a moment is near 0, so this stage
+  checks that the same update rule was applied to grads already checked.
+
 * float64 as the working dtype has no higher-precision truth here, so the bound is
   `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
   relative per operation, a fault is ~1e-1.

@@ -91,6 +91,44 @@ def replicated_lr_by_rank(case: Case, spec: CaseSpec) -> Case:
     return dataclasses.replace(case, tp_optimizer=make)
 
 
+def embedding_without_mask(case: Case, spec: CaseSpec) -> Case:
+    """Vocab-parallel embeddings mask foreign token ids to row 0 but do not zero those output rows:
+    every rank adds its row 0 for the tokens it does not own."""
+    from tpcheck.parallel.embedding import VocabParallelEmbedding
+
+    def forward(self, tokens):
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_local)
+        partial = F.embedding(torch.where(outside, torch.zeros_like(tokens), tokens - self.vocab_start),
+                              self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)
+        return reduce_from_tp_region(partial, self.group, self.site)
+
+    def tamper(module, group):
+        for m in module.modules():
+            if isinstance(m, VocabParallelEmbedding):
+                m.forward = types.MethodType(forward, m)
+
+    return dataclasses.replace(case, tamper=tamper)
+
+
+def smoothing_over_local_vocab(case: Case, spec: CaseSpec) -> Case:
+    """Vocab-parallel cross-entropy spreads label smoothing over the local vocabulary: the sum of
+    logits is not reduced and is divided by the local vocabulary size (Megatron's old bug)."""
+
+    def tamper(module, group):
+        def hook(op, site, phase, x, perform):
+            if op == "all_reduce" and site.endswith(".sum") and phase == "forward" and x.dim() == 2 and len(x) == 3:
+                out = perform(x).clone()
+                out[2] = x[2] * group.world_size  # local sum / (V / tp) == this rank's mean logit
+                return out
+            return perform(x)
+
+        group.interceptor = hook
+
+    return dataclasses.replace(case, tamper=tamper)
+
+
 # ------------------------------------------------------------------ wrong loading (load_plan)
 
 
@@ -144,44 +182,6 @@ def kv_head_by_rank(case: Case, spec: CaseSpec) -> Case:
         return isinstance(p, Fused) and any(n < spec.world_size for n in p.units)
 
     return load_with(lambda p: KVByRank(p.dim, p.units, p.unit_size), replicated_part)(case, spec)
-
-
-def embedding_without_mask(case: Case, spec: CaseSpec) -> Case:
-    """Vocab-parallel embeddings mask foreign token ids to row 0 but do not zero those output rows:
-    every rank adds its row 0 for the tokens it does not own."""
-    from tpcheck.parallel.embedding import VocabParallelEmbedding
-
-    def forward(self, tokens):
-        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_local)
-        partial = F.embedding(torch.where(outside, torch.zeros_like(tokens), tokens - self.vocab_start),
-                              self.weight)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)
-        return reduce_from_tp_region(partial, self.group, self.site)
-
-    def tamper(module, group):
-        for m in module.modules():
-            if isinstance(m, VocabParallelEmbedding):
-                m.forward = types.MethodType(forward, m)
-
-    return dataclasses.replace(case, tamper=tamper)
-
-
-def smoothing_over_local_vocab(case: Case, spec: CaseSpec) -> Case:
-    """Vocab-parallel cross-entropy spreads label smoothing over the local vocabulary: the sum of
-    logits is not reduced and is divided by the local vocabulary size (Megatron's old bug)."""
-
-    def tamper(module, group):
-        def hook(op, site, phase, x, perform):
-            if op == "all_reduce" and site.endswith(".sum") and phase == "forward" and x.dim() == 2 and len(x) == 3:
-                out = perform(x).clone()
-                out[2] = x[2] * group.world_size  # local sum / (V / tp) == this rank's mean logit
-                return out
-            return perform(x)
-
-        group.interceptor = hook
-
-    return dataclasses.replace(case, tamper=tamper)
 
 
 @dataclasses.dataclass(frozen=True)
