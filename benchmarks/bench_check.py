@@ -63,7 +63,7 @@ def inner_dense(size, steps: int) -> None:
 
 PROFILED = {"_reference_pass": "dense + float64 forward/backward (with capture)", "compare": "compare() calls",
             "maxdiff": "  of which maxdiff", "calibrated": "  of which tolerance.calibrated",
-            "isfinite": "  of which isfinite checks", "__init__": "RankRun.__init__ (build, copy, load)",
+            "isfinite": "  of which isfinite checks", "_build": "Engine._build (build, copy, load)",
             "step": "optimizer steps (3 models)", "flush_replicas": "flush_replicas"}
 
 
@@ -74,23 +74,30 @@ def inner_profile(size) -> None:
     import pstats
 
     import tpcheck
-    from tpcheck.check.registry import build_case
-    from tpcheck.check.runner import run_case_on_rank
+    from tpcheck.check.engine import run_case_on_rank
+    from tpcheck.check.ledger import CollectiveTap
+    from tpcheck.check.sync import Rendezvous
     from tpcheck.parallel.group import TPGroup
+    from tpcheck.resolve import RESOLVER
 
     spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=1, steps=1,
                             optimizer="sgd")
-    run_case_on_rank(build_case(spec), TPGroup.single())  # warm-up
+
+    def once():
+        group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))
+        return run_case_on_rank(RESOLVER.build(spec), group, Rendezvous(None, 0, 1, 60.0))
+
+    once()  # warm-up
     prof = cProfile.Profile()
     prof.enable()
-    out = run_case_on_rank(build_case(spec), TPGroup.single())
+    out = once()
     prof.disable()
     cum: dict[str, float] = {}
     for (file, _, fn), (_, _, _, ct, _) in pstats.Stats(prof).stats.items():
         key = "isfinite" if "isfinite" in fn else fn
         if key in PROFILED and ("tpcheck" in file or key in ("isfinite", "step")):
             cum[key] = cum.get(key, 0.0) + ct
-    print(json.dumps({"seconds": out["seconds"], "cumulative_s": cum}))
+    print(json.dumps({"seconds": out.seconds, "cumulative_s": cum}))
 
 
 def child(*args: str, limit_gib: float = 21.0) -> dict:

@@ -1,7 +1,7 @@
 """(e) Memory and time of a check of one Llama-3-8B-shaped layer on this machine.
 
 Preset "llama3-8b-layer": hidden 4096, FFN 14336, 32 heads, 8 KV heads, seq 256, batch 1; block "layer"
-(attention + MLP) when `tpcheck.models.cases.BLOCKS` has it, else "mlp" (said in the output). Steps 1,
+(attention + MLP) when `tpcheck.blocks.BLOCKS` has it, else "mlp" (said in the output). Steps 1,
 SGD, world sizes 2 and 4, float32 and bfloat16. Each configuration runs alone in a subprocess under a
 watchdog (benchmarks/_common.watched_run) that polls the process tree's /proc every 0.1 s and kills it
 if the summed VmRSS passes --limit-gib (default 21), recording "exceeded" instead of taking the
@@ -41,7 +41,7 @@ def main() -> None:
     args = p.parse_args()
     if args.inner:
         return inner(args.inner[0], int(args.inner[1]), args.inner[2])
-    from tpcheck.models.cases import BLOCKS
+    from tpcheck.blocks import BLOCKS
 
     block = "layer" if "layer" in BLOCKS else "mlp"
     if block != "layer":

@@ -2,7 +2,7 @@
 
 At (seq, batch, hidden, ffn) = (512, 4, 1024, 4096), world size 2 (two forked gloo ranks, FileStore
 rendezvous, as tests/ranks.py). For each block (MLP; attention and transformer layer when
-`tpcheck.models.cases.BLOCKS` has them; attention uses 16 heads, 8 KV heads):
+`tpcheck.blocks.BLOCKS` has them; attention uses 16 heads, 8 KV heads):
 - tpcheck TP: `ParallelMLP` / `ParallelAttention` / `ParallelLayer` (plain autograd collectives);
 - DTensor TP: the same math as a dense module with separate nn.Linear projections (gate/up/down;
   wq/wk/wv/wo), parallelized with `parallelize_module` + ColwiseParallel/RowwiseParallel
@@ -13,18 +13,11 @@ dense baseline also gets one core, so "dense / TP" is the speed-up per core coun
 A step is timed per rank after a barrier; per step we take the slower rank, then the median."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, parser, table, verdict, write  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -32,6 +25,8 @@ from torch import nn  # noqa: E402
 
 from tpcheck.models import dense as tdense  # noqa: E402
 from tpcheck.models.config import ModelConfig  # noqa: E402
+
+from _common import median, parser, table, verdict, write  # noqa: E402
 
 TARGET = 1.0  # tpcheck TP / DTensor TP
 
@@ -135,47 +130,24 @@ def dtensor_tp(block: str, cfg: ModelConfig, mesh):
     return parallelize_module(model, mesh, dtensor_plan(block))
 
 
-def _rank(rank, world, store, conn, blocks, cfgs, warmup, steps):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
-        from torch.distributed.device_mesh import init_device_mesh
+def _rank(group, blocks, cfgs, warmup, steps):
+    from torch.distributed.device_mesh import init_device_mesh
 
-        from tpcheck.parallel.group import TPGroup
-
-        group, mesh = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD), init_device_mesh("cpu", (world,))
-        out = {}
-        for block in blocks:
-            cfg = cfgs[block]
-            x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1))
-            models = [tpcheck_tp(block, cfg, group), dtensor_tp(block, cfg, mesh)]
-            out[(block, "tpcheck TP")], out[(block, "DTensor TP")] = time_steps(models, x, warmup, steps, dist.barrier)
-            del models
-        conn.send(("ok", out))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        conn.send(("error", traceback.format_exc()))
-    os._exit(0)
+    mesh = init_device_mesh("cpu", (group.world_size,))
+    out = {}
+    for block in blocks:
+        cfg = cfgs[block]
+        x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1))
+        models = [tpcheck_tp(block, cfg, group), dtensor_tp(block, cfg, mesh)]
+        out[(block, "tpcheck TP")], out[(block, "DTensor TP")] = time_steps(models, x, warmup, steps, dist.barrier)
+        del models
+    return out
 
 
 def run_tp(world, blocks, cfgs, warmup, steps) -> list[dict]:
-    ctx = mp.get_context("fork")
-    with tempfile.TemporaryDirectory() as d:
-        pipes = [ctx.Pipe() for _ in range(world)]
-        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(d, "store"), pipes[r][1], blocks, cfgs,
-                                                 warmup, steps)) for r in range(world)]
-        for p in procs:
-            p.start()
-        outs = []
-        for r in range(world):
-            status, out = pipes[r][0].recv()
-            if status != "ok":
-                sys.exit(f"rank {r} failed:\n{out}")
-            outs.append(out)
-        for p in procs:
-            p.join(timeout=10)
-    return outs
+    from tpcheck.check.spawn import run_on_ranks
+
+    return run_on_ranks(_rank, world, blocks, cfgs, warmup, steps, timeout_s=1800)
 
 
 def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int) -> list[float]:
@@ -186,7 +158,7 @@ def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int) -> list[floa
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    from tpcheck.models.cases import BLOCKS
+    from tpcheck.blocks import BLOCKS
 
     seq, batch, hidden, ffn = (128, 2, 512, 2048) if args.quick else (512, 4, 1024, 4096)
     warmup, steps, world = 1, (3 if args.quick else 5), 2

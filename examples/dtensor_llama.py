@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpcheck import RunSettings
 from tpcheck.adapters.dtensor import dtensor_case
-from tpcheck.models.cases import sp_mse_loss
+from tpcheck.parallel.losses import sp_mse_loss
 from tpcheck.plan import Shard
 
 SEQ, BATCH, DIM, HEADS, FFN, LAYERS = 8, 2, 32, 4, 64, 2
@@ -130,7 +131,7 @@ def _case(name: str, sp: bool, build_dense=Llama):
     fields = {"input_placements": {"x": Shard(0)}, "output_placement": Shard(0), "target_placement": Shard(0),
               "tp_loss": sp_mse_loss} if sp else {}
     return dtensor_case(name=name, build_dense=build_dense, tp_plan=tp_plan(sp), make_batch=make_batch,
-                        init=init, steps=2, **fields)
+                        init=init, run=RunSettings(steps=2), **fields)
 
 
 def case_tp(spec):

@@ -12,6 +12,7 @@ tpcheck flags `param:layer.linear_fc1.weight` at the weights stage (step 0), bef
 """
 import dataclasses
 
+from tpcheck import Injection
 from tpcheck.adapters import megatron as mg
 from tpcheck.plan import Plan, Shard
 
@@ -42,4 +43,4 @@ def case_cross_entropy(spec):
 def case_buggy(spec):
     good = mg.gated_mlp_case()
     naive = Plan(params={**good.plan.params, "layer.linear_fc1.weight": Shard(0)})  # the converter's bug
-    return dataclasses.replace(good, name="megatron_gated_mlp_contiguous_fc1", load_plan=naive)
+    return dataclasses.replace(good, name="megatron_gated_mlp_contiguous_fc1", inject=Injection(load_plan=naive))

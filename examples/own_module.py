@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck import Case, Plan, Replicate, Shard
+from tpcheck import Case, Plan, Replicate, RunSettings, Shard
 
 SEQ, BATCH, HIDDEN, FFN = 4, 2, 16, 32
 
@@ -101,8 +101,8 @@ PLAN = Plan(params={
 })
 
 correct = Case(name="own_mlp", build_dense=DenseBlock, build_tp=lambda group, dtype: TPBlock(group, dtype),
-               plan=PLAN, make_batch=make_batch, init=init, steps=2)
+               plan=PLAN, make_batch=make_batch, init=init, run=RunSettings(steps=2))
 
 buggy = Case(name="own_mlp_bias_before_reduce", build_dense=DenseBlock,
              build_tp=lambda group, dtype: TPBlock(group, dtype, bias_before_reduce=True),
-             plan=PLAN, make_batch=make_batch, init=init, steps=2)
+             plan=PLAN, make_batch=make_batch, init=init, run=RunSettings(steps=2))

@@ -14,8 +14,7 @@ import sys
 
 from tpcheck.errors import EXIT_USAGE, UsageError
 
-SEED_MODES = ("equivalence", "missing_forward_reduce", "missing_backward_reduce")
-MODES = ("inspect", *SEED_MODES, "all")
+MODES = ("inspect", "equivalence", "missing_forward_reduce", "missing_backward_reduce", "all")  # = seed.MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,31 +83,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tpcheck.check.case import CaseSpec
     from tpcheck.check.launch import under_torchrun
 
     if args.timeout is not None and not 0 < args.timeout <= 3600:
         raise UsageError(f"--timeout {args.timeout} must be in (0, 3600] seconds")
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
     if args.mode:
+        from tpcheck.seed import mode_specs
+
         if len(world_sizes) != 1:
             raise UsageError(f"--mode takes one --world-size, got {world_sizes}")
-        modes = SEED_MODES if args.mode == "all" else () if args.mode == "inspect" else (args.mode,)
-        specs = [CaseSpec(block="mlp", preset=args.preset or "seed", world_size=world_sizes[0], steps=1 if args.steps is None else args.steps,
-                          optimizer=args.optimizer or "sgd", lr=args.lr, seed=args.seed,
-                          fault=None if m == "equivalence" else m, label=m) for m in modes]
+        specs = mode_specs(args.mode, world_sizes[0], preset=args.preset, steps=args.steps, optimizer=args.optimizer,
+                           lr=args.lr, seed=args.seed)
     else:
         specs = matrix_specs(args, world_sizes)
     return execute(specs, args, seed_mode=args.mode)
 
 
 def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
-    from tpcheck.check.case import DTYPES, CaseSpec
+    from tpcheck.check.case import CaseSpec
     from tpcheck.faults import CATALOGUE, get_fault
+    from tpcheck.resolve import feasible
 
-    for d in args.dtype:
-        if d not in DTYPES:
-            raise UsageError(f"dtype {d!r} is not one of {sorted(DTYPES)}")
     faults: list[str | None] = [None]
     if args.fault == ["all"]:
         faults += list(CATALOGUE)
@@ -121,8 +117,8 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
                         micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed)
         if fault is None:
             specs.append(spec)
-        elif CATALOGUE[fault].applies(block, ws) and _feasible(CATALOGUE[fault].spec_for(spec)):
-            specs.append(CATALOGUE[fault].spec_for(spec))
+        elif CATALOGUE[fault].applies(block, ws) and feasible(CATALOGUE[fault].prepare(spec)):
+            specs.append(CATALOGUE[fault].prepare(spec))
     if not specs:
         raise UsageError("no case to run: the faults given apply to none of the blocks and world sizes given")
     return specs
@@ -131,7 +127,7 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Case files: the world size is the launcher's; flags given override the Case's own values."""
     from tpcheck.check.launch import under_torchrun
-    from tpcheck.check.registry import file_spec
+    from tpcheck.check.usercode import file_spec
 
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
     given = {"steps": args.steps, "optimizer": args.optimizer, "lr": args.lr,
@@ -141,39 +137,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return execute(specs, args)
 
 
-def _feasible(spec) -> bool:
-    """Can this fault case run at all (e.g. an SP fault needs a sequence that divides the world size)?"""
-    from tpcheck.models.cases import config_for
-
-    try:
-        config_for(spec)
-    except UsageError:
-        return False
-    return True
-
-
 def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None) -> int:
     """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit code."""
-    from tpcheck.check.launch import DEFAULT_TIMEOUT_S, Launcher, TorchrunLauncher, under_torchrun
-    from tpcheck.check.session import exit_code, run_specs
+    from tpcheck.check.launch import DEFAULT_TIMEOUT_S, under_torchrun
+    from tpcheck.check.result import exit_code
+    from tpcheck.check.session import run_specs
     from tpcheck.report.console import print_summary, progress_printer
     from tpcheck.report.schema import build_report, write_atomic
+    from tpcheck.resolve import RESOLVER, torchrun_launcher
+    from tpcheck.resolve import launcher as pool_launcher
 
     timeout = args.timeout or DEFAULT_TIMEOUT_S
     if not under_torchrun():  # bad input fails fast, before any rank is forked
-        from tpcheck.check.launch import validate_spec
-
         for spec in specs:
-            validate_spec(spec)
-    launcher = TorchrunLauncher(timeout) if under_torchrun() else Launcher(timeout)
+            RESOLVER.validate(RESOLVER.prepare(spec))
+    launcher = torchrun_launcher(timeout) if under_torchrun() else pool_launcher(timeout)
     try:
         progress = None if args.quiet or len(specs) < 2 else progress_printer()
         results = run_specs(specs, launcher, progress)
         is_rank0 = not under_torchrun() or launcher.rank == 0
         code = exit_code(results) if is_rank0 else 0
         if is_rank0:
-            report = build_report(results, seed_mode=seed_mode,
-                                  world_size=specs[0].world_size if specs else 2)
+            seed = None
+            if seed_mode:
+                from tpcheck.seed import seed_payload
+
+                seed = seed_payload(seed_mode, results, specs[0].world_size if specs else 2)
+            report = build_report(results, exit_code=code, seed=seed)
             if seed_mode:
                 print(json.dumps(report["seed"], indent=2))
             if not args.quiet:
@@ -213,7 +203,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         with open(args.result) as f:
             report = json.load(f)
     except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read the report {args.result!r}: {e}; pass a file from `tpcheck run --json`")
+        raise UsageError(f"cannot read the report {args.result!r}: {e}; pass a file from `tpcheck run --json`") \
+            from None
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         found = report.get("schema") if isinstance(report, dict) else type(report).__name__
         raise UsageError(f"{args.result!r} has schema {found!r}, this tpcheck reads {SCHEMA!r}")

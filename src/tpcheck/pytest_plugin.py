@@ -5,7 +5,7 @@
         tpcheck.verify("path/to/case.py:NAME", world_sizes=[2])  # or a case file, or a CaseSpec
 
 A Case holds lambdas and cannot be pickled to the rank processes; it does not need to be: `verify`
-registers it in this process (`registry.register`) before the rank pool is forked, and the ranks,
+registers it in this process (`tpcheck.check.usercode.register`) before the rank pool is forked, and the ranks,
 forked copies of this process, look it up by id (`CaseSpec(block="registered:ID")`).
 
 A check that does not go as expected fails the test with the verdict and the diagnosis (first
@@ -28,9 +28,9 @@ class TPCheckFixture:
         world size; raise AssertionError with the diagnosis unless every check went as expected.
         `fields` for a Case or case file: dtype, steps, optimizer, lr, seed, micro_batches (override the
         Case's own); for a built-in block: any CaseSpec field."""
+        from tpcheck.api import check
         from tpcheck.check.case import Case, CaseSpec
-        from tpcheck.check.registry import file_spec, register
-        from tpcheck.check.session import check
+        from tpcheck.check.usercode import file_spec, register
 
         if isinstance(case, Case) or (isinstance(case, str) and (case.endswith(".py") or ".py:" in case)):
             target = register(case) if isinstance(case, Case) else case

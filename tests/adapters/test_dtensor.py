@@ -4,18 +4,18 @@ import sys
 from collections import Counter
 
 import pytest
-from paths import REPO
 
-from tpcheck.check.registry import file_spec
-from tpcheck.check.session import check
+from tpcheck.api import check
+from tpcheck.check.usercode import file_spec
 from tpcheck.plan import Replicate, Shard
+
+from paths import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
 
 
 def test_derived_plan_follows_the_styles():
     from dtensor_llama import Llama, tp_plan
-
     from tpcheck.adapters.dtensor import derive_plan
 
     plan = derive_plan(Llama(), tp_plan(sp=True)).params

@@ -1,10 +1,11 @@
 """Every example: its correct cases are equivalent and its planted bug is flagged at the documented
 first-divergent tensor. One launch per example file (a pool per world size serves all its cases)."""
 import pytest
-from paths import REPO
 
-from tpcheck.check.registry import file_spec
-from tpcheck.check.session import check
+from tpcheck.api import check
+from tpcheck.check.usercode import file_spec
+
+from paths import REPO
 
 EX = REPO / "examples"
 

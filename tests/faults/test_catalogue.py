@@ -20,7 +20,7 @@ def _cases():
         for block in fault.blocks:
             for world in WORLDS:
                 if fault.applies(block, world):
-                    out.append((fault, world, fault.spec_for(CaseSpec(block=block, preset="tiny",
+                    out.append((fault, world, fault.prepare(CaseSpec(block=block, preset="tiny",
                                                                       world_size=world))))
     return out
 
@@ -75,7 +75,7 @@ def test_ledger_names_missing_and_extra_collectives(results):
 
 
 def test_collective_on_some_ranks_ends_as_a_hang_in_seconds():
-    (r,) = check([CATALOGUE["collective_on_some_ranks"].spec_for(CaseSpec(block="mlp", preset="tiny",
+    (r,) = check([CATALOGUE["collective_on_some_ranks"].prepare(CaseSpec(block="mlp", preset="tiny",
                                                                              world_size=2))], timeout_s=2)
     assert r["verdict"] == "hang" and r["as_expected"]
     assert "hang detected" in r["summary"]

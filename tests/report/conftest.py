@@ -1,7 +1,7 @@
 """Real reports for the report tests: produced once per session by the `tpcheck` command itself."""
 import pytest
 
-from report_helpers import REPO, SEED_ARGS, MATRIX_ARGS, Run, tpcheck, run_with_reports  # noqa: F401
+from report_helpers import MATRIX_ARGS, REPO, SEED_ARGS, Run, run_with_reports, tpcheck  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,11 @@ import subprocess
 import sys
 
 import numpy as np
-from report_helpers import REPO, tpcheck
 
 from tpcheck.report.html import render_html
 from tpcheck.report.plots import CAP, heatmap_matrix, log_ratio
+
+from report_helpers import REPO, tpcheck
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -5,9 +5,10 @@ import json
 
 import jsonschema
 import pytest
-from report_helpers import SEED_ARGS, tpcheck
 
 from tpcheck.report.schema import SCHEMA, load_schema, without_timings
+
+from report_helpers import SEED_ARGS, tpcheck
 
 
 @pytest.fixture(scope="module")

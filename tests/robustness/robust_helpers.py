@@ -27,14 +27,14 @@ def derive(fn):
 
 
 def skip_on_ranks(op: str, site: str, phase: str, ranks) -> callable:
-    """A tamper that skips one collective on some ranks (a rank-dependent branch around it)."""
+    """An Injection.intercept that skips one collective on some ranks (a rank-dependent branch)."""
 
-    def tamper(module, group) -> None:
+    def interceptor(group):
         def intercept(op_, site_, phase_, x, perform):
             if (op_, site_, phase_) == (op, site, phase) and group.rank in ranks:
                 return x
             return perform(x)
 
-        group.interceptor = intercept
+        return intercept
 
-    return tamper
+    return interceptor

@@ -6,13 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from robust_helpers import derive
 
-from tpcheck.check.case import CaseSpec
-from tpcheck.check.launch import max_world_size
-from tpcheck.check.session import check, exit_code
+from tpcheck.api import check, exit_code
+from tpcheck.check.case import CaseSpec, max_world_size
 from tpcheck.cli import main
 from tpcheck.plan import Replicate, Shard
+
+from robust_helpers import derive
 
 REPO = Path(__file__).resolve().parents[2]
 

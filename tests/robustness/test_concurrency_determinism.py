@@ -24,7 +24,7 @@ def test_two_concurrent_checks_do_not_collide(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    for p, (out, err) in zip(procs, done):
+    for p, (_, err) in zip(procs, done):
         assert p.returncode == 0, err
     assert done[0][0] == done[1][0]  # the seed's JSON on stdout
     a, b = (without_timings(json.loads(o.read_text())) for o in outs)

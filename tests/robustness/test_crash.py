@@ -5,8 +5,8 @@ import os
 import signal
 import time
 
+from tpcheck.api import check, exit_code
 from tpcheck.check.case import CaseSpec
-from tpcheck.check.session import check, exit_code
 from tpcheck.cli import main
 
 

@@ -9,8 +9,8 @@ import signal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tpcheck.api import check
 from tpcheck.check.case import CaseSpec
-from tpcheck.check.session import check
 from tpcheck.cli import main
 
 FLAGS = {  # flag -> values (valid and garbage); a list value means nargs="+"

@@ -3,13 +3,13 @@
 left behind; and the verdict is a detection for the fault, a failure for a correct-looking case."""
 import time
 
-from robust_helpers import skip_on_ranks
-
+from tpcheck.api import check, exit_code
 from tpcheck.check.case import CaseSpec
-from tpcheck.check.launch import Launcher
 from tpcheck.check.result import merge
-from tpcheck.check.session import check, exit_code
 from tpcheck.cli import main
+from tpcheck.resolve import launcher as pool_launcher
+
+from robust_helpers import skip_on_ranks
 
 
 def test_fault_hang_is_named_bounded_and_leaves_no_process(children):
@@ -36,7 +36,7 @@ def test_fault_hang_is_named_bounded_and_leaves_no_process(children):
 
 def test_hang_in_a_correct_case_is_a_failure(register_block, capsys, children):
     before = children()
-    register_block("hangs_unmarked", tamper=skip_on_ranks("all_reduce", "down", "forward", ranks={1}))
+    register_block("hangs_unmarked", intercept=skip_on_ranks("all_reduce", "down", "forward", ranks={1}))
     assert main(["run", "--block", "hangs_unmarked", "--timeout", "2"]) == 1
     err = capsys.readouterr().err
     assert "hang detected" in err and "stuck in backward all_reduce at 'gate_up'" in err
@@ -53,11 +53,11 @@ def test_rank_stuck_outside_collectives_is_killed(register_block, children):
     before = children()
     spec = CaseSpec(block=register_block("sleepy", tamper=sleepy))
     t0 = time.monotonic()
-    with Launcher(timeout_s=1) as launcher:
-        result = merge(spec, launcher.run(spec))
+    with pool_launcher(timeout_s=1) as launcher:
+        result = merge(spec, launcher.run(spec)).to_json()
         solo = CaseSpec(block="sleepy", world_size=1)  # world 1: no collective, only the stall deadline
         launcher.stall_s = 0.2
-        alone = merge(solo, launcher.run(solo))
+        alone = merge(solo, launcher.run(solo)).to_json()
     assert time.monotonic() - t0 < 15
     assert result["verdict"] == "hang" and result["as_expected"] is False
     h = result["hang"]

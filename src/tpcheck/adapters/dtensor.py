@@ -36,7 +36,7 @@ from torch import nn
 
 from tpcheck.check.case import Case
 from tpcheck.errors import UsageError
-from tpcheck.parallel.group import LedgerEntry, TPGroup
+from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, Plan, Replicate, Shard
 
 _MESHES: dict[int, object] = {}
@@ -165,11 +165,13 @@ class LocalShards(nn.Module):
         return grad
 
     def _record(self, phase: str, since: Counter) -> None:
-        if self.comm is None or self.group.ledger is None:
+        note = getattr(self.group.tap, "note", None)  # the checker's tap records; a bare group does not
+        if self.comm is None or note is None:
             return
         now = _counts(self.comm)
         for op, n in sorted((now - since).items()):
-            self.group.ledger.extend(LedgerEntry(self.group.rank, phase, op, "dtensor", 0) for _ in range(n))
+            for _ in range(n):
+                note(op, "dtensor", phase)
 
     def _close(self) -> None:
         if self.comm is not None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck.check.case import Case
+from tpcheck.check.case import Case, RunSettings
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Fused, Plan, Replicate, Shard
 
@@ -86,7 +86,7 @@ def hidden_batch(seq: int, batch: int, hidden: int, out: int | None = None):
 
 
 def _fields(kw: dict) -> dict:
-    return {"init": init_normal, "steps": 2, **kw}
+    return {"init": init_normal, "run": RunSettings(steps=2), **kw}
 
 
 def column_case(hidden: int = 16, out: int = 32, seq: int = 4, batch: int = 2, **kw) -> Case:

@@ -1,16 +1,20 @@
-"""A `Case`: everything the engine needs to check one TP implementation against its dense twin.
+"""What the checker is handed: a `Case` (what is checked), its `RunSettings` (how it is run) and its
+`Injection` (what a fault changes, empty for a real check); and the `CaseSpec`, the small picklable
+name of a case that travels to rank processes.
 
 The engine knows no layer: it builds the dense module, builds the TP module, loads TP weights from
 the dense ones through the plan, feeds both the same batches (TP inputs placed by
-`input_placements`), and compares through the plan.
-
-A `CaseSpec` is the small, picklable name of a case (block, preset, world size, dtype, fault, ...)
-that travels to rank processes; `build_case(spec)` turns it into a `Case` on each rank.
+`input_placements`), and compares through the plan. Who turns a CaseSpec into a Case (a built-in
+block, a user's case file, a registered Case, plus a fault) is not the checker's business: the
+launcher is handed a resolver (`tpcheck.resolve`).
 """
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +26,13 @@ from tpcheck.plan import Placement, Plan, Replicate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "adamw")
+VERDICTS_EXPECTED = ("equivalent", "not equivalent", "hang")
+MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # (forward kwargs, target)
+# (op, site, phase, x, perform) -> tensor: replaces one collective (see parallel/group.py's Tap)
+Interceptor = Callable[[str, str, str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
 
 
 def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -31,8 +40,70 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation),
+    optimizer and learning rate (None: 0.05 for SGD, 1e-3 for AdamW), seed of the weights and batches,
+    and whether module outputs are captured to localize the first divergence. Validated on creation:
+    this is the one place where these values are checked."""
+
+    dtype: str = "float32"
+    steps: int = 3
+    micro_batches: int = 1
+    optimizer: str = "adamw"
+    lr: float | None = None
+    seed: int = 31
+    capture: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UsageError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)} (complex and integer dtypes "
+                             "cannot be checked: the tolerances are for real floating point)")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}")
+        for name in ("steps", "micro_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
+                raise UsageError(f"{name} must be an integer in 1..{MAX_STEPS}, got {value!r} (a check needs a few "
+                                 "steps; drift over many steps shows within tens)")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise UsageError(f"learning rate {self.lr!r} must be a finite number > 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise UsageError(f"seed {self.seed!r} must be an integer in torch's range [-2**63, 2**64)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.learning_rate)
+        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=0.01)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injection:
+    """What a planted fault (or a robustness test) changes on the TP side; empty for a real check.
+
+    tamper(tp_module, group): called on every rank after the TP module is built and loaded.
+    intercept(group) -> Interceptor: handed every collective the TP module issues (through the tap).
+    load_plan: the plan the TP side loads its weights with, when it differs from `Case.plan` (a TP
+        implementation with its own checkpoint loading); the checks always use `Case.plan`.
+    tp_optimizer(tp_module, group, default_factory) -> Optimizer: the TP side's own optimizer.
+    """
+
+    tamper: Callable[[nn.Module, TPGroup], None] | None = None
+    intercept: Callable[[TPGroup], Interceptor] | None = None
+    load_plan: Plan | None = None
+    tp_optimizer: Callable | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Case:
-    """How to build, feed and compare one dense module and its TP twin.
+    """What is checked: one dense module and its TP twin, how to feed them and how they relate.
 
     build_dense(dtype) -> dense module; its parameters are initialised by `init(module, generator)`.
     build_tp(group, dtype) -> TP module whose parameters are named as in the dense one (or renamed by
@@ -44,6 +115,9 @@ class Case:
         sequence parallelism). output_placement: how the TP output relates to the dense one;
         target_placement: which part of the target the TP loss sees.
     grad_inputs: forward inputs whose gradients are checked (floating point only).
+    expected_collectives: (phase, op, site) the TP module should issue per micro-batch (forward,
+        backward) and per step (optimizer); None when unknown. The ledger is checked against it.
+    run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
     name: str
@@ -58,51 +132,31 @@ class Case:
     output_placement: Placement = Replicate()
     target_placement: Placement = Replicate()
     grad_inputs: tuple[str, ...] = ("x",)
-    seed: int = 31
-    steps: int = 3
-    micro_batches: int = 1
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    dtype: str = "float32"
-    # Compare module outputs and their grads (plan.activations) to localize the first divergence.
-    capture: bool = True
-    # Called on every rank after the TP module is built and loaded (fault injection uses it).
-    tamper: Callable[[nn.Module, TPGroup], None] | None = None
-    # The plan the TP side loads its weights with, when it differs from `plan` (a TP implementation
-    # with its own checkpoint loading); checks always use `plan`.
-    load_plan: Plan | None = None
-    # (phase, op, site) the TP module should issue per micro-batch (forward, backward) and per step
-    # (optimizer); None when unknown. The ledger is checked against it.
     expected_collectives: tuple | None = None
-    # Builds the TP side's optimizer: (tp_module, group, default_factory) -> Optimizer.
-    tp_optimizer: Callable | None = None
+    run: RunSettings = RunSettings()
+    inject: Injection = Injection()
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise UsageError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
-        if self.steps < 1 or self.micro_batches < 1:
-            raise UsageError(f"steps ({self.steps}) and micro_batches ({self.micro_batches}) must be >= 1")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
+            if not isinstance(getattr(self, name), cls):
+                raise UsageError(f"Case {self.name!r}: {name} must be a tpcheck {cls.__name__}, not "
+                                 f"{type(getattr(self, name)).__name__}")
 
     def compute_tp_loss(self, out_local: torch.Tensor, target: torch.Tensor, group: TPGroup) -> torch.Tensor:
         if self.tp_loss is not None:
             return self.tp_loss(out_local, target, group)
         return self.loss(out_local, target)
 
-    def make_optimizer(self, params) -> torch.optim.Optimizer:
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=self.lr)
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
-
 
 @dataclass(frozen=True, kw_only=True)
 class CaseSpec:
-    """The picklable name of a case. `block` is a built-in block name or "file:PATH[:NAME]"."""
+    """The picklable name of a case. `block` is a built-in block name, "file:PATH[:NAME]" (a case
+    file) or "registered:ID" (a Case registered in this process).
+
+    overrides: for a built-in block, ModelConfig field overrides; for a case file, the run settings the
+    caller gave (they replace the Case's own). `expected`: the verdict this case should get; None
+    means "equivalent" without a fault, "not equivalent" with one (the resolver fills in a fault's own).
+    """
 
     block: str = "mlp"
     preset: str = "seed"
@@ -115,9 +169,10 @@ class CaseSpec:
     sequence_parallel: bool = False
     fault: str | None = None
     seed: int = 31
-    overrides: tuple[tuple[str, object], ...] = ()  # ModelConfig field overrides
-    capture: bool = True  # compare module outputs/grads to localize the first divergence
+    overrides: tuple[tuple[str, object], ...] = ()
+    capture: bool = True
     label: str = ""
+    expected: str | None = None
 
     @property
     def name(self) -> str:
@@ -131,6 +186,53 @@ class CaseSpec:
         return "/".join(parts)
 
     @property
-    def expect_equivalent(self) -> bool:
-        """Injected faults are expected to be caught (not equivalent); everything else to pass."""
-        return self.fault is None
+    def expected_verdict(self) -> str:
+        if self.expected is not None:
+            return self.expected
+        return "equivalent" if self.fault is None else "not equivalent"
+
+    def run_settings(self) -> RunSettings:
+        """This spec's run settings (validated: raises UsageError naming a bad value)."""
+        return RunSettings(dtype=self.dtype, steps=self.steps, micro_batches=self.micro_batches,
+                           optimizer=self.optimizer, lr=self.lr, seed=self.seed, capture=self.capture)
+
+    def validate(self) -> None:
+        """What can be checked without building anything; raises UsageError naming the value and the fix.
+        (Block, preset and fault names are the resolver's to check.)"""
+        check_world_size(self.world_size)
+        self.run_settings()
+        if self.expected is not None and self.expected not in VERDICTS_EXPECTED:
+            raise UsageError(f"expected verdict {self.expected!r} is not one of {list(VERDICTS_EXPECTED)}")
+
+
+# Each rank is a process on this machine. Beyond ~8 ranks per core, gloo's rendezvous and collectives
+# are slow enough to trip the collective timeout, and a false "hang" is worse than a clear refusal.
+# (Under torchrun the ranks are torchrun's business: this limit is not applied there.)
+MAX_WORLD_SIZE = 64
+RANKS_PER_CPU = 8
+
+
+def max_world_size() -> int:
+    return min(MAX_WORLD_SIZE, RANKS_PER_CPU * (os.cpu_count() or 1))
+
+
+def check_world_size(world: int) -> None:
+    limit = max_world_size()
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= limit:
+        raise UsageError(f"world size {world} is outside 1..{limit}: each rank is a process on this machine "
+                         f"({os.cpu_count()} CPUs, at most {RANKS_PER_CPU} ranks per CPU and {MAX_WORLD_SIZE} "
+                         "in all); choose a smaller world size or run under torchrun on more machines")
+
+
+class Resolver(Protocol):
+    """Turns CaseSpecs into Cases: handed to the launcher (tpcheck.resolve provides the default one,
+    which knows the built-in blocks, case files, registered Cases and the fault catalogue)."""
+
+    def prepare(self, spec: CaseSpec) -> CaseSpec:
+        """The spec as it will run (e.g. a fault's own sequence parallelism and expected verdict)."""
+
+    def validate(self, spec: CaseSpec) -> None:
+        """In the parent, before any rank: raise UsageError naming the bad value and the fix."""
+
+    def build(self, spec: CaseSpec) -> Case:
+        """On every rank: the Case to run."""

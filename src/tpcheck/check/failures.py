@@ -12,53 +12,43 @@ the rank-dependent branch that skipped a collective is usually right there.
 from __future__ import annotations
 
 from tpcheck.check.case import CaseSpec
+from tpcheck.check.ledger import ledger_diff
 
 # status -> (priority, verdict); lower priority wins
 STATUS = {"usage": (0, "invalid"), "crash": (1, "error"), "error": (2, "error"), "hang": (3, "hang"),
           "peer": (4, "error"), "aborted": (5, "error")}
 PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
-PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint")
 TRACEBACK_LINES = 12
 
 
-def failure_fields(spec: CaseSpec, payloads: list[dict]) -> dict:
-    """verdict, as_expected, problems, summary (and `hang` for hangs) from payloads, some not "ok"."""
-    problems = [{k: p[k] for k in PROBLEM_KEYS if k in p} for p in payloads if p["status"] != "ok"]
-    primary = min(problems, key=lambda p: (STATUS[_kind(p)][0], p["rank"]))
+def failure_fields(spec: CaseSpec, payloads: list) -> dict:
+    """verdict, as_expected, problems, summary (and `hang` for hangs) of a CaseResult from payloads
+    (`RankPayload`s), some not "ok"."""
+    failed = [p for p in payloads if p.status != "ok"]
+    primary = min(failed, key=lambda p: (STATUS[_kind(p)][0], p.rank))
     verdict = STATUS[_kind(primary)][1]
-    out = {"verdict": verdict, "problems": problems, "first_divergence": None,
-           "as_expected": verdict == "hang" and _expects_hang(spec)}
+    out = {"verdict": verdict, "problems": [p.problem_json() for p in failed],
+           "as_expected": verdict == "hang" and spec.expected_verdict == "hang"}
     if verdict == "hang":
         out["hang"] = hang_details(payloads)
         out["summary"] = hang_summary(out["hang"])
     elif verdict == "invalid":
-        out["summary"] = f"invalid: {primary['message']}"
+        out["summary"] = f"invalid: {primary.message}"
     else:
         out["summary"] = error_summary(primary)
     return out
 
 
-def _kind(p: dict) -> str:
-    if p["status"] == "error" and any(s in p.get("message", "").lower() for s in PEER_LOST):
+def _kind(p) -> str:
+    if p.status == "error" and any(s in p.message.lower() for s in PEER_LOST):
         return "peer"  # lost its connection because another rank died: a consequence, not a cause
-    return p["status"] if p["status"] in STATUS else "error"
+    return p.status if p.status in STATUS else "error"
 
 
-def _expects_hang(spec: CaseSpec) -> bool:
-    """A hang is the expected detection for a fault whose catalogue signature is "hang"; for a correct
-    case (or a fault expected to show as wrong numbers) it is a failure."""
-    if spec.fault is None:
-        return False
-    from tpcheck.faults import CATALOGUE
-
-    fault = CATALOGUE.get(spec.fault)
-    return fault is None or fault.expected_signature == "hang"
-
-
-def error_summary(p: dict) -> str:
-    text = f"error: rank {p['rank']}: {p['message']}"
-    if p.get("traceback"):
-        tail = p["traceback"].rstrip().splitlines()[-TRACEBACK_LINES:]
+def error_summary(p) -> str:
+    text = f"error: rank {p.rank}: {p.message}"
+    if p.traceback:
+        tail = p.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
         text += "\n" + "\n".join("       " + line for line in tail)
     return text
 
@@ -66,19 +56,19 @@ def error_summary(p: dict) -> str:
 # ---------------------------------------------------------------------------- hangs
 
 
-def hang_details(payloads: list[dict]) -> dict:
+def hang_details(payloads: list) -> dict:
     stuck, waiting, unknown = [], [], []
     for p in payloads:
-        spot = _spot(p.get("last_collective"))
-        if p["status"] == "ok":
+        spot = _spot(p.last_collective)
+        if p.status == "ok":
             continue
-        if p.get("waiting_in") == "checkpoint":
-            waiting.append({"rank": p["rank"], "checkpoint": p.get("checkpoint"), "message": p["message"]})
-        elif p.get("waiting_in") == "collective":
-            stuck.append({"rank": p["rank"], **spot})
+        if p.waiting_in == "checkpoint":
+            waiting.append({"rank": p.rank, "checkpoint": p.checkpoint, "message": p.message})
+        elif p.waiting_in == "collective":
+            stuck.append({"rank": p.rank, **spot})
         else:
-            unknown.append({"rank": p["rank"], "last_seen": spot or None, "message": p["message"]})
-    ledgers = {p["rank"]: p["ledger"] for p in payloads if p.get("ledger") is not None}
+            unknown.append({"rank": p.rank, "last_seen": spot or None, "message": p.message})
+    ledgers = {p.rank: p.ledger_lines() for p in payloads if p.ledger_lines() is not None}
     diff = ledger_diff(ledgers) if ledgers else None
     if diff and len(ledgers) < len(payloads):
         diff += f" (no ledger from rank(s) {sorted(set(range(len(payloads))) - set(ledgers))})"
@@ -90,18 +80,6 @@ def _spot(last) -> dict:
         return {}
     op, site, phase = last
     return {"op": op, "site": site, "phase": phase}
-
-
-def ledger_diff(ledgers: dict[int, list[str]]) -> str:
-    """Where the ranks' lists of issued collectives part ("phase op at 'site'" each)."""
-    counts = ", ".join(f"rank {r}: {len(ld)}" for r, ld in sorted(ledgers.items()))
-    longest = max((len(ld) for ld in ledgers.values()), default=0)
-    for i in range(longest):
-        at = {r: ld[i] if i < len(ld) else "nothing" for r, ld in sorted(ledgers.items())}
-        if len(set(at.values())) > 1:
-            which = "; ".join(f"rank {r}: {a}" for r, a in at.items())
-            return f"collectives issued ({counts}) first differ at #{i + 1}: {which}"
-    return f"collectives issued ({counts}) agree"
 
 
 def hang_summary(h: dict) -> str:

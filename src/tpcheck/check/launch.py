@@ -21,22 +21,20 @@ leaves no process behind.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import shutil
 import signal
-import tempfile
 import time
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 import torch.distributed as dist
 
-from tpcheck.check.case import CaseSpec
-from tpcheck.check.validate import MAX_WORLD_SIZE, check_world_size, max_world_size, validate_spec  # noqa: F401
-from tpcheck.check.worker import _worker, run_spec_on_rank
+from tpcheck.check.case import CaseSpec, Resolver
+from tpcheck.check.result import RankPayload
+from tpcheck.check.spawn import Ranks, recv_plain, send_plain
+from tpcheck.check.sync import Rendezvous
+from tpcheck.check.worker import RankState, pool_rank
 from tpcheck.errors import UsageError
-from tpcheck.parallel.group import TPGroup
 
 DEFAULT_TIMEOUT_S = 20.0
 
@@ -45,56 +43,40 @@ DEFAULT_TIMEOUT_S = 20.0
 
 
 def _preload() -> None:
-    """Import, once in the parent, what every rank would otherwise import after the fork: the checker
-    and torch's lazily imported optimizer machinery (torch._dynamo, seconds). Forked ranks inherit it,
-    so a respawned pool serves its first case in milliseconds, not seconds."""
+    """Import, once in the parent, torch's lazily imported optimizer machinery (torch._dynamo, seconds).
+    Forked ranks inherit it, so a respawned pool serves its first case in milliseconds, not seconds."""
     import torch
-
-    import tpcheck.check.registry  # noqa: F401
-    import tpcheck.check.runner  # noqa: F401
-    import tpcheck.faults  # noqa: F401
-    import tpcheck.models.cases  # noqa: F401
 
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 class RankPool:
-    """`world` forked rank processes sharing one gloo group."""
+    """`world` forked rank processes sharing one gloo group; `resolve` turns a spec into a Case on a rank."""
 
-    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: float | None = None) -> None:
+    def __init__(self, world: int, resolve: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 stall_s: float | None = None) -> None:
         _preload()
-        ctx = mp.get_context("fork")
         self.world, self.timeout_s = world, timeout_s
         self.stall_s = stall_s if stall_s is not None else 2 * timeout_s + 10
-        self.tmpdir = tempfile.mkdtemp(prefix="tpcheck-")
-        store = os.path.join(self.tmpdir, "store")
-        self.conns: list[Connection] = []
-        self.procs = []
-        for r in range(world):
-            mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_worker, args=(r, world, store, theirs, list(self.conns), timeout_s, os.getpid()),
-                            daemon=True, name=f"tpcheck-rank{r}")
-            p.start()
-            theirs.close()
-            self.conns.append(mine)
-            self.procs.append(p)
+        self.ranks = Ranks(world, pool_rank, (timeout_s, resolve))
+        self.conns, self.procs = self.ranks.conns, self.ranks.procs
         self.healthy = True
 
-    def run(self, spec: CaseSpec) -> list[dict]:
+    def run(self, spec: CaseSpec) -> list[RankPayload]:
         """Run one case on every rank; returns one payload per rank (synthesised for dead or killed ranks)."""
         for conn in self.conns:
             try:
-                conn.send(spec)
+                send_plain(conn, spec)
             except OSError:
                 pass  # that rank is dead: its sentinel says so below
         got, seen = self._collect()
         self._synthesise(got, seen)
         payloads = [got[r] for r in range(self.world)]
-        if any(p["status"] != "ok" for p in payloads):
+        if any(p.status != "ok" for p in payloads):
             self.healthy = False  # the group may be out of step: never reuse it
         return payloads
 
-    def _collect(self) -> tuple[dict[int, dict], dict[int, tuple]]:
+    def _collect(self) -> tuple[dict[int, RankPayload], dict[int, tuple]]:
         """Wait for every rank's result, a death, or the deadline; returns results and last spots seen."""
         got: dict[int, dict] = {}
         seen: dict[int, tuple] = {}
@@ -115,83 +97,82 @@ class RankPool:
                     continue
                 if isinstance(msg, tuple):  # ("progress", rank, last_collective)
                     seen[r] = msg[2]
-                    if self.world > 1 and all(p["status"] == "ok" for p in got.values()):
+                    if self.world > 1 and all(p.status == "ok" for p in got.values()):
                         deadline = time.monotonic() + self.stall_s
                     continue
                 got[r] = msg
-                if msg["status"] != "ok":
-                    grace = self.timeout_s + 2 if msg["status"] == "hang" else 1.0
+                if msg.status != "ok":
+                    grace = self.timeout_s + 2 if msg.status == "hang" else 1.0
                     deadline = min(deadline, time.monotonic() + grace)
         return got, seen
 
     def _read(self, r: int):
         conn = self.conns[r]
         try:
-            return conn.recv() if conn.poll() else None
+            return recv_plain(conn) if conn.poll() else None
         except (EOFError, OSError):
             return None
 
-    def _synthesise(self, got: dict[int, dict], seen: dict[int, tuple]) -> None:
+    def _synthesise(self, got: dict[int, RankPayload], seen: dict[int, tuple]) -> None:
         """Payloads for ranks that gave none: killed after another rank's failure, or after the deadline."""
-        failed = sorted(r for r, p in got.items() if p["status"] != "ok")
+        failed = sorted(r for r, p in got.items() if p.status != "ok")
         for r in range(self.world):
             if r in got:
                 continue
             spot = seen.get(r)
             where = f"; last seen in {spot[2]} {spot[0]} at {spot[1]!r}" if spot else ""
             if failed:
-                got[r] = {"status": "aborted", "rank": r, "last_collective": spot,
-                          "message": f"rank {r} was stopped: still running after rank(s) {failed} failed{where}"}
+                got[r] = RankPayload(status="aborted", rank=r, last_collective=spot, has_ledger=False,
+                                     message=f"rank {r} was stopped: still running after rank(s) {failed} failed{where}")
             else:
-                got[r] = {"status": "hang", "rank": r, "last_collective": spot, "waiting_in": "unknown",
-                          "message": f"rank {r} gave no result and no sign of progress "
-                          f"for {self.stall_s:g} s (stuck outside any collective?){where}; killed"}
+                got[r] = RankPayload(status="hang", rank=r, last_collective=spot, waiting_in="unknown", has_ledger=False,
+                                     message=f"rank {r} gave no result and no sign of progress "
+                                     f"for {self.stall_s:g} s (stuck outside any collective?){where}; killed")
 
     def close(self) -> None:
         if self.healthy:
             for conn in self.conns:
                 try:
-                    conn.send(None)
+                    send_plain(conn, None)
                 except OSError:
                     pass
             for p in self.procs:
                 p.join(timeout=5)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.ranks.kill()
 
 
-def _death(rank: int, exitcode: int | None) -> dict:
+def _death(rank: int, exitcode: int | None) -> RankPayload:
     if exitcode is None:
         how = "its pipe closed"
     elif exitcode < 0:
         how = f"killed by signal {signal.Signals(-exitcode).name}"
     else:
         how = f"exited with code {exitcode}"
-    return {"status": "crash", "rank": rank, "message": f"rank {rank} died ({how}) before reporting"}
+    return RankPayload(status="crash", rank=rank, message=f"rank {rank} died ({how}) before reporting", has_ledger=False)
 
 
 class Launcher:
-    """Runs specs on pools, one pool per world size, respawning a pool after any failure."""
+    """Runs specs on pools, one pool per world size, respawning a pool after any failure. The resolver
+    checks each spec in the parent first and turns it into a Case on each rank (`tpcheck.resolve`: the
+    checker itself knows no block and no fault)."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: float | None = None) -> None:
+    def __init__(self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 stall_s: float | None = None) -> None:
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 3600):
             raise UsageError(f"timeout {timeout_s!r} must be in (0, 3600] seconds")
+        self.resolver = resolver
         self.timeout_s, self.stall_s = float(timeout_s), stall_s
         self.pools: dict[int, RankPool] = {}
 
-    def run(self, spec: CaseSpec) -> list[dict]:
+    def run(self, spec: CaseSpec) -> list[RankPayload]:
         try:
-            validate_spec(spec)
+            self.resolver.validate(spec)
         except UsageError as e:  # one bad case of a matrix is an "invalid" result; the rest still run
-            return [{"status": "usage", "rank": 0, "message": str(e)}]
+            return [RankPayload(status="usage", rank=0, message=str(e))]
         pool = self.pools.get(spec.world_size)
         if pool is None:
-            pool = self.pools[spec.world_size] = RankPool(spec.world_size, self.timeout_s, self.stall_s)
+            pool = self.pools[spec.world_size] = RankPool(spec.world_size, self.resolver.build, self.timeout_s,
+                                                              self.stall_s)
         payloads = pool.run(spec)
         if not pool.healthy:
             pool.close()
@@ -221,25 +202,25 @@ class TorchrunLauncher:
     """The ranks were started by torchrun: this process is one of them. Every rank runs every case;
     rank 0 gathers the payloads (other ranks get None back)."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         self.group_args = (dist.get_rank(), dist.get_world_size())
-        self.timeout_s, self.group = timeout_s, None
+        self.resolver, self.timeout_s, self.state = resolver, timeout_s, None
 
     @property
     def rank(self) -> int:
         return self.group_args[0]
 
-    def run(self, spec: CaseSpec) -> list[dict] | None:
+    def run(self, spec: CaseSpec) -> list[RankPayload] | None:
         rank, world = self.group_args
         if spec.world_size != world:
             raise UsageError(f"torchrun started {world} ranks but the case asks for world size {spec.world_size}; "
                              f"pass --world-size {world} or change --nproc_per_node")
-        if self.group is None:
-            self.group = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD,
-                                 store=dist.distributed_c10d._get_default_store(), timeout_s=self.timeout_s)
-        payload = run_spec_on_rank(spec, self.group)
+        if self.state is None:
+            store = dist.distributed_c10d._get_default_store()
+            self.state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, self.timeout_s))
+        payload = self.state.run(spec, self.resolver.build)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
         return gathered

@@ -4,9 +4,12 @@ when the numbers happen to agree (a redundant all-reduce is a cost; a missing on
 from __future__ import annotations
 
 from collections import Counter
-from datetime import timedelta
+from dataclasses import dataclass
 
-from tpcheck.parallel.group import TPGroup
+import torch
+
+from tpcheck.check.case import Interceptor
+from tpcheck.check.sync import CollectiveMismatch, Rendezvous, RendezvousTimeout
 
 
 def summarize(entries: list[dict], world: int) -> dict:
@@ -46,44 +49,73 @@ def check_ledger(entries: list[dict], expected: tuple | None, world: int, steps:
             "per_rank": summarize(entries, world), "problems": problems}
 
 
-class CollectiveMismatch(RuntimeError):
-    """Ranks issued different collectives, or some never reached a checkpoint (a hang).
-    `checkpoint` names the checkpoint this rank waited at (the launcher reports it)."""
+@dataclass
+class LedgerEntry:
+    rank: int
+    phase: str
+    op: str
+    site: str
+    nbytes: int
 
-    def __init__(self, message: str, checkpoint: str | None = None) -> None:
-        super().__init__(message)
-        self.checkpoint = checkpoint
+    def line(self) -> str:
+        return f"{self.phase} {self.op} at {self.site!r}"
 
 
-def sync_ledgers(g: TPGroup, where: str) -> None:
+class CollectiveTap:
+    """The checker's tap on a TPGroup (see parallel/group.py): records every collective performed in
+    the ledger, remembers the last one entered (it names the spot of a hang), and hands each one to a
+    fault's interceptor when one is installed."""
+
+    def __init__(self, rank: int, interceptor: Interceptor | None = None) -> None:
+        self.rank, self.interceptor = rank, interceptor
+        self.ledger: list[LedgerEntry] = []
+        self.last: tuple[str, str, str] | None = None  # (op, site, phase)
+
+    def __call__(self, op: str, site: str, phase: str, x: torch.Tensor, perform) -> torch.Tensor:
+        def recorded(t: torch.Tensor) -> torch.Tensor:
+            self.note(op, site, phase, t.numel() * t.element_size())
+            return perform(t)
+
+        if self.interceptor is not None:
+            return self.interceptor(op, site, phase, x, recorded)
+        return recorded(x)
+
+    def note(self, op: str, site: str, phase: str, nbytes: int = 0) -> None:
+        """Record a collective (adapters whose collectives bypass the TPGroup call this directly)."""
+        self.last = (op, site, phase)
+        self.ledger.append(LedgerEntry(self.rank, phase, op, site, nbytes))
+
+    def lines(self) -> list[str]:
+        return [e.line() for e in self.ledger]
+
+
+def sync_ledgers(tap: CollectiveTap, rendezvous: Rendezvous, where: str) -> None:
     """Before the checker's own collectives, every rank must have issued the same model collectives.
     Ledgers are exchanged through the rendezvous store, not a collective, so a rank out of step cannot
     make the checker's collectives pair with the model's (gloo aborts on such a size mismatch)."""
-    if g.world_size == 1 or g.store is None or g.ledger is None:
+    if not rendezvous.active:
         return
-    g.syncs += 1
-    key = f"tpcheck/sync{g.syncs}"
-    mine = [f"{e.phase} {e.op} at {e.site!r}" for e in g.ledger]
-    g.store.set(f"{key}/{g.rank}", "\n".join(mine))
-    keys = [f"{key}/{r}" for r in range(g.world_size)]
+    mine = tap.lines()
     try:
-        g.store.wait(keys, timedelta(seconds=g.timeout_s))
-    except Exception:  # noqa: BLE001 - a store wait past its timeout: some rank is stuck
-        missing = [r for r, k in enumerate(keys) if not g.store.check([k])]
+        said = rendezvous.exchange("sync", "\n".join(mine))
+    except RendezvousTimeout as e:
         raise CollectiveMismatch(
-            f"hang detected: rank(s) {missing} did not reach the checkpoint after {where} within "
-            f"{g.timeout_s:g} s; this rank had issued {len(mine)} collective(s), the last "
+            f"hang detected: rank(s) {e.missing} did not reach the checkpoint after {where} within "
+            f"{rendezvous.timeout_s:g} s; this rank had issued {len(mine)} collective(s), the last "
             f"{mine[-1] if mine else 'none'}", checkpoint=where) from None
-    ledgers = [g.store.get(k).decode().split("\n") if g.store.get(k) else [] for k in keys]
+    ledgers = [text.split("\n") if text else [] for text in said]
     if any(ld != ledgers[0] for ld in ledgers):
-        raise CollectiveMismatch(f"collective mismatch after {where}: " + _ledger_diff(ledgers), checkpoint=where)
+        raise CollectiveMismatch(f"collective mismatch after {where}: " + ledger_diff(dict(enumerate(ledgers))),
+                                 checkpoint=where)
 
 
-def _ledger_diff(ledgers: list[list[str]]) -> str:
-    counts = ", ".join(f"rank {r}: {len(ld)}" for r, ld in enumerate(ledgers))
-    for i in range(max(len(ld) for ld in ledgers)):
-        at = [ld[i] if i < len(ld) else "nothing" for ld in ledgers]
-        if len(set(at)) > 1:
-            which = "; ".join(f"rank {r}: {a}" for r, a in enumerate(at))
+def ledger_diff(ledgers: dict[int, list[str]]) -> str:
+    """Where the ranks' lists of issued collectives ("phase op at 'site'" each) first part."""
+    counts = ", ".join(f"rank {r}: {len(ld)}" for r, ld in sorted(ledgers.items()))
+    longest = max((len(ld) for ld in ledgers.values()), default=0)
+    for i in range(longest):
+        at = {r: ld[i] if i < len(ld) else "nothing" for r, ld in sorted(ledgers.items())}
+        if len(set(at.values())) > 1:
+            which = "; ".join(f"rank {r}: {a}" for r, a in at.items())
             return f"collectives issued ({counts}) first differ at #{i + 1}: {which}"
-    return f"collectives issued: {counts}"
+    return f"collectives issued ({counts}) agree"

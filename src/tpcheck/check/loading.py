@@ -6,16 +6,15 @@ import math
 import torch
 from torch import nn
 
-from tpcheck.check.case import Case
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
+from tpcheck.plan import Plan
 
 
-def load_from_dense(tp: nn.Module, dense: nn.Module, case: Case, group: TPGroup) -> None:
-    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes.
-    `case.load_plan`, when set, stands for a TP implementation that loads its weights its own way
-    (a checkpoint converter): the checks still use `case.plan`."""
-    plan = case.load_plan or case.plan
+def load_from_dense(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup) -> None:
+    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes. (A fault's
+    `Injection.load_plan` stands for a TP implementation that loads its weights its own way: the engine
+    passes it here, while the checks still use `Case.plan`.)"""
     tp_params = dict(tp.named_parameters())
     expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
     unplanned = sorted(set(tp_params) - expected)

@@ -1,58 +1,125 @@
-"""Merging per-rank payloads into one case result with a verdict.
+"""Typed results, from a rank to the report: a `RankPayload` per rank and case, merged into one
+`CaseResult` with a verdict; `CaseResult.to_json()` is what reports and the Python API see.
 
 Verdicts: "equivalent" (every check on every rank passed), "not equivalent" (some check failed),
 "hang" (a collective wait timed out: some ranks issued a collective the others did not),
 "error" (a rank raised or died), "invalid" (the input was wrong: a usage error).
 
-Expectation: a case with an injected fault is expected to be "not equivalent", any other case to be
-"equivalent". `as_expected` says whether it was; the process exit code follows from it (see cli).
+Expectation: a case with an injected fault is expected to be "not equivalent" (or a hang, for a fault
+whose signature is one: `CaseSpec.expected`), any other case "equivalent". `as_expected` says whether
+it was; the process exit code follows from it (`exit_code`).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
 from tpcheck.check.case import CaseSpec
+from tpcheck.check.compare import Check
 from tpcheck.check.diagnose import diagnose
 from tpcheck.check.failures import failure_fields
-from tpcheck.check.ledger import check_ledger
+from tpcheck.check.ledger import LedgerEntry, check_ledger
+from tpcheck.errors import EXIT_EQUIVALENT, EXIT_NOT_EQUIVALENT, EXIT_USAGE
 
-SEED_KEYS = {  # seed RunResult key -> our check name
-    "forward_max_abs_diff": "output",
-    "loss_abs_diff": "loss",
-    "input_grad_max_abs_diff": "grad:x",
-    "norm_grad_max_abs_diff": "grad:norm.weight",
-    "gate_up_grad_max_abs_diff": "grad:gate_up.weight",
-    "down_grad_max_abs_diff": "grad:down.weight",
-    "down_bias_grad_max_abs_diff": "grad:down.bias",
-}
+PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint")
 
 
-def merge(spec: CaseSpec, payloads: list[dict]) -> dict:
-    statuses = {p["status"] for p in payloads}
-    result = {"name": spec.name, "spec": spec_dict(spec), "world_size": spec.world_size, "dtype": spec.dtype,
-              "expected": "equivalent" if spec.expect_equivalent else "not equivalent",
-              "seconds": max((p.get("seconds", 0.0) for p in payloads), default=0.0)}
-    if statuses != {"ok"}:  # a hang, a crash or bad input: see failures.py
-        result.update(failure_fields(spec, payloads))
-        return result
-    checks = _fill_bounds([c for p in payloads for c in p["checks"]])
-    failed = sorted((c for c in checks if not c["passed"]), key=lambda c: (c["seq"], c["stage"] == "replicas",
-                                                                          c["rank"]))
+@dataclass
+class RankPayload:
+    """What one rank reports for one case. status: ok | usage (bad input) | error (raised) | crash
+    (died) | hang (a wait timed out) | aborted (stopped after another rank's failure)."""
+
+    status: str
+    rank: int
+    message: str = ""
+    checks: list[Check] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    expected_collectives: tuple | None = None
+    control: dict | None = None
+    seconds: float = 0.0
+    traceback: str | None = None
+    last_collective: tuple | None = None
+    waiting_in: str | None = None  # collective | checkpoint | unknown (hangs)
+    checkpoint: str | None = None
+    has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
+
+    def problem_json(self) -> dict:
+        return {k: getattr(self, k) for k in PROBLEM_KEYS if getattr(self, k) not in (None, "")
+                or k in ("status", "rank", "message")}
+
+    def ledger_lines(self) -> list[str] | None:
+        return [e.line() for e in self.ledger] if self.has_ledger else None
+
+
+@dataclass
+class CaseResult:
+    """One case, merged over its ranks. `to_json()` gives the report's case object (report-schema.md)."""
+
+    name: str
+    spec: CaseSpec
+    verdict: str
+    as_expected: bool
+    summary: str
+    seconds: float
+    checks: list[dict] | None = None
+    ledger: dict | None = None
+    self_test: dict | None = None
+    first_divergence: dict | None = None
+    diagnosis: dict | None = None
+    problems: list[dict] | None = None
+    hang: dict | None = None
+
+    @property
+    def expected(self) -> str:
+        return "equivalent" if self.spec.expected_verdict == "equivalent" else "not equivalent"
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "spec": spec_json(self.spec), "world_size": self.spec.world_size,
+               "dtype": self.spec.dtype, "expected": self.expected, "seconds": self.seconds,
+               "verdict": self.verdict, "as_expected": self.as_expected, "summary": self.summary,
+               "first_divergence": self.first_divergence}
+        for key in ("checks", "ledger", "diagnosis", "problems", "hang"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.checks is not None:
+            out["self_test"] = self.self_test
+            out["diagnosis"] = self.diagnosis
+        return out
+
+
+def spec_json(spec: CaseSpec) -> dict:
+    d = asdict(spec)
+    d["overrides"] = dict(spec.overrides)
+    return d
+
+
+def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
+    """One CaseResult from every rank's payload."""
+    seconds = max((p.seconds for p in payloads), default=0.0)
+    if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
+        return CaseResult(name=spec.name, spec=spec, seconds=seconds, **failure_fields(spec, payloads))
+    checks = _fill_bounds([asdict(c) for p in payloads for c in p.checks])
+    failed = sorted((c for c in checks if not c["passed"]),
+                    key=lambda c: (c["seq"], c["stage"] == "replicas", c["rank"]))
     verdict = "not equivalent" if failed else "equivalent"
-    entries = [e for p in payloads for e in p["ledger"]]
-    result.update(verdict=verdict, as_expected=verdict == result["expected"], checks=checks,
-                  ledger=check_ledger(entries, payloads[0].get("expected_collectives"), spec.world_size, spec.steps,
-                                      spec.micro_batches))
-    control = payloads[0].get("control")
-    result["self_test"] = control
+    entries = [asdict(e) for p in payloads for e in p.ledger]
+    ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, spec.steps,
+                          spec.micro_batches)
+    result = CaseResult(name=spec.name, spec=spec, verdict=verdict, as_expected=False, summary="",
+                        seconds=seconds, checks=checks, ledger=ledger, self_test=payloads[0].control)
+    result.as_expected = verdict == result.expected
+    control = result.self_test
     if control is not None and not (control["flagged"] and control["sensitive"]):
-        result.update(verdict="error", as_expected=False,
-                      summary=f"checker self-test failed: a perturbed {control['tensor']} was "
-                              f"{'flagged' if control['flagged'] else 'not flagged'}, relative bound "
-                              f"{control['relative_bound']:.3g} (must be < 0.5); no verdict can be trusted")
+        result.verdict, result.as_expected = "error", False
+        result.summary = (f"checker self-test failed: a perturbed {control['tensor']} was "
+                          f"{'flagged' if control['flagged'] else 'not flagged'}, relative bound "
+                          f"{control['relative_bound']:.3g} (must be < 0.5); no verdict can be trusted")
         return result
-    result["first_divergence"] = _first(failed) if failed else None
-    result["diagnosis"] = (diagnose(result["first_divergence"], [p.get("evidence", {}) for p in payloads],
-                                    spec.world_size) if failed else None)
-    result["summary"] = _summary(result, failed)
+    if failed:
+        result.first_divergence = _first(failed)
+        result.diagnosis = diagnose(result.first_divergence, [p.evidence for p in payloads], spec.world_size)
+    result.summary = _summary(result, failed)
     return result
 
 
@@ -76,33 +143,20 @@ def _first(failed: list[dict]) -> dict:
             "error": first["error"], "bound": first["bound"], "kind": first["kind"]}
 
 
-def _summary(result: dict, failed: list[dict]) -> str:
+def _summary(result: CaseResult, failed: list[dict]) -> str:
     if not failed:
-        return f"equivalent: {len(result['checks'])} checks passed on {result['world_size']} rank(s)"
-    f, d = result["first_divergence"], result["diagnosis"]
-    return (f"not equivalent: {len(failed)} of {len(result['checks'])} checks failed; first: {f['name']} "
+        return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
+    f, d = result.first_divergence, result.diagnosis
+    return (f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
             f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
             f"{f['bound']:.3g}; {d['signature']}: {d['cause']}")
 
 
-def spec_dict(spec: CaseSpec) -> dict:
-    from dataclasses import asdict
-
-    d = asdict(spec)
-    d["overrides"] = dict(spec.overrides)
-    return d
-
-
-def seed_run_result(mode: str, result: dict) -> dict:
-    """The seed's RunResult for one mode: rank 0's numbers (the seed looks at rank 0 only), `passed`
-    as the seed defines it (mode is equivalence and every diff < 1e-6)."""
-    checks = [c for c in result.get("checks", []) if c["rank"] == 0 and c["step"] == 1]
-    by_name = {(c["stage"], c["name"]): c for c in checks}
-    out: dict = {"mode": mode, "world_size": result["world_size"]}
-    for key, name in SEED_KEYS.items():
-        stage = {"output": "forward", "loss": "loss"}.get(name, "backward" if name == "grad:x" else "grads")
-        out[key] = by_name[(stage, name)]["diff_vs_dense"]
-    out["post_step_weight_max_abs_diff"] = max(c["diff_vs_dense"] for c in checks if c["stage"] == "optimizer")
-    diffs = [v for k, v in out.items() if k.endswith("_diff")]
-    out["passed"] = mode == "equivalence" and max(diffs) < 1e-6
-    return out
+def exit_code(results: Sequence[dict]) -> int:
+    """The one exit-code rule: 2 if any case was invalid or errored, else 1 if any case did not go as
+    expected, else 0."""
+    if any(r["verdict"] in ("invalid", "error") for r in results):
+        return EXIT_USAGE
+    if not all(r["as_expected"] for r in results):
+        return EXIT_NOT_EQUIVALENT
+    return EXIT_EQUIVALENT

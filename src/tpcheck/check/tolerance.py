@@ -17,9 +17,9 @@ Three kinds of comparison, each recorded with the bound it used and why:
   so it lands as far from the truth as the dense model does, and |TP - dense| <= |TP - truth| +
   |dense - truth| is of the order of err_dense. factor = 4 + 2 * world_size allows one extra rounding
   of each rank's partial sum plus the reduction, with room for the max over a small tensor being a
-  noisy statistic (measured: correct blocks stay below 0.5 of the bound in random sweeps); the floor covers tensors (a scalar loss) where the
-  dense result happens to round exactly to the truth. Faults move values by orders of magnitude more
-  (a missing reduction is an O(1) relative error).
+  noisy statistic (measured: correct blocks stay below 0.5 of the bound in random sweeps); the floor
+  covers tensors (a scalar loss) where the dense result happens to round exactly to the truth. Faults
+  move values by orders of magnitude more (a missing reduction is an O(1) relative error).
 
 * after an adaptive optimizer step (AdamW), each element may also differ by 2 * lr * |u_tp - u_dense|,
   u = m_hat / (sqrt(v_hat) + eps) from each side's own moments (see RankRun._adaptive_slack): AdamW

@@ -1,30 +1,31 @@
 """The rank side of the pool: a forked process that joins the gloo group, then runs the cases the
 parent sends until told to stop (or until the parent is gone).
 
-Talks to the parent over one pipe (`Connection.send` is synchronous: no feeder thread that could hold
-a lock at the next fork, or lose a message at `os._exit`). A progress thread notes every collective
-entered and checkpoint passed, so the parent can tell a slow rank from a stuck one.
+Talks to the parent over one pipe with plain payloads (see spawn.py). A progress thread notes every
+collective entered and checkpoint passed, so the parent can tell a slow rank from a stuck one.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-import torch
 import torch.distributed as dist
 
-from tpcheck.check.case import CaseSpec
+from tpcheck.check.case import Case, CaseSpec
+from tpcheck.check.engine import run_case_on_rank
+from tpcheck.check.ledger import CollectiveMismatch, CollectiveTap
+from tpcheck.check.result import RankPayload
+from tpcheck.check.spawn import join_gloo, recv_plain, send_plain
+from tpcheck.check.sync import PeerFailed, Rendezvous
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 
 PROGRESS_EVERY_S = 0.25
+Build = Callable[[CaseSpec], Case]  # the resolver's build
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -32,40 +33,35 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or "deadline" in text
 
 
-def _ledger_lines(group: TPGroup) -> list[str]:
-    return [f"{e.phase} {e.op} at {e.site!r}" for e in group.ledger or ()]
+class RankState:
+    """What this rank is doing now: the tap of the case in progress (the progress thread reads it)."""
 
+    def __init__(self, rank: int, world: int, pg, rendezvous: Rendezvous) -> None:
+        self.rank, self.world, self.pg, self.rendezvous = rank, world, pg, rendezvous
+        self.tap = CollectiveTap(rank)
 
-def run_spec_on_rank(spec: CaseSpec, group: TPGroup) -> dict:
-    """Build and run one case on this rank; never raises: failures come back as data, with this rank's
-    ledger so the parent can say where the ranks' collectives parted."""
-    from tpcheck.check.registry import build_case
-    from tpcheck.check.runner import CollectiveMismatch, run_case_on_rank
+    def run(self, spec: CaseSpec, resolve: Build) -> RankPayload:
+        """Build and run one case on this rank; never raises: failures come back as data, with this
+        rank's ledger so the parent can say where the ranks' collectives parted."""
+        self.tap = tap = CollectiveTap(self.rank)
+        group = TPGroup(rank=self.rank, world_size=self.world, pg=self.pg, tap=tap)
+        try:
+            return run_case_on_rank(resolve(spec), group, self.rendezvous)
+        except UsageError as e:
+            return RankPayload(status="usage", rank=self.rank, message=str(e))
+        except PeerFailed as e:
+            return RankPayload(status="aborted", rank=self.rank, message=str(e))
+        except CollectiveMismatch as e:
+            return RankPayload(status="hang", rank=self.rank, message=str(e), waiting_in="checkpoint",
+                               checkpoint=e.checkpoint, last_collective=tap.last, ledger=tap.ledger)
+        except Exception as e:  # noqa: BLE001 - a rank's failure is a result, reported with its traceback
+            hang = _is_timeout(e)
+            return RankPayload(status="hang" if hang else "error", rank=self.rank, message=f"{type(e).__name__}: {e}",
+                               traceback=traceback.format_exc(), last_collective=tap.last, ledger=tap.ledger,
+                               waiting_in="collective" if hang else None)
 
-    group.interceptor, group.last_collective, group.ledger = None, None, None
-    try:
-        return {"status": "ok", **run_case_on_rank(build_case(spec), group)}
-    except UsageError as e:
-        return {"status": "usage", "rank": group.rank, "message": str(e)}
-    except CollectiveMismatch as e:
-        return {"status": "hang", "rank": group.rank, "message": str(e), "waiting_in": "checkpoint",
-                "checkpoint": getattr(e, "checkpoint", None), "last_collective": group.last_collective,
-                "ledger": _ledger_lines(group)}
-    except Exception as e:  # noqa: BLE001 - a rank's failure is a result, reported with its traceback
-        hang = _is_timeout(e)
-        return {"status": "hang" if hang else "error", "rank": group.rank, "message": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(), "last_collective": group.last_collective,
-                "ledger": _ledger_lines(group), **({"waiting_in": "collective"} if hang else {})}
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this rank when the parent goes (even by SIGKILL)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
+    def progress(self) -> tuple:
+        return (len(self.tap.ledger), self.rendezvous.rounds, self.tap.last)
 
 
 class _Channel:
@@ -76,55 +72,44 @@ class _Channel:
 
     def send(self, msg) -> None:
         with self.lock:
-            self.conn.send(msg)
+            send_plain(self.conn, msg)
 
     def next_task(self) -> CaseSpec | None:
         while not self.conn.poll(1.0):
             if os.getppid() != self.parent_pid:
                 return None
         try:
-            return self.conn.recv()
+            return recv_plain(self.conn)
         except EOFError:
             return None
 
 
-def _progress(chan: _Channel, group: TPGroup) -> None:
+def _progress(chan: _Channel, state: RankState) -> None:
     """Tell the parent whenever this rank enters a collective or passes a checkpoint: proof of life
     for the parent's stall deadline, and the last spot seen if the rank must be killed."""
     last = None
     while True:
         time.sleep(PROGRESS_EVERY_S)
-        now = (len(group.ledger or ()), group.syncs, group.last_collective)
+        now = state.progress()
         if now != last:
             last = now
-            chan.send(("progress", group.rank, group.last_collective))
+            chan.send(("progress", state.rank, now[2]))
 
 
-def _worker(rank: int, world: int, store_path: str, conn: Connection, others: list[Connection],
-            timeout_s: float, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
-    # libgomp is not fork-safe: if the parent ran an OpenMP region (softmax, log_softmax, ...) before
-    # forking, the rank's first parallel region hangs forever. One thread per rank avoids the pool.
-    torch.set_num_threads(1)
-    for c in others:  # the parent's ends of earlier ranks' pipes, inherited by the fork
-        c.close()
-    chan, code = _Channel(conn, parent_pid), 0
+def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_s: float, resolve: Build) -> None:
+    """The body of one pool rank (run by spawn.Ranks in the forked process)."""
+    chan = _Channel(conn, os.getppid())
     try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        group = TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD, store=store, timeout_s=timeout_s)
-        threading.Thread(target=_progress, args=(chan, group), daemon=True).start()
+        store = join_gloo(rank, world, store_path, timeout_s)
+        state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, timeout_s))
+        threading.Thread(target=_progress, args=(chan, state), daemon=True).start()
         while (spec := chan.next_task()) is not None:
-            chan.send(run_spec_on_rank(spec, group))
+            chan.send(state.run(spec, resolve))
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        code = 1
+    except BaseException:
         try:
-            chan.send({"status": "error", "rank": rank, "message": "rank failed outside a case",
-                       "traceback": traceback.format_exc()})
+            chan.send(RankPayload(status="error", rank=rank, message="rank failed outside a case",
+                                  traceback=traceback.format_exc()))
         except OSError:
             pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip torch's slow (and, with gloo, sometimes aborting) interpreter exit
+        raise

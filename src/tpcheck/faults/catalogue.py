@@ -27,14 +27,20 @@ class Fault:
     blocks: tuple[str, ...] = MLP_BLOCKS
     worlds: tuple[int, ...] = (2, 3, 4, 6, 8)
     sequence_parallel: bool | None = None  # True: only under SP (the spec is switched to SP)
+    overrides: tuple[tuple[str, object], ...] = ()  # config the block is built with for this fault
 
     def applies(self, block: str, world: int) -> bool:
         return block in self.blocks and world in self.worlds
 
-    def spec_for(self, spec: CaseSpec) -> CaseSpec:
-        if self.sequence_parallel is None:
-            return dataclasses.replace(spec, fault=self.name)
-        return dataclasses.replace(spec, fault=self.name, sequence_parallel=self.sequence_parallel)
+    def prepare(self, spec: CaseSpec) -> CaseSpec:
+        """The spec as this fault runs: its name, its sequence parallelism, its config overrides and,
+        for a fault caught as a hang, that expected verdict (any fault is otherwise expected "not
+        equivalent"; idempotent)."""
+        sp = spec.sequence_parallel if self.sequence_parallel is None else self.sequence_parallel
+        missing = tuple(o for o in self.overrides if o not in spec.overrides)
+        expected = "hang" if self.expected_signature == "hang" else spec.expected
+        return dataclasses.replace(spec, fault=self.name, sequence_parallel=sp, overrides=spec.overrides + missing,
+                                   expected=expected)
 
 
 def _entries() -> list[Fault]:
@@ -63,7 +69,7 @@ def _entries() -> list[Fault]:
         Fault("naive_fused_split",
               "A fused [gate; up] (or [q; k; v]) weight is split contiguously instead of per part.",
               "weight loading of fused weights (Shard instead of Fused)", "weights", "permuted",
-              i.naive_fused_split),
+              i.naive_fused_split, overrides=(("gate_up_layout", "concat"),)),
         Fault("wrong_shard_dim",
               "A row-parallel weight is split along the wrong dim and viewed as the expected shard shape.",
               "weight loading of row-parallel weights (dim 0 instead of 1)", "weights", "permuted",

@@ -19,19 +19,24 @@ def site_matches(site: str, suffix: str) -> bool:
     return site == suffix or site.endswith("." + suffix)
 
 
+def injected(case: Case, **changes) -> Case:
+    """`case` with its Injection's fields replaced."""
+    return dataclasses.replace(case, inject=dataclasses.replace(case.inject, **changes))
+
+
 def intercept(op: str, site: str, phase: str, action, ranks=lambda rank, world: True):
     """Replace the collective `op` at `site` in `phase` (on the ranks `ranks` selects) by
     `action(x, perform)`; every other collective runs as usual."""
 
-    def tamper(module, group: TPGroup) -> None:
+    def interceptor(group: TPGroup):
         def hook(op_, site_, phase_, x, perform):
             if op_ == op and phase_ == phase and site_matches(site_, site) and ranks(group.rank, group.world_size):
                 return action(x, perform)
             return perform(x)
 
-        group.interceptor = hook
+        return hook
 
-    return lambda case, spec: dataclasses.replace(case, tamper=tamper)
+    return lambda case, spec: injected(case, intercept=interceptor)
 
 
 def skip(x, perform):
@@ -68,7 +73,7 @@ def bias_before_reduce(site: str):
             if site_matches(name, site) and getattr(m, "bias", None) is not None:
                 m.forward = types.MethodType(forward, m)
 
-    return lambda case, spec: dataclasses.replace(case, tamper=tamper)
+    return lambda case, spec: injected(case, tamper=tamper)
 
 
 def divide_loss_by_world(case: Case, spec: CaseSpec) -> Case:
@@ -85,10 +90,10 @@ def replicated_lr_by_rank(case: Case, spec: CaseSpec) -> Case:
     def make(tp, group, default):
         opt = default([p for n, p in tp.named_parameters() if n not in replicated])
         rest = [p for n, p in tp.named_parameters() if n in replicated]
-        opt.add_param_group({"params": rest, "lr": case.lr * (1.0 + 0.5 * group.rank)})
+        opt.add_param_group({"params": rest, "lr": case.run.learning_rate * (1.0 + 0.5 * group.rank)})
         return opt
 
-    return dataclasses.replace(case, tp_optimizer=make)
+    return injected(case, tp_optimizer=make)
 
 
 def embedding_without_mask(case: Case, spec: CaseSpec) -> Case:
@@ -109,14 +114,14 @@ def embedding_without_mask(case: Case, spec: CaseSpec) -> Case:
             if isinstance(m, VocabParallelEmbedding):
                 m.forward = types.MethodType(forward, m)
 
-    return dataclasses.replace(case, tamper=tamper)
+    return injected(case, tamper=tamper)
 
 
 def smoothing_over_local_vocab(case: Case, spec: CaseSpec) -> Case:
     """Vocab-parallel cross-entropy spreads label smoothing over the local vocabulary: the sum of
     logits is not reduced and is divided by the local vocabulary size (Megatron's old bug)."""
 
-    def tamper(module, group):
+    def interceptor(group: TPGroup):
         def hook(op, site, phase, x, perform):
             if op == "all_reduce" and site.endswith(".sum") and phase == "forward" and x.dim() == 2 and len(x) == 3:
                 out = perform(x).clone()
@@ -124,9 +129,9 @@ def smoothing_over_local_vocab(case: Case, spec: CaseSpec) -> Case:
                 return out
             return perform(x)
 
-        group.interceptor = hook
+        return hook
 
-    return dataclasses.replace(case, tamper=tamper)
+    return injected(case, intercept=interceptor)
 
 
 # ------------------------------------------------------------------ wrong loading (load_plan)
@@ -201,19 +206,16 @@ def load_with(rewrite, needs=lambda name, p: True):
 
     def inject(case: Case, spec: CaseSpec) -> Case:
         params = {n: rewrite(p) if needs(n, p) else p for n, p in case.plan.params.items()}
-        return dataclasses.replace(case, load_plan=Plan(params=params, tp_names=case.plan.tp_names))
+        return injected(case, load_plan=Plan(params=params, tp_names=case.plan.tp_names))
 
     return inject
 
 
 def naive_fused_split(case: Case, spec: CaseSpec) -> Case:
-    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part. The block is built
-    with the concatenated [gate; up] layout, so every block with an MLP has a fused weight to split;
-    parts replicated over ranks (kv_heads < world) are left alone (the shapes would not even match)."""
-    from tpcheck.models.cases import builtin_case
-
-    concat = dataclasses.replace(spec, overrides=spec.overrides + (("gate_up_layout", "concat"),), fault=None)
-    case = dataclasses.replace(builtin_case(concat), name=case.name)
+    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part. The catalogue entry
+    builds the block with the concatenated [gate; up] layout (its `overrides`), so every block with an
+    MLP has a fused weight to split; parts replicated over ranks (kv_heads < world) are left alone (the
+    shapes would not even match)."""
 
     def splittable(name: str, p: Placement) -> bool:
         return isinstance(p, Fused) and all(n >= spec.world_size for n in p.units)
@@ -234,5 +236,5 @@ def not_replicated(name: str, p: Placement) -> bool:
 
 __all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
            "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
-           "WrongDim", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed", "KVByRank",
+           "WrongDim", "injected", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed", "KVByRank",
            "kv_head_by_rank", "embedding_without_mask", "smoothing_over_local_vocab"]

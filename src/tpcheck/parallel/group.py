@@ -1,52 +1,46 @@
 """The tensor-parallel group as a value.
 
 A `TPGroup` is passed to every parallel layer; nothing reads global state. That lets a dense
-reference and TP models of several world sizes live in one process, and lets the checker observe
-(ledger) or perturb (fault interceptor) every collective without touching the layers.
+reference and TP models of several world sizes live in one process. It is frozen: rank, world size,
+the torch process group, and an optional `tap`.
 
-Every collective a layer issues goes through `TPGroup.collective`, which hands it to the
-interceptor, if one is installed (the fault catalogue uses this to drop, repeat or misplace a
-collective), else performs it. What is performed is recorded in the ledger (phase, op, site, bytes).
+Every collective a layer issues goes through `TPGroup.collective`. Without a tap it is performed;
+with one, the tap is handed the collective and a `perform` function and decides (the checker's tap
+records a ledger entry and may hand the collective to a fault injector that drops, repeats or
+misplaces it). The library defines only the shape of a tap; what a tap does is the checker's business.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 # The three phases of a training step in which a collective can run.
 PHASES = ("forward", "backward", "optimizer")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
-# (op, site, phase, tensor, perform) -> tensor. `perform` does the real collective.
-Interceptor = Callable[[str, str, str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
-
-
-@dataclass
-class LedgerEntry:
-    rank: int
-    phase: str
-    op: str
-    site: str
-    nbytes: int
+Perform = Callable[[torch.Tensor], torch.Tensor]
 
 
-@dataclass
+class Tap(Protocol):
+    """Observes (and may replace) every collective: `tap(op, site, phase, x, perform) -> tensor`, where
+    `perform(x)` runs the real collective."""
+
+    def __call__(self, op: str, site: str, phase: str, x: torch.Tensor, perform: Perform) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
 class TPGroup:
-    """rank/world_size within the TP group, and the torch process group (None when world_size == 1)."""
+    """rank/world_size within the TP group, the torch process group (None when world_size == 1), and
+    an optional tap that sees every collective."""
 
     rank: int
     world_size: int
     pg: dist.ProcessGroup | None = None
-    ledger: list[LedgerEntry] | None = None
-    interceptor: Interceptor | None = None
-    # (op, site, phase) of the collective most recently entered: names the spot of a hang.
-    last_collective: tuple[str, str, str] | None = None
-    # The rendezvous store, used by the checker to compare ledgers without a collective.
-    store: dist.Store | None = None
-    timeout_s: float = 20.0
-    syncs: int = 0
+    tap: Tap | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -65,16 +59,13 @@ class TPGroup:
     def collective(self, op: str, x: torch.Tensor, *, site: str, phase: str) -> torch.Tensor:
         """Run collective `op` ("all_reduce", "all_gather", "reduce_scatter", the last two along dim 0)
         on `x`; the shapes are in collectives.py."""
-        assert phase in PHASES, phase
+        assert op in OPS and phase in PHASES, (op, phase)
 
         def perform(t: torch.Tensor) -> torch.Tensor:
-            self.last_collective = (op, site, phase)
-            if self.ledger is not None:
-                self.ledger.append(LedgerEntry(self.rank, phase, op, site, t.numel() * t.element_size()))
             return _OPS[op](t, self)
 
-        if self.interceptor is not None:
-            return self.interceptor(op, site, phase, x, perform)
+        if self.tap is not None:
+            return self.tap(op, site, phase, x, perform)
         return perform(x)
 
 

@@ -15,9 +15,9 @@ import io
 import math
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
-from matplotlib import colormaps
 
 # Where a tensor sits in the flow of a step; a stage not listed (replicas, or one added later) sorts first.
 STAGE_ORDER = {"weights": 0, "forward": 1, "loss": 2, "backward": 3, "grads": 4, "optimizer": 5}

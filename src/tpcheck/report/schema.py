@@ -8,14 +8,13 @@ import tempfile
 
 import torch
 
+from tpcheck._version import __version__
+
 SCHEMA = "tpcheck.report/1"
 
 
-def build_report(results: list[dict], *, seed_mode: str | None = None, world_size: int = 2) -> dict:
-    from tpcheck import __version__
-    from tpcheck.check.result import seed_run_result
-    from tpcheck.check.session import exit_code
-
+def build_report(results: list[dict], *, exit_code: int, seed: dict | None = None) -> dict:
+    """The report of a run: its case results, their summary, and (for the seed's modes) the seed's JSON."""
     report = {
         "schema": SCHEMA,
         "tpcheck": __version__,
@@ -24,21 +23,12 @@ def build_report(results: list[dict], *, seed_mode: str | None = None, world_siz
             "cases": len(results),
             "as_expected": sum(r["as_expected"] for r in results),
             "verdicts": {v: sum(r["verdict"] == v for r in results) for v in sorted({r["verdict"] for r in results})},
-            "exit_code": exit_code(results),
+            "exit_code": exit_code,
         },
         "cases": results,
     }
-    if seed_mode:
-        from tpcheck.models.describe import seed_inspect
-
-        runs = {r["name"]: seed_run_result(r["name"], r) if r["verdict"] in ("equivalent", "not equivalent")
-                else {"mode": r["name"], "error": r["summary"]} for r in results}
-        if seed_mode == "inspect":
-            report["seed"] = seed_inspect(world_size)
-        elif seed_mode == "all":
-            report["seed"] = {"inspect": seed_inspect(world_size), **runs}
-        else:
-            report["seed"] = runs[seed_mode]
+    if seed is not None:
+        report["seed"] = seed
     return report
 
 

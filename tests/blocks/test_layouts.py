@@ -3,16 +3,18 @@ of a world-w group (`TPGroup(rank=r, world_size=w)`, no process group) and compa
 import pytest
 import torch
 
+from tpcheck.blocks import BLOCKS, config_for
+from tpcheck.blocks.attention import attention_plan
+from tpcheck.blocks.lm import lm_plan
 from tpcheck.check.case import CaseSpec
 from tpcheck.errors import UsageError
-from tpcheck.models.cases import builtin_case, config_for
 from tpcheck.models.config import preset
-from tpcheck.models.describe import describe_blocks
 from tpcheck.models.parallel import ParallelAttention, ParallelLM, ParallelQKV
-from tpcheck.models.transformer_cases import attention_plan, lm_plan
 from tpcheck.parallel.embedding import VocabParallelEmbedding
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Shard
+from tpcheck.resolve import RESOLVER
+from tpcheck.seed import describe_blocks
 
 
 def _cfg(heads=8, kv=2):
@@ -70,8 +72,7 @@ def test_vocab_parallel_embedding_masks_other_ranks_ids(world):
     tokens = torch.tensor([[0, 15], [4, 7], [8, 12]])
     total = torch.zeros(3, 2, hidden)
     for r in range(world):
-        group = TPGroup(rank=r, world_size=world)
-        group.interceptor = lambda op, site, phase, x, perform: x  # keep this rank's partial
+        group = TPGroup(rank=r, world_size=world, tap=lambda op, site, phase, x, perform: x)  # keep the partial
         emb = VocabParallelEmbedding(vocab, hidden, group)
         with torch.no_grad():
             emb.weight.copy_(Shard(0).shard(weight, r, world))
@@ -109,12 +110,12 @@ def test_vocab_not_divisible_is_a_usage_error():
 
 def test_attention_needs_heads():
     with pytest.raises(UsageError, match="heads=0"):
-        builtin_case(CaseSpec(block="attention", preset="seed", world_size=1))
+        RESOLVER.build(CaseSpec(block="attention", preset="seed", world_size=1))
 
 
 def test_inspect_lists_every_block_with_shapes_and_collectives():
     blocks = describe_blocks("tiny", 4)
-    for name in ("attention", "layer", "lm", "embedding", "cross_entropy"):
+    for name in BLOCKS:
         for key in (name, f"{name}/sp"):
             assert blocks[key]["params"] and blocks[key]["collectives"]["forward"]
     qkv = blocks["attention"]["params"]["qkv.weight"]

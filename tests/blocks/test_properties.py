@@ -6,13 +6,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpcheck import CaseSpec
-from tpcheck.check.launch import Launcher
+from tpcheck.blocks import BLOCKS
 from tpcheck.check.session import run_specs
+from tpcheck.resolve import launcher as pool_launcher
 
 
 @pytest.fixture(scope="module")
 def launcher():
-    with Launcher(timeout_s=60) as launcher:
+    with pool_launcher(timeout_s=60) as launcher:
         yield launcher
 
 
@@ -62,7 +63,7 @@ def block_specs(draw):
     overrides = (("heads", heads), ("kv_heads", kv), ("hidden", heads * head_dim),
                  ("ffn", world * draw(st.integers(2, 8))), ("vocab", world * draw(st.integers(max(2, 16 // world), 16))),
                  ("seq", seq), ("batch", batch), ("layers", draw(st.integers(1, 2))))
-    return CaseSpec(block=draw(st.sampled_from(["attention", "layer", "lm", "embedding", "cross_entropy"])),
+    return CaseSpec(block=draw(st.sampled_from([b for b in BLOCKS if b != "mlp"])),  # the MLP: above
                     preset="tiny", world_size=world, sequence_parallel=sp, overrides=overrides,
                     dtype=draw(st.sampled_from(["float32", "bfloat16"])), seed=draw(st.integers(0, 10_000)),
                     optimizer=draw(st.sampled_from(["sgd", "adamw"])), steps=draw(st.integers(1, 2)))

@@ -3,9 +3,9 @@ import json
 import subprocess
 import sys
 
-from paths import REPO
-
 from tpcheck.cli import main
+
+from paths import REPO
 
 
 def _run(*args, timeout=120):
@@ -52,3 +52,10 @@ def test_runs_under_torchrun():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["passed"] is True and result["world_size"] == 2
+
+
+def test_cli_modes_are_the_seed_modes():
+    # the parser lists the modes without importing torch; seed.py owns them
+    from tpcheck import cli, seed
+
+    assert cli.MODES == seed.MODES

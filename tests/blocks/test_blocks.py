@@ -7,15 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from ranks import run_ranks
 from tpcheck import CaseSpec, check
-from tpcheck.models import cases
+from tpcheck.blocks import BLOCKS
+from tpcheck.blocks.attention import attention_plan
+from tpcheck.blocks.mlp import mlp_plan
+from tpcheck.check.spawn import run_on_ranks
+from tpcheck.models.config import preset
 from tpcheck.models.dense import DenseAttention
 from tpcheck.models.parallel import ParallelAttention
-from tpcheck.models.transformer_cases import attention_case, attention_plan
 from tpcheck.plan import Plan, Shard
 
-BLOCK_NAMES = ("attention", "layer", "lm", "embedding", "cross_entropy")
+BLOCK_NAMES = tuple(b for b in BLOCKS if b != "mlp")  # the MLP has its own suite (test_equivalence)
 
 
 def _matrix(worlds):
@@ -65,7 +67,7 @@ def test_vocab_not_divisible_by_world_size_is_invalid():
 def _replica_grads(group, kv):
     """Rank-local qkv grads of an MQA/GQA attention, before and after the replica reduction, and the
     dense grad of the rows this rank holds."""
-    cfg = cases.preset("tiny").replace(heads=8, kv_heads=kv, hidden=64)
+    cfg = preset("tiny").replace(heads=8, kv_heads=kv, hidden=64)
     g = torch.Generator().manual_seed(3)
     dense = DenseAttention(cfg)
     dense.reset_parameters(g)
@@ -85,7 +87,7 @@ def _replica_grads(group, kv):
 
 @pytest.mark.parametrize("kv", [1, 2])
 def test_replicated_kv_grads_are_summed_and_bitwise_equal(kv):
-    out = run_ranks(_replica_grads, 4, kv)
+    out = run_on_ranks(_replica_grads, 4, kv)
     q_rows = out[0][3]
     for before, after, want, _ in out:
         torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-5)
@@ -96,22 +98,20 @@ def test_replicated_kv_grads_are_summed_and_bitwise_equal(kv):
         assert torch.equal(out[r][1][q_rows:], first)
 
 
-def _naive_qkv(spec, cfg):
-    case = attention_case(spec, cfg)
-    return dataclasses.replace(case, plan=Plan(params={**case.plan.params, "qkv.weight": Shard(0)},
-                                               activations=case.plan.activations))
+def _naive(base: str, name: str, make_plan, fused: str):
+    """The block with its plan's fused weight split contiguously (Shard(0)) instead of per part."""
+    def plan(cfg, sp):
+        right = make_plan(cfg, sp)
+        return Plan(params={**right.params, fused: Shard(0)}, activations=right.activations)
 
-
-def _naive_gate_up(spec, cfg):
-    case = cases.mlp_case(spec, cfg)
-    return dataclasses.replace(case, plan=Plan(params={**case.plan.params, "gate_up.weight": Shard(0)},
-                                               activations=case.plan.activations))
+    return dataclasses.replace(BLOCKS[base], name=name, plan=plan)
 
 
 def test_naive_contiguous_split_of_fused_weights_is_caught(monkeypatch):
     # registered before check() forks the ranks, which inherit it
-    monkeypatch.setitem(cases.BLOCKS, "attention_naive_qkv", _naive_qkv)
-    monkeypatch.setitem(cases.BLOCKS, "mlp_naive_gate_up", _naive_gate_up)
+    monkeypatch.setitem(BLOCKS, "attention_naive_qkv", _naive("attention", "attention_naive_qkv", attention_plan,
+                                                              "qkv.weight"))
+    monkeypatch.setitem(BLOCKS, "mlp_naive_gate_up", _naive("mlp", "mlp_naive_gate_up", mlp_plan, "gate_up.weight"))
     concat = (("gate_up_layout", "concat"),)
     naive_att, good_att, naive_mlp, good_mlp = check([
         CaseSpec(block="attention_naive_qkv", preset="tiny", world_size=2),

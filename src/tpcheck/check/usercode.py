@@ -1,7 +1,7 @@
-"""Turn a CaseSpec into a Case on a rank: a built-in block, a user's case file, or a registered Case.
+"""User code: case files loaded by path, Cases registered in this process, and guards around the
+user's callables.
 
-`block` forms:
-  "mlp"                      a built-in block (models/cases.py)
+`block` forms a user case can take:
   "file:PATH[:NAME]"         a user's case file (docs/case-files.md): a module-level `Case` object or
                              a function `case`/`case_*` taking the CaseSpec and returning a Case
   "registered:ID"            a Case registered in this process with `register()` before the ranks
@@ -9,9 +9,7 @@
 
 User code runs inside wrappers (`guard_user_case`): an exception in a user callable becomes a
 UsageError naming the callable and the user's file and line ("in your build_tp (case.py:42):
-ValueError: ..."), not a traceback from our internals. A rank whose setup fails tells the other
-ranks through the rendezvous store, so they stop before their first collective instead of waiting
-for the collective timeout.
+ValueError: ..."), not a traceback from our internals.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ import importlib.util
 import inspect
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 
@@ -31,23 +28,19 @@ from tpcheck.errors import UsageError
 FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
 # Case fields a CaseSpec may override for a user case (set by the CLI/plugin only for values given).
 OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches")
-USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "loss", "tp_loss", "tamper")
+USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "loss", "tp_loss")
 
 _REGISTERED: dict[str, Case] = {}
 _MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)
 
 
-def build_case(spec: CaseSpec) -> Case:
-    if spec.block.startswith((FILE_PREFIX, REGISTERED_PREFIX)):
-        return apply_overrides(user_case(spec), spec)
-    from tpcheck.models.cases import builtin_case
+def is_user_block(block: str) -> bool:
+    return block.startswith((FILE_PREFIX, REGISTERED_PREFIX))
 
-    case = builtin_case(spec)
-    if spec.fault:
-        from tpcheck.faults import apply_fault
 
-        case = apply_fault(case, spec)
-    return case
+def build_user_case(spec: CaseSpec) -> Case:
+    """The user's Case for `spec`, with the run settings the caller gave applied."""
+    return apply_overrides(user_case(spec), spec)
 
 
 # ------------------------------------------------------------------------------ registered cases
@@ -155,7 +148,7 @@ def apply_overrides(case: Case, spec: CaseSpec) -> Case:
     unknown = sorted(set(fields) - set(OVERRIDABLE))
     if unknown:
         raise UsageError(f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}")
-    return dataclasses.replace(case, name=spec.name, **fields)
+    return dataclasses.replace(case, name=spec.name, run=dataclasses.replace(case.run, **fields))
 
 
 def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpec:
@@ -170,8 +163,8 @@ def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpe
     probe = CaseSpec(block=block, world_size=world_size, overrides=tuple(sorted(given.items())), **given)
     own = user_case(probe)
     case = apply_overrides(own, probe)
-    display = label or f"{own.name}/tp{world_size}/{case.dtype}"
-    return dataclasses.replace(probe, label=display, **{k: getattr(case, k) for k in OVERRIDABLE})
+    display = label or f"{own.name}/tp{world_size}/{case.run.dtype}"
+    return dataclasses.replace(probe, label=display, **{k: getattr(case.run, k) for k in OVERRIDABLE})
 
 
 # ------------------------------------------------------------------------------ guarding user code
@@ -191,10 +184,11 @@ def user_frame(exc: BaseException, path: str | None) -> str:
 
 
 def guard_user_case(case: Case, path: str | None) -> Case:
-    """Wrap the Case's callables so a user exception names the callable, file and line; make every rank
-    meet (through the store) after the TP module is built, so a rank that failed stops the others."""
+    """Wrap the Case's callables so a user exception names the callable, file and line."""
     wrapped = {f: _guard(getattr(case, f), f, path) for f in USER_CALLABLES if getattr(case, f) is not None}
-    wrapped["tamper"] = _setup_barrier(wrapped.get("tamper"))
+    if case.inject.tamper is not None:
+        inject = dataclasses.replace(case.inject, tamper=_guard(case.inject.tamper, "tamper", path))
+        wrapped["inject"] = inject
     return dataclasses.replace(case, **wrapped)
 
 
@@ -208,60 +202,11 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
         except UsageError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
-            group = next((a for a in args if hasattr(a, "store") and hasattr(a, "rank")), None)
-            where = user_frame(e, path or _defined_in(fn))
-            msg = f"in your {what} ({where}): {type(e).__name__}: {e}"
-            if group is not None:
-                _post(group, "failed", msg)
-            raise UsageError(msg) from None
+            raise UsageError(f"in your {what} ({user_frame(e, path or _defined_in(fn))}): {type(e).__name__}: {e}") \
+                from None
 
     guarded._tpcheck_guarded = True
     return guarded
-
-
-def _setup_barrier(user_tamper: Callable | None) -> Callable:
-    """Runs on every rank after the TP module is built and loaded: wait (store, not a collective) until
-    every rank got here or one reported a failure in its setup."""
-
-    def tamper(module, group):
-        if user_tamper is not None:
-            user_tamper(module, group)
-        _post(group, "ready", "")
-        _wait_all(group)
-
-    tamper._tpcheck_guarded = True
-    return tamper
-
-
-def _key(group) -> str:
-    return f"tpcheck/setup{getattr(group, 'setup_round', 0)}"
-
-
-def _post(group, status: str, msg: str) -> None:
-    if group.world_size > 1 and group.store is not None:
-        group.store.set(f"{_key(group)}/{group.rank}", f"{status}\n{msg}")
-
-
-def _wait_all(group) -> None:
-    if group.world_size == 1 or group.store is None:
-        return
-    key, store = _key(group), group.store
-    group.setup_round = getattr(group, "setup_round", 0) + 1
-    keys = [f"{key}/{r}" for r in range(group.world_size)]
-    deadline = time.monotonic() + group.timeout_s
-    while True:
-        have = [k for k in keys if store.check([k])]
-        for k in have:
-            status, _, msg = store.get(k).decode().partition("\n")
-            if status == "failed":
-                raise UsageError(f"rank {k.rsplit('/', 1)[1]} failed, so this rank stopped before its first "
-                                 f"collective: {msg}")
-        if len(have) == len(keys):
-            return
-        if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if k not in have]
-            raise UsageError(f"rank(s) {missing} did not finish building the TP module within {group.timeout_s:g} s")
-        time.sleep(0.002)
 
 
 def _defined_in(fn) -> str | None:

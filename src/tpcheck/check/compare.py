@@ -1,0 +1,125 @@
+"""Comparing one rank's TP tensors with the plan's shard of the dense reference.
+
+Each rank checks its own local tensors (so every rank is checked, not only rank 0); replicated
+tensors are also compared across ranks, bitwise, batched into one all-reduce per flush, outside the
+model's collectives. Every comparison becomes a `Check` that records its error, its bound and the
+reason for the bound; small tensors are kept as evidence for the diagnosis.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tpcheck.check import tolerance
+from tpcheck.check.ledger import CollectiveTap
+from tpcheck.check.loading import maxdiff
+from tpcheck.errors import UsageError
+from tpcheck.parallel.group import TPGroup
+from tpcheck.plan import Placement
+
+EVIDENCE_MAX_NUMEL = 1 << 16  # tensors up to this size are sent to the parent for diagnosis
+EVIDENCE_BUDGET = 1 << 21  # total elements per rank and case
+
+
+@dataclass(kw_only=True)
+class Check:
+    """One comparison on one rank. error: max |TP - dense| (the dense model in the working dtype);
+    diff_vs_dense: the same number (the seed's metric); bound/passed: None until rank 0's bound for the
+    same `seq` is filled in (calibrated checks on ranks > 0); seq: position in execution order (a
+    replica check shares the seq of the tensor it checks)."""
+
+    stage: str  # weights | forward | loss | backward | grads | optimizer | replicas
+    step: int
+    name: str
+    rank: int
+    error: float
+    diff_vs_dense: float
+    bound: float | None
+    kind: str  # exact | calibrated | fp64 | replica
+    reason: str
+    passed: bool | None
+    placement: str = "replicate"
+    seq: int = 0
+
+
+class Comparator:
+    """The checks of one case on one rank, in execution order, and the evidence kept for diagnosis."""
+
+    def __init__(self, group: TPGroup, tap: CollectiveTap, dtype: torch.dtype, dtype_name: str) -> None:
+        self.group, self.tap, self.dtype, self.dtype_name = group, tap, dtype, dtype_name
+        self.checks: list[Check] = []
+        self.pending_replicas: list[tuple[Check, torch.Tensor]] = []
+        self.evidence: dict[str, dict] = {}
+        self.evidence_left = EVIDENCE_BUDGET
+        self.seq = 0
+
+    def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
+                truth: torch.Tensor | None, placement: Placement, exact: bool = False) -> Check:
+        """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
+        are compared across ranks later, in `flush_replicas`, outside the model's collectives.
+        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING)."""
+        rank, world = self.group.rank, self.group.world_size
+        ref = placement.shard(dense, rank, world)
+        diff = maxdiff(tp_local, ref)
+        if exact:
+            bound = tolerance.EXACT
+        elif truth is not None:
+            bound = tolerance.calibrated(dense, truth, self.dtype, world)
+        else:
+            bound = tolerance.PENDING
+        # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
+        if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
+            self._check_reference_finite(stage, step, name, dense, truth)
+        self.seq += 1
+        check = Check(stage=stage, step=step, name=name, rank=rank, error=diff, diff_vs_dense=diff,
+                      bound=bound.value, kind=bound.kind, reason=bound.reason,
+                      passed=None if bound.value is None else diff <= bound.value, placement=str(placement),
+                      seq=self.seq)
+        self.checks.append(check)
+        self._keep_evidence(check, tp_local, ref, dense)
+        if placement.replicated and world > 1:
+            self.pending_replicas.append((check, tp_local.detach().clone()))
+        return check
+
+    def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
+        """Bad input is reported as such (exit 2), not as a TP bug."""
+        if truth is not None and not bool(torch.isfinite(truth).all()):
+            raise UsageError(f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
+                             "the inputs or weights are bad, not the TP implementation")
+        if not bool(torch.isfinite(dense).all()):
+            raise UsageError(f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
+                             "NaN/Inf (float16 with AdamW, whose eps underflows, is a known cause; use "
+                             "float32/bfloat16 or --optimizer sgd). The reference is bad, not the TP implementation")
+
+    def _keep_evidence(self, check: Check, tp_local, ref, dense) -> None:
+        if check.step > 1 or tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
+            return
+        self.evidence_left -= 3 * dense.numel()
+        self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
+            "tp": tp_local.detach().double().numpy().copy(), "ref": ref.detach().double().numpy().copy(),
+            "dense": dense.detach().double().numpy().copy(), "placement": check.placement,
+            "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
+
+    def flush_replicas(self) -> None:
+        """Compare every pending replicated tensor across ranks, bitwise: max - min over ranks, for all
+        of them in one all-reduce (MAX of [x; -x])."""
+        if not self.pending_replicas:
+            return
+        flats = [t.double().reshape(-1) for _, t in self.pending_replicas]
+        both = torch.cat(flats + [-f for f in flats])
+        self.tap.last = ("all_reduce", "checker:replicas", "optimizer")
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group.pg)
+        hi, neg_lo = both.split(both.numel() // 2)
+        b = tolerance.REPLICA
+        sizes = [f.numel() for f in flats]
+        for (check, t), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
+            spread = float((h + n).abs().max()) if t.numel() else 0.0
+            spread = spread if not math.isnan(spread) else math.inf
+            self.checks.append(Check(stage="replicas", step=check.step, name=check.name, rank=check.rank,
+                                     error=spread, diff_vs_dense=spread, bound=b.value, kind="replica",
+                                     reason=b.reason, passed=spread <= b.value, placement=check.placement,
+                                     seq=check.seq))
+        self.pending_replicas.clear()

@@ -1,0 +1,218 @@
+"""The per-rank engine: run one Case on this rank, step by step, and compare every tensor through
+the plan. Nothing here knows a layer: shapes and layouts come from the plan.
+
+Three models run on every rank: the dense model in the working dtype, a float64 copy of it (the
+ground truth that calibrates tolerances, held on rank 0 only: it is the largest of the three) and the
+TP model. All start from the same weights. Every rank measures its TP tensors against the dense ones;
+rank 0 also measures the dense model's own error against float64, which sets each check's bound (the
+parent fills in the bounds of the other ranks' checks from rank 0's, by `seq`).
+
+Order of a step: dense and float64 forward/backward (capturing the activations named in
+`plan.activations`), then the TP forward/backward, whose captured tensors are compared as they are
+produced (local comparisons only, no collective inside the model's forward), then a ledger sync, then
+the checker's own collectives (replica comparisons), then grads, optimizer step, weights.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from tpcheck.check import capture, tolerance
+from tpcheck.check.case import Case
+from tpcheck.check.compare import Check, Comparator
+from tpcheck.check.ledger import CollectiveTap, sync_ledgers
+from tpcheck.check.loading import cast, leaf, load_from_dense
+from tpcheck.check.optimizer import AdaptiveSlack
+from tpcheck.check.result import RankPayload
+from tpcheck.check.sync import Rendezvous
+from tpcheck.errors import UsageError
+from tpcheck.parallel.group import TPGroup
+from tpcheck.parallel.layers import finalize_grads
+from tpcheck.plan import Replicate
+
+
+class _NoGrad:
+    """Stands for a float64 input on ranks that hold no float64 model."""
+
+    grad = None
+
+
+class Engine:
+    """One case on one rank: the three models, their optimizers, and the comparator."""
+
+    def __init__(self, case: Case, group: TPGroup, rendezvous: Rendezvous) -> None:
+        assert isinstance(group.tap, CollectiveTap), "the engine runs the TP side through the checker's tap"
+        self.case, self.group, self.tap, self.rendezvous = case, group, group.tap, rendezvous
+        self.settings = case.run
+        self.dtype = case.run.torch_dtype
+        self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype)
+        self.control: dict | None = None
+        try:
+            self._build()
+        except Exception as e:  # noqa: BLE001 - tell the other ranks before they issue a collective
+            rendezvous.setup_failed(f"{type(e).__name__}: {e}" if not isinstance(e, UsageError) else str(e))
+            raise
+        rendezvous.setup_done()
+
+    def _build(self) -> None:
+        case, group = self.case, self.group
+        self.gen = torch.Generator().manual_seed(self.settings.seed)
+        self.first_batch = case.make_batch(self.gen, torch.float32)  # drawn before the weights, as the seed
+        master = case.build_dense(torch.float32)
+        case.init(master, self.gen)
+        self.dense = self._copy_of(master, self.dtype)
+        if self.dtype == torch.float64:
+            self.truth = self.dense
+        else:
+            self.truth = self._copy_of(self.dense, torch.float64) if group.rank == 0 else None
+        case.plan.check_against(self.dense, group.world_size)
+        if case.inject.intercept is not None:
+            self.tap.interceptor = case.inject.intercept(group)
+        self.tp = case.build_tp(group, self.dtype)
+        load_from_dense(self.tp, master, case.inject.load_plan or case.plan, group)  # from the float32 master
+        if case.inject.tamper is not None:
+            case.inject.tamper(self.tp, group)
+        self.opt_dense = self.settings.make_optimizer(self.dense.parameters())
+        if case.inject.tp_optimizer is not None:
+            self.opt_tp = case.inject.tp_optimizer(self.tp, group, self.settings.make_optimizer)
+        else:
+            self.opt_tp = self.settings.make_optimizer(self.tp.parameters())
+        has_truth = self.truth is not None and self.truth is not self.dense
+        self.opt_truth = self.settings.make_optimizer(self.truth.parameters()) if has_truth else None
+        self.slack = AdaptiveSlack(self.opt_dense, self.opt_tp, self.opt_truth) \
+            if self.settings.optimizer != "sgd" else None
+
+    def _copy_of(self, src: nn.Module, dtype: torch.dtype) -> nn.Module:
+        model = self.case.build_dense(dtype)
+        with torch.no_grad():
+            for (_, p), (_, q) in zip(model.named_parameters(), src.named_parameters()):
+                p.copy_(q.to(dtype))
+        return model
+
+    def sync(self, where: str) -> None:
+        sync_ledgers(self.tap, self.rendezvous, where)
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> list[Check]:
+        case = self.case
+        tp_params = dict(self.tp.named_parameters())
+        for name, p in self.dense.named_parameters():
+            self.cmp.compare("weights", 0, f"param:{name}", tp_params[case.plan.tp_name(name)].detach(), p.detach(),
+                             p.detach(), case.plan.params[name], exact=True)
+        self.sync("loading the weights")
+        self.cmp.flush_replicas()
+        for step in range(1, self.settings.steps + 1):
+            self._step(step)
+        return self.cmp.checks
+
+    def _step(self, step: int) -> None:
+        for opt in self._optimizers():
+            opt.zero_grad(set_to_none=True)
+        for micro in range(self.settings.micro_batches):
+            batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, torch.float32)
+            self._forward_backward(step, batch)
+        if hasattr(self.tp, "finalize_grads"):
+            self.tp.finalize_grads()
+        else:
+            finalize_grads(self.tp, self.group)
+        self.sync(f"finalize_grads of step {step}")
+        self._compare_params(step, "grads", lambda p: p.grad)
+        self.cmp.flush_replicas()
+        for opt in self._optimizers():
+            opt.step()
+        self.sync(f"optimizer step {step}")
+        self._compare_params(step, "optimizer", lambda p: p)
+        self.cmp.flush_replicas()
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
+
+    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder):
+        case = self.case
+        handles = capture.attach(model, set(case.plan.activations), recorder) if self.settings.capture else []
+        kw = {k: leaf(cast(v, dtype), k in case.grad_inputs) for k, v in inputs.items()}
+        out = model(**kw)
+        loss = case.loss(out, cast(target, dtype)) / self.settings.micro_batches
+        loss.backward()
+        capture.detach_all(handles)
+        return kw, out.detach(), loss.detach()
+
+    def _forward_backward(self, step: int, batch) -> None:
+        case, group, cmp = self.case, self.group, self.cmp
+        inputs, target = batch
+        rec_d, rec_t = capture.Recorder(), capture.Recorder()
+        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d)
+        if self.truth is self.dense:
+            (kw_t, out_t, loss_t), rec_t = (kw_d, out_d, loss_d), rec_d
+        elif self.truth is None:
+            kw_t, out_t, loss_t = {k: _NoGrad for k in kw_d}, None, None
+        else:
+            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t)
+
+        def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
+            d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None
+            if d is not None:
+                label = "act" if stage == "forward" else "actgrad"
+                cmp.compare(stage, step, f"{label}:{name}", t, d, tr if rec_t is not rec_d else d,
+                            case.plan.activations[name])
+
+        names = set(case.plan.activations)
+        handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
+        kw_tp = {}
+        for k, v in inputs.items():
+            local = case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
+                                                                    group.world_size)
+            kw_tp[k] = leaf(local, k in case.grad_inputs)
+        out_tp = self.tp(**kw_tp)
+        out_check = cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
+        if step == 1 and self.truth is not None:
+            self.control = tolerance.self_test(out_check, out_tp.detach(), out_d, case.output_placement, group)
+        target_local = case.target_placement.shard(cast(target, self.dtype), group.rank, group.world_size)
+        loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
+        cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
+        loss_tp.backward()
+        capture.detach_all(handles)
+        self.sync(f"forward and backward of step {step}")
+        for k in case.grad_inputs:
+            if kw_tp[k].grad is None:
+                raise UsageError(f"input {k!r} got no gradient on the TP side: is it used in forward?")
+            cmp.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
+                        case.input_placements.get(k, Replicate()))
+        cmp.flush_replicas()
+
+    def _compare_params(self, step: int, stage: str, get) -> None:
+        plan, group = self.case.plan, self.group
+        tp_params = dict(self.tp.named_parameters())
+        truth_params = dict(self.truth.named_parameters()) if self.truth is not None else {}
+        for name, p in self.dense.named_parameters():
+            tp_p = tp_params[plan.tp_name(name)]
+            tp_val, dense_val = get(tp_p), get(p)
+            truth_val = get(truth_params[name]) if truth_params else None
+            if tp_val is None or dense_val is None:
+                if (tp_val is None) != (dense_val is None):
+                    who = "TP" if tp_val is None else "dense"
+                    raise UsageError(f"parameter {name!r} got no gradient on the {who} side only")
+                continue
+            tp_val, truth_val = tp_val.detach(), truth_val.detach() if truth_val is not None else None
+            if stage == "optimizer" and self.slack is not None:
+                tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size, tp_p, p,
+                                                     truth_params.get(name), tp_val, truth_val)
+            label = "grad" if stage == "grads" else "param"
+            self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
+                             plan.params[name])
+
+
+def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> RankPayload:
+    """Run `case` on this rank; returns its checks, ledger and evidence for the launcher."""
+    t0 = time.perf_counter()
+    engine = Engine(case, group, rendezvous)
+    checks = engine.run()
+    return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=engine.cmp.evidence,
+                       expected_collectives=case.expected_collectives, control=engine.control,
+                       ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
+
+
+

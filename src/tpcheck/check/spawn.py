@@ -1,0 +1,144 @@
+"""Forking gloo ranks: the one helper behind the launcher's pool, the tests and the benchmarks.
+
+`fork_ranks` forks `world` processes from this one (after `import torch`, so a rank starts in
+milliseconds), each with its own duplex pipe to the parent; `join_gloo` is how a rank joins the group
+(a FileStore in a fresh temp directory: no port to pick, so concurrent runs cannot collide).
+`run_on_ranks(fn, world, *args)` runs `fn(group, *args)` on every rank and returns their values.
+
+Pipes carry plain payloads: `send_plain` pickles with the standard pickler into bytes. Tensors then
+travel as bytes, not as shared-memory handles (what `multiprocessing`'s own pickler does with torch
+tensors): a handle whose owner calls `os._exit` right after sending is the race that made a queue of
+tensors fail with ConnectionResetError on a loaded machine. `Connection.send_bytes` is synchronous,
+so nothing is left in flight when a rank exits.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from tpcheck.parallel.group import TPGroup
+
+
+def send_plain(conn: Connection, obj) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_plain(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+class Ranks:
+    """`world` forked processes, each running `target(rank, world, store_path, conn, *args)`."""
+
+    def __init__(self, world: int, target: Callable, args: tuple = (), name: str = "tpcheck-rank") -> None:
+        ctx = mp.get_context("fork")
+        self.world = world
+        self.tmpdir = tempfile.mkdtemp(prefix="tpcheck-")
+        self.store_path = os.path.join(self.tmpdir, "store")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for r in range(world):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_entry, args=(target, r, world, self.store_path, theirs, list(self.conns),
+                                                  os.getpid(), args), daemon=True, name=f"{name}{r}")
+            p.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(p)
+
+    def kill(self) -> None:
+        """Kill every rank still alive, reap them, close the pipes, remove the store."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args) -> None:
+    die_with_parent(parent_pid)
+    # libgomp is not fork-safe: if the parent ran an OpenMP region (softmax, log_softmax, ...) before
+    # forking, the rank's first parallel region hangs forever. One thread per rank avoids the pool.
+    torch.set_num_threads(1)
+    for c in inherited:  # the parent's ends of earlier ranks' pipes, inherited by the fork
+        c.close()
+    code = 0
+    try:
+        target(rank, world, store_path, conn, *args)
+    except BaseException:  # noqa: BLE001 - the target reports its own failures; this is the last resort
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip torch's slow (and, with gloo, sometimes aborting) interpreter exit
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this rank when the parent goes (even by SIGKILL)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def join_gloo(rank: int, world: int, store_path: str, timeout_s: float) -> dist.Store:
+    """Join the gloo group of `world` ranks rendezvousing at `store_path`; returns the store."""
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return store
+
+
+# ---------------------------------------------------------------------------- run a function on ranks
+
+
+def _run_fn(rank, world, store_path, conn, fn, args, timeout_s) -> None:
+    try:
+        join_gloo(rank, world, store_path, timeout_s)
+        out = fn(TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD), *args)
+        send_plain(conn, ("ok", out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it there
+        send_plain(conn, ("error", traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0) -> list:
+    """`fn(group, *args)` on `world` forked gloo ranks; the ranks' return values, in rank order.
+    A rank that raises or dies fails the call with its traceback; none waits past `timeout_s`."""
+    ranks = Ranks(world, _run_fn, (fn, args, timeout_s))
+    results: dict[int, object] = {}
+    try:
+        pending = {c: r for r, c in enumerate(ranks.conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(ranks.procs)}
+        while pending:
+            ready = wait([*pending, *(s for s, r in sentinels.items() if r not in results)], timeout=timeout_s)
+            if not ready:
+                raise TimeoutError(f"rank(s) {sorted(pending.values())} gave no result within {timeout_s:g} s")
+            for obj in ready:
+                if obj in pending:
+                    r = pending.pop(obj)
+                    status, out = recv_plain(obj)
+                    if status != "ok":
+                        raise AssertionError(f"rank {r} failed:\n{out}")
+                    results[r] = out
+                elif sentinels[obj] in pending.values() and not ranks.conns[sentinels[obj]].poll():
+                    r = sentinels[obj]
+                    raise AssertionError(f"rank {r} died (exit code {ranks.procs[r].exitcode}) before reporting")
+    finally:
+        ranks.kill()
+    return [results[r] for r in range(world)]

@@ -1,0 +1,74 @@
+"""CaseSpec -> Case: the one place that knows every kind of case.
+
+A spec names a built-in block (`tpcheck.blocks.BLOCKS`), a user's case file ("file:PATH[:NAME]") or a
+Case registered in this process ("registered:ID"), optionally with a catalogue fault
+(`tpcheck.faults`). `RESOLVER` is handed to the launcher: the checker (`tpcheck.check`) runs whatever
+Case it is given and imports neither the blocks nor the faults.
+"""
+from __future__ import annotations
+
+from tpcheck.blocks import BLOCKS, config_for
+from tpcheck.check.case import Case, CaseSpec
+from tpcheck.check.launch import DEFAULT_TIMEOUT_S, Launcher, TorchrunLauncher
+from tpcheck.check.usercode import build_user_case, is_user_block
+from tpcheck.errors import UsageError
+from tpcheck.faults import CATALOGUE, apply_fault, get_fault
+
+
+class DefaultResolver:
+    """Built-in blocks (+ catalogue faults), case files and registered Cases."""
+
+    def prepare(self, spec: CaseSpec) -> CaseSpec:
+        if spec.fault and spec.fault in CATALOGUE and not is_user_block(spec.block):
+            return CATALOGUE[spec.fault].prepare(spec)
+        return spec
+
+    def validate(self, spec: CaseSpec) -> None:
+        spec.validate()
+        if is_user_block(spec.block):
+            if spec.fault:
+                raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; plant the "
+                                 "bug in your case file instead")
+            return
+        block = _block(spec.block)
+        block.check_config(config_for(spec), spec)
+        if spec.fault:
+            fault = get_fault(spec.fault)
+            if not fault.applies(spec.block, spec.world_size):
+                raise UsageError(f"fault {fault.name!r} applies to block(s) {list(fault.blocks)} at world sizes "
+                                 f"{list(fault.worlds)}, not {spec.block!r} at {spec.world_size}")
+
+    def build(self, spec: CaseSpec) -> Case:
+        if is_user_block(spec.block):
+            return build_user_case(spec)
+        spec = self.prepare(spec)
+        case = _block(spec.block).case(spec, config_for(spec))
+        return apply_fault(case, spec) if spec.fault else case
+
+
+RESOLVER = DefaultResolver()
+
+
+def _block(name: str):
+    try:
+        return BLOCKS[name]
+    except KeyError:
+        raise UsageError(f"unknown block {name!r}; choose one of {sorted(BLOCKS)}") from None
+
+
+def feasible(spec: CaseSpec) -> bool:
+    """Can this case run at all (e.g. an SP fault needs a sequence that divides the world size)?"""
+    try:
+        RESOLVER.validate(RESOLVER.prepare(spec))
+    except UsageError:
+        return False
+    return True
+
+
+def launcher(timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: float | None = None) -> Launcher:
+    """A pool launcher that resolves specs with RESOLVER."""
+    return Launcher(RESOLVER, timeout_s, stall_s)
+
+
+def torchrun_launcher(timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchrunLauncher:
+    return TorchrunLauncher(RESOLVER, timeout_s)

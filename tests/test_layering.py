@@ -1,0 +1,473 @@
+"""The layering of the `tpcheck` package, read from source with `ast` (nothing is imported).
+
+The reader (`read_imports`) takes every `import` / `from ... import` statement anywhere in a module:
+module level, function- and class-local, under `try`/`with`/`if`; it resolves relative imports and
+drops those in the body of `if TYPE_CHECKING:` (they never run; the `else:` branch does). An edge
+goes to the module an import names: `from a.b import c` goes to `a.b.c` when that is a module of the
+package, else to `a.b`. The parent packages a runtime import also initialises (`import a.b.c` runs
+`a/__init__` and `a/b/__init__`) are not edges: every module would otherwise be in a cycle with its
+own package `__init__`.
+
+Rules on the real package:
+1. the library half (`tpcheck.parallel.*`, `tpcheck.plan`, `tpcheck.models.*`) imports only itself
+   and `tpcheck.errors`;
+2. `tpcheck.check.*` imports none of the layers above it (blocks, faults, resolve, cli, seed,
+   adapters, report, pytest_plugin);
+3. collapsed to sub-packages (`tpcheck.check`, ...; a top-level module is its own node; `tpcheck` is
+   the package `__init__`), the import graph is acyclic;
+4. module by module, the import graph is acyclic.
+The tests below those check the reader and the cycle finder on fake packages written to tmp_path.
+"""
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+PACKAGE = "tpcheck"
+
+LIBRARY = {"tpcheck.parallel", "tpcheck.plan", "tpcheck.models"}
+LIBRARY_MAY_IMPORT = LIBRARY | {"tpcheck.errors"}
+CHECK_MUST_NOT_IMPORT = {
+    "tpcheck.blocks", "tpcheck.faults", "tpcheck.resolve", "tpcheck.cli", "tpcheck.seed",
+    "tpcheck.adapters", "tpcheck.report", "tpcheck.pytest_plugin",
+}
+
+
+# ------------------------------------------------------------------------------------ the reader
+
+
+@dataclass(frozen=True, order=True)
+class Import:
+    """Module `src` imports module `dst` at `file`:`line`."""
+
+    src: str
+    dst: str
+    file: str
+    line: int
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def package_modules(src_root: Path, package: str) -> dict[str, Path]:
+    """{dotted module name: file} of every module of `package` under `src_root`."""
+    out = {}
+    for path in sorted((src_root / package).rglob("*.py")):
+        parts = list(path.relative_to(src_root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+class _Collector(ast.NodeVisitor):
+    def __init__(self) -> None:
+        self.found: list[tuple[int, int, str | None, list[str]]] = []  # (line, level, module, names)
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):  # the body never runs; the else branch does
+            self.visit(node.test)
+            for stmt in node.orelse:
+                self.visit(stmt)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self.found.append((node.lineno, 0, alias.name, []))
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.found.append((node.lineno, node.level, node.module, [a.name for a in node.names]))
+
+
+def read_imports(src_root: Path, package: str, rel_to: Path | None = None) -> list[Import]:
+    """Every import of a module of `package` by a module of `package`, sorted. File paths in the
+    result are relative to `rel_to` (default: `src_root`'s parent)."""
+    modules = package_modules(src_root, package)
+    rel_to = rel_to if rel_to is not None else src_root.parent
+    edges: set[Import] = set()
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        collector = _Collector()
+        collector.visit(ast.parse(path.read_text(), filename=str(path)))
+        file = str(path.relative_to(rel_to)) if path.is_relative_to(rel_to) else str(path)
+        for line, level, target, names in collector.found:
+            if level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                if level - 1 >= len(base):
+                    raise ValueError(f"{file}:{line}: relative import beyond the top-level package")
+                base = base[: len(base) - (level - 1)]
+                target = ".".join(base + ([target] if target else []))
+            if not (target == package or target.startswith(package + ".")):
+                continue
+            dsts = set()
+            for name in names:  # `from X import name`: the submodule X.name if there is one, else X
+                dsts.add(f"{target}.{name}" if f"{target}.{name}" in modules else target)
+            for dst in dsts or {target}:
+                edges.add(Import(mod, dst, file, line))
+    return sorted(edges)
+
+
+def node_of(module: str) -> str:
+    """A module's sub-package (`tpcheck.check.case` -> `tpcheck.check`); a top-level module is its own
+    node, and the package `__init__` is `tpcheck`."""
+    return ".".join(module.split(".")[:2])
+
+
+def collapse(edges: list[Import]) -> list[Import]:
+    """The same imports between sub-package nodes; imports within one node are dropped."""
+    return [Import(node_of(e.src), node_of(e.dst), e.file, e.line) for e in edges if node_of(e.src) != node_of(e.dst)]
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """A strongly connected component of more than one node (`nodes`), and one shortest cycle through
+    its first node, as its edges (one witnessing import each)."""
+
+    nodes: tuple[str, ...]
+    edges: tuple[Import, ...]
+
+
+def find_cycles(edges: list[Import]) -> list[Cycle]:
+    """One `Cycle` per strongly connected component of more than one node; self-imports are ignored.
+    Empty iff the graph is acyclic."""
+    graph: dict[str, dict[str, Import]] = defaultdict(dict)
+    for e in sorted(edges):
+        if e.src != e.dst:
+            graph[e.src].setdefault(e.dst, e)  # one witness per edge: the first by file, line
+    nodes = sorted(set(graph) | {d for ds in graph.values() for d in ds})
+
+    # Tarjan's strongly connected components (recursion depth = longest path: small graphs only).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    sccs: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, {})):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in nodes:
+        if v not in index:
+            strongconnect(v)
+
+    cycles = []
+    for comp in sorted(sccs):
+        members, start = set(comp), comp[0]
+        # Shortest path start -> ... -> start inside the component (BFS).
+        prev: dict[str, str] = {}
+        frontier, seen, closing = [start], {start}, None
+        while frontier and closing is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph.get(v, {})):
+                    if w == start:
+                        closing = v
+                        break
+                    if w in members and w not in seen:
+                        seen.add(w)
+                        prev[w] = v
+                        nxt.append(w)
+                if closing is not None:
+                    break
+            frontier = nxt
+        path = [closing]
+        while path[-1] != start:
+            path.append(prev[path[-1]])
+        path.reverse()  # start, ..., closing
+        path.append(start)
+        cycles.append(Cycle(tuple(comp), tuple(graph[a][b] for a, b in zip(path, path[1:]))))
+    return cycles
+
+
+def format_cycle(cycle: Cycle) -> str:
+    path = [cycle.edges[0].src] + [e.dst for e in cycle.edges]
+    lines = [f"  {' -> '.join(path)}"]
+    lines += [f"    {e.src} -> {e.dst}  ({e.where()})" for e in cycle.edges]
+    if len(cycle.nodes) > len(cycle.edges):
+        lines.append(f"    (one cycle of the tangle {', '.join(cycle.nodes)}: break it and rerun for the next)")
+    return "\n".join(lines)
+
+
+def forbidden_imports(edges: list[Import], src_nodes: set[str], *, deny: set[str] | None = None,
+                      allow: set[str] | None = None) -> list[Import]:
+    """Imports from a module in `src_nodes` to another node that is in `deny` / not in `allow`."""
+    bad = []
+    for e in edges:
+        s, d = node_of(e.src), node_of(e.dst)
+        if s not in src_nodes or d == s:
+            continue
+        if (deny is not None and d in deny) or (allow is not None and d not in allow):
+            bad.append(e)
+    return bad
+
+
+def format_imports(edges: list[Import]) -> str:
+    return "\n".join(f"  {e.where()}: {e.src} imports {e.dst}" for e in edges)
+
+
+# ------------------------------------------------------------------------------------ the real package
+
+
+def _real_edges() -> list[Import]:
+    return read_imports(SRC, PACKAGE, rel_to=REPO)
+
+
+def test_the_real_package_is_read():
+    modules = package_modules(SRC, PACKAGE)
+    edges = _real_edges()
+    assert {"tpcheck", "tpcheck.parallel.collectives", "tpcheck.parallel.group"} <= set(modules)
+    assert any(e.src == "tpcheck.parallel.collectives" and e.dst == "tpcheck.parallel.group" for e in edges)
+
+
+def test_library_imports_only_itself_and_errors():
+    bad = forbidden_imports(_real_edges(), LIBRARY, allow=LIBRARY_MAY_IMPORT)
+    assert not bad, (
+        f"the library half ({', '.join(sorted(LIBRARY))}) may import only itself and tpcheck.errors; "
+        f"{len(bad)} import(s) reach further:\n{format_imports(bad)}")
+
+
+def test_check_imports_no_layer_above_it():
+    bad = forbidden_imports(_real_edges(), {"tpcheck.check"}, deny=CHECK_MUST_NOT_IMPORT)
+    assert not bad, (
+        f"tpcheck.check must not import {', '.join(sorted(CHECK_MUST_NOT_IMPORT))}; "
+        f"{len(bad)} import(s) do:\n{format_imports(bad)}")
+
+
+def test_no_cycle_between_subpackages():
+    cycles = find_cycles(collapse(_real_edges()))
+    assert not cycles, "import cycle(s) between sub-packages:\n" + "\n".join(map(format_cycle, cycles))
+
+
+def test_no_cycle_between_modules():
+    cycles = find_cycles(_real_edges())
+    assert not cycles, "import cycle(s) between modules:\n" + "\n".join(map(format_cycle, cycles))
+
+
+# ------------------------------------------------------------------------------------ the reader, on fakes
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    """Write {relative path: source} under root/src; returns root/src."""
+    src = root / "src"
+    for rel, text in files.items():
+        path = src / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return src
+
+
+FAKE = {
+    "fake/__init__.py": """
+        from .core import thing
+        __version__ = "0"
+    """,
+    "fake/core.py": """
+        import os
+        from typing import TYPE_CHECKING
+        import typing
+
+        if TYPE_CHECKING:
+            from fake.hinted import Hint
+        else:
+            from fake.other import Other
+
+        if typing.TYPE_CHECKING:
+            import fake.hinted2
+
+        thing = 1
+
+        def f():
+            from .util import helper
+            return helper
+
+        class K:
+            import fake.classlocal
+
+        try:
+            import fake.opt.mod as m
+        except ImportError:
+            pass
+    """,
+    "fake/util.py": "helper = 1\n",
+    "fake/other.py": "Other = 1\n",
+    "fake/hinted.py": "Hint = 1\n",
+    "fake/hinted2.py": "",
+    "fake/classlocal.py": "",
+    "fake/opt/__init__.py": "",
+    "fake/opt/mod.py": "",
+    "fake/sub/__init__.py": """
+        from . import leaf
+        from .leaf import name_in_leaf
+    """,
+    "fake/sub/leaf.py": """
+        from .. import __version__
+        from ..util import helper
+        from fake import util, other
+        from fake.sub import *
+
+        def g():
+            def h():
+                import fake.core
+            return h
+    """,
+}
+
+
+def _pairs(edges):
+    return {(e.src, e.dst) for e in edges}
+
+
+def test_reader_finds_function_local_relative_and_conditional_imports(tmp_path):
+    src = _write_package(tmp_path, FAKE)
+    edges = read_imports(src, "fake")
+    assert _pairs(edges) == {
+        ("fake", "fake.core"),                # relative import in a package __init__
+        ("fake.core", "fake.other"),          # the else branch of `if TYPE_CHECKING:` runs
+        ("fake.core", "fake.util"),           # function-local relative import
+        ("fake.core", "fake.classlocal"),     # class-body import
+        ("fake.core", "fake.opt.mod"),        # under try, `import ... as`
+        ("fake.sub", "fake.sub.leaf"),        # `from . import leaf` (a submodule) and `from .leaf import name`
+        ("fake.sub.leaf", "fake"),            # `from .. import __version__`: a name of the package __init__
+        ("fake.sub.leaf", "fake.util"),       # `from ..util import helper` and `from fake import util`
+        ("fake.sub.leaf", "fake.other"),      # `from fake import util, other`: two submodules
+        ("fake.sub.leaf", "fake.sub"),        # `from fake.sub import *`
+        ("fake.sub.leaf", "fake.core"),       # absolute import in a nested function
+    }
+    # TYPE_CHECKING imports (plain name and typing.TYPE_CHECKING) and outside imports (os, typing) are not edges.
+    assert not {d for _, d in _pairs(edges)} & {"fake.hinted", "fake.hinted2", "os", "typing"}
+    # Each edge carries the file and line of the import statement.
+    (local,) = [e for e in edges if (e.src, e.dst) == ("fake.core", "fake.util")]
+    assert (src / "fake/core.py").read_text().splitlines()[local.line - 1].strip() == "from .util import helper"
+    assert local.where() == "src/fake/core.py:16"
+
+
+def test_reader_rejects_a_relative_import_above_the_package(tmp_path):
+    src = _write_package(tmp_path, {"fake/__init__.py": "", "fake/a.py": "def f():\n    from .. import x\n"})
+    try:
+        read_imports(src, "fake")
+    except ValueError as e:
+        assert "src/fake/a.py:2" in str(e)
+    else:
+        raise AssertionError("a relative import beyond the top-level package was not reported")
+
+
+def test_cycle_finder_reports_a_function_local_cycle_with_file_and_line(tmp_path):
+    src = _write_package(tmp_path, {
+        "cyc/__init__.py": "",
+        "cyc/a.py": "from cyc import b\n",
+        "cyc/b.py": "import cyc.c\n",
+        "cyc/c.py": "import os\n\ndef late():\n    from .a import x\n",  # closes the cycle, function-locally
+        "cyc/d.py": "from cyc import a\n",  # hangs off the cycle, is not in it
+    })
+    cycles = find_cycles(read_imports(src, "cyc"))
+    assert len(cycles) == 1
+    (cycle,) = cycles
+    assert cycle.nodes == ("cyc.a", "cyc.b", "cyc.c")
+    assert [e.src for e in cycle.edges] == ["cyc.a", "cyc.b", "cyc.c"]
+    assert [e.dst for e in cycle.edges] == ["cyc.b", "cyc.c", "cyc.a"]
+    text = format_cycle(cycle)
+    assert "cyc.a -> cyc.b -> cyc.c -> cyc.a" in text
+    assert "src/cyc/a.py:1" in text and "src/cyc/b.py:1" in text and "src/cyc/c.py:4" in text
+
+
+def test_cycle_finder_ignores_a_type_checking_back_edge(tmp_path):
+    src = _write_package(tmp_path, {
+        "acyc/__init__.py": "",
+        "acyc/a.py": "from acyc import b\n",
+        "acyc/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from acyc.a import A\n",
+    })
+    assert find_cycles(read_imports(src, "acyc")) == []
+
+
+def test_cycle_finder_reports_each_strongly_connected_component(tmp_path):
+    src = _write_package(tmp_path, {
+        "two/__init__.py": "",
+        "two/a.py": "from two import b\n",
+        "two/b.py": "from two import a\n",
+        "two/c.py": "from two import d\nfrom two import a\n",
+        "two/d.py": "from two import e\n",
+        "two/e.py": "from two import c\n",
+    })
+    cycles = find_cycles(read_imports(src, "two"))
+    assert [c.nodes for c in cycles] == [("two.a", "two.b"), ("two.c", "two.d", "two.e")]
+    assert [[e.src for e in c.edges] for c in cycles] == [["two.a", "two.b"], ["two.c", "two.d", "two.e"]]
+
+
+def test_collapsing_finds_a_cycle_between_subpackages_that_modules_do_not_have(tmp_path):
+    src = _write_package(tmp_path, {
+        "pkg/__init__.py": "from pkg.x import m1\n",  # the top node may import anything
+        "pkg/x/__init__.py": "",
+        "pkg/x/m1.py": "from pkg.y.m2 import f\n",
+        "pkg/x/m4.py": "",
+        "pkg/y/__init__.py": "",
+        "pkg/y/m2.py": "f = 1\n",
+        "pkg/y/m3.py": "def g():\n    from pkg.x import m4\n",
+        "pkg/top.py": "from pkg.y import m3\n",
+    })
+    edges = read_imports(src, "pkg")
+    assert find_cycles(edges) == []
+    (cycle,) = find_cycles(collapse(edges))
+    assert cycle.nodes == ("pkg.x", "pkg.y")
+    assert {e.where() for e in cycle.edges} == {"src/pkg/x/m1.py:1", "src/pkg/y/m3.py:2"}
+
+
+def test_a_subpackage_importing_the_package_init_is_a_cycle_only_if_init_reaches_it(tmp_path):
+    files = {
+        "top/__init__.py": "from top.lib.core import f\n__version__ = '0'\n",
+        "top/lib/__init__.py": "",
+        "top/lib/core.py": "def f(): ...\n",
+        "top/tool/__init__.py": "",
+        "top/tool/run.py": "from top import __version__\n",  # top does not import tool: fine
+    }
+    src = _write_package(tmp_path / "ok", files)
+    assert find_cycles(collapse(read_imports(src, "top"))) == []
+    files["top/lib/core.py"] = "from top import __version__\ndef f(): ...\n"  # top imports lib: a cycle
+    src = _write_package(tmp_path / "bad", files)
+    (cycle,) = find_cycles(collapse(read_imports(src, "top")))
+    assert cycle.nodes == ("top", "top.lib")
+
+
+def test_forbidden_imports_flags_the_offending_import(tmp_path):
+    src = _write_package(tmp_path, {
+        "p/__init__.py": "",
+        "p/errors.py": "",
+        "p/lib/__init__.py": "",
+        "p/lib/a.py": "from p.errors import E\nfrom p.lib import b\n\ndef f():\n    from p.app.run import go\n",
+        "p/lib/b.py": "",
+        "p/app/__init__.py": "",
+        "p/app/run.py": "from p.lib.a import f\n",
+    })
+    edges = read_imports(src, "p")
+    bad = forbidden_imports(edges, {"p.lib"}, allow={"p.lib", "p.errors"})
+    assert [(e.src, e.dst, e.where()) for e in bad] == [("p.lib.a", "p.app.run", "src/p/lib/a.py:5")]
+    assert forbidden_imports(edges, {"p.lib"}, deny={"p.app"}) == bad
+    assert forbidden_imports(edges, {"p.app"}, deny={"p.errors"}) == []
