@@ -117,7 +117,7 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
                         micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed)
         if fault is None:
             specs.append(spec)
-        elif CATALOGUE[fault].applies(block, ws) and feasible(CATALOGUE[fault].prepare(spec)):
+        elif CATALOGUE[fault].applies(block, ws, spec.optimizer, dtype) and feasible(CATALOGUE[fault].prepare(spec)):
             specs.append(CATALOGUE[fault].prepare(spec))
     if not specs:
         raise UsageError("no case to run: the faults given apply to none of the blocks and world sizes given")

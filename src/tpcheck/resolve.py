@@ -34,9 +34,11 @@ class DefaultResolver:
         block.check_config(config_for(spec), spec)
         if spec.fault:
             fault = get_fault(spec.fault)
-            if not fault.applies(spec.block, spec.world_size):
+            if not fault.applies(spec.block, spec.world_size, spec.optimizer, spec.dtype):
                 raise UsageError(f"fault {fault.name!r} applies to block(s) {list(fault.blocks)} at world sizes "
-                                 f"{list(fault.worlds)}, not {spec.block!r} at {spec.world_size}")
+                                 f"{list(fault.worlds)}{' with AdamW' if fault.adaptive_only else ''} in "
+                                 f"{list(fault.dtypes)}, not {spec.block!r} at {spec.world_size} with "
+                                 f"{spec.optimizer} in {spec.dtype}")
 
     def build(self, spec: CaseSpec) -> Case:
         if is_user_block(spec.block):

@@ -127,3 +127,45 @@ def test_naive_contiguous_split_of_fused_weights_is_caught(monkeypatch):
         assert naive["first_divergence"]["ranks"] == [0, 1]
     assert good_att["verdict"] == "equivalent", good_att["summary"]
     assert good_mlp["verdict"] == "equivalent", good_mlp["summary"]
+
+
+def _nudge_kv_grad_on_rank1(module, group):
+    """After the replica all-reduce, rank 1's gradient of its (replicated) k/v rows moves by a few ulps:
+    far inside any calibrated bound, but two ranks holding the same kv head must agree bitwise."""
+    if group.rank != 1:
+        return
+    qkv, finalize = module.qkv, module.finalize_grads
+    q_rows = qkv.n_q * qkv.weight.shape[0] // (qkv.n_q + 2 * qkv.n_kv)
+
+    def finalize_then_nudge():
+        finalize()
+        with torch.no_grad():
+            qkv.weight.grad[q_rows:] *= 1 + 4 * torch.finfo(qkv.weight.dtype).eps
+
+    module.finalize_grads = finalize_then_nudge
+
+
+def test_gqa_kv_replicas_are_compared_bitwise(monkeypatch):
+    """kv_heads < world: ranks share a KV head, and their copies of it (weights, grads, updates) are
+    compared bitwise across ranks like any replicated tensor."""
+    from tpcheck.check.case import Injection
+
+    base = BLOCKS["attention"]
+
+    class Nudged(type(base)):
+        def case(self, spec, cfg):
+            case = super().case(spec, cfg)
+            return dataclasses.replace(case, inject=Injection(tamper=_nudge_kv_grad_on_rank1))
+
+    monkeypatch.setitem(BLOCKS, "attention_nudged_kv", Nudged(**{f.name: getattr(base, f.name)
+                                                                 for f in dataclasses.fields(base)}))
+    gqa = (("heads", 8), ("kv_heads", 2), ("hidden", 64))
+    nudged, correct = check([CaseSpec(block=b, preset="tiny", world_size=4, overrides=gqa, steps=1)
+                             for b in ("attention_nudged_kv", "attention")])
+    assert correct["verdict"] == "equivalent", correct["summary"]
+    replica_checks = [c for c in correct["checks"] if c["stage"] == "replicas" and c["name"].endswith("qkv.weight")]
+    assert replica_checks  # the fused qkv weight (not a replicated placement) gets replica checks too
+    assert nudged["verdict"] == "not equivalent", nudged["summary"]
+    first = nudged["first_divergence"]
+    assert (first["stage"], first["name"]) == ("replicas", "grad:qkv.weight"), nudged["summary"]
+    assert nudged["diagnosis"]["signature"] == "replicas_differ"

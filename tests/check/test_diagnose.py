@@ -220,7 +220,8 @@ def test_record_fields():
     assert d["sentence"].startswith("grad:mlp.down (backward, step 3) diverges first: ")
     assert d["sentence"].endswith(CAUSES["scaled_by_world"])
     assert set(CAUSES) == {"partial_sum", "scaled_by_world", "scaled_by_1/world", "scaled", "offset",
-                           "rank0_shard", "permuted", "replicas_differ", "nan_inf", "near_bound", "mismatch"}
+                           "rank0_shard", "permuted", "replicas_differ", "nan_inf", "near_bound", "mismatch", "not_applied",
+                           "decay"}
 
 
 # --- checker mutants: near misses that must not be misnamed -------------------------------------------
@@ -297,3 +298,52 @@ def test_no_evidence_at_all():
     d = diagnose(first(ranks=[]), [], 2)
     assert d["signature"] == "mismatch"
     assert d["sentence"].startswith("act:down (forward, step 1)")
+
+
+def test_not_applied_names_the_ranks_where_nothing_happened():
+    """An update (or grad) that never happened on some ranks: zero there, the reference is not. Checked
+    before the replicated-tensor signatures, where a zero on one rank would read as a partial sum."""
+    world = 2
+    ref = rng(40).standard_normal(SHAPE)
+    d = run([ref, np.zeros_like(ref)], [ref, ref], "replicate", world)
+    assert d["signature"] == "not_applied" and d["evidence"]["ranks"] == [1]
+    _, refs = sharded_refs(world, seed=41)
+    d = run([refs[0], np.zeros_like(refs[1])], refs, "shard(dim=0)", world)
+    assert d["signature"] == "not_applied"
+    # a zero reference is not "not applied"
+    d = run([np.zeros(SHAPE)] * 2, [np.zeros(SHAPE)] * 2, "replicate", world)
+    assert d["signature"] != "not_applied"
+
+
+def test_decay_is_a_difference_proportional_to_the_weights():
+    """Optimizer-stage evidence carries the parameter's weights: an update that differs by k * w (weight
+    decay applied twice, or as L2) is named so; an update that differs otherwise is not."""
+    world = 2
+    w = [rng(50 + r).standard_normal(SHAPE) for r in range(world)]
+    upd = [rng(60 + r).standard_normal(SHAPE) * 1e-3 for r in range(world)]
+    tps = [u - 1e-5 * wr for u, wr in zip(upd, w)]
+    ev = evidence(tps, upd, "shard(dim=0)", key="optimizer|1|update:fc.weight")
+    for r in range(world):
+        ev[r]["optimizer|1|update:fc.weight"]["weights"] = w[r]
+    d = diagnose({"stage": "optimizer", "step": 1, "name": "update:fc.weight", "ranks": [0, 1]}, ev, world)
+    assert d["signature"] == "decay" and abs(d["evidence"]["difference_over_weights"] + 1e-5) < 1e-7
+    for r in range(world):  # the same difference without weights as evidence: no such claim
+        del ev[r]["optimizer|1|update:fc.weight"]["weights"]
+    d = diagnose({"stage": "optimizer", "step": 1, "name": "update:fc.weight", "ranks": [0, 1]}, ev, world)
+    assert d["signature"] != "decay"
+
+
+def test_small_but_far_over_the_bound_is_not_near_bound():
+    """A 5e-6 relative error (an RMSNorm eps of 1e-5 instead of 1e-6) is within 1e-3 relative, but 7x a
+    tight float32 bound: that is a real difference, not rounding."""
+    world = 2
+    _, refs = sharded_refs(world, seed=70)
+    tps = [r * (1 + 5e-6 * rng(71 + i).uniform(0.5, 1, r.shape)) for i, r in enumerate(refs)]
+    ev = evidence(tps, refs, "shard(dim=0)")
+    scale = max(float(np.abs(r).max()) for r in refs)
+    near = {"stage": "forward", "step": 1, "name": "act:down", "ranks": [0, 1], "error": 5e-6 * scale,
+            "bound": 4e-6 * scale}
+    assert diagnose(near, ev, world)["signature"] == "near_bound"
+    far = dict(near, bound=5e-6 * scale / 7)
+    d = diagnose(far, ev, world)
+    assert d["signature"] == "mismatch" and d["evidence"]["error_over_bound"] > 6

@@ -1,5 +1,13 @@
-"""Seed compatibility: for the seed fixture at world size 2, tpcheck's JSON for each run mode has every
-key of the seed's RunResult with values within 1e-7 of reference.py's, and `passed` identical."""
+"""Seed compatibility: for the seed fixture at world size 2 and the seed's own weights (seed 31) as well
+as seeds 1, 2 and 3, tpcheck's JSON for each run mode has every key of the seed's RunResult with values
+within max(2.5e-7, 1e-5 |b|) of reference.py's, and `passed` identical. reference.py draws its fixture
+from a generator seeded 31; for the other seeds it runs under a wrapper that maps that seed to S.
+
+The absolute floor is two float32 ulps at scale 1: the diffs of a correct run are themselves rounding
+noise, and two correct TP implementations round differently (at seed 2 the seed's loss differs from its
+dense loss by 1 ulp, 1.19e-7, ours by 0). Any real difference in what is measured (which ranks, which
+tensors) moves the numbers by orders of magnitude more: rank 0 alone instead of every rank's shard
+changed `gate_up_grad_max_abs_diff` from 0.0977 to 0.0755 at seed 1."""
 import json
 import subprocess
 import sys
@@ -9,41 +17,63 @@ import pytest
 from paths import REPO
 
 MODES = ["equivalence", "missing_forward_reduce", "missing_backward_reduce"]
+SEEDS = [31, 1, 2, 3]
+# Runs reference.py as __main__ with torch.Generator().manual_seed(31) mapped to manual_seed(SEED).
+WRAPPER = """
+import runpy, sys, torch
+seed, path = int(sys.argv.pop(1)), sys.argv.pop(1)
+
+class Seeded(torch.Generator):
+    def manual_seed(self, s):
+        return super().manual_seed(seed if s == 31 else s)
+
+torch.Generator = Seeded
+sys.argv[0] = path
+runpy.run_path(path, run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="module")
 def seed_results(seed_reference, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("seed")
+    wrapper = folder / "seeded_reference.py"
+    wrapper.write_text(WRAPPER)
     out = {}
-    for mode in MODES:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               str(seed_reference), "--mode", mode], capture_output=True, text=True, timeout=120,
-                              cwd=tmp_path_factory.mktemp("seed"))
-        assert proc.returncode == 0, proc.stderr
-        out[mode] = json.loads(proc.stdout)
+    for seed in SEEDS:
+        for mode in MODES:
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(wrapper),
+                                   str(seed), str(seed_reference), "--mode", mode], capture_output=True, text=True,
+                                  timeout=180, cwd=folder)
+            assert proc.returncode == 0, proc.stderr
+            out[seed, mode] = json.loads(proc.stdout)
     return out
 
 
 @pytest.fixture(scope="module")
 def ours():
-    proc = subprocess.run([sys.executable, "-m", "tpcheck", "run", "--mode", "all", "--world-size", "2", "-q"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    out = {}
+    for seed in SEEDS:
+        proc = subprocess.run([sys.executable, "-m", "tpcheck", "run", "--mode", "all", "--world-size", "2", "-q",
+                               "--seed", str(seed)], capture_output=True, text=True, timeout=180, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        out[seed] = json.loads(proc.stdout)
+    return out
 
 
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_run_modes_match_the_seed(mode, seed_results, ours):
-    theirs, mine = seed_results[mode], ours[mode]
+def test_run_modes_match_the_seed(mode, seed, seed_results, ours):
+    theirs, mine = seed_results[seed, mode], ours[seed][mode]
     assert set(theirs) <= set(mine)
     for key, value in theirs.items():
         if isinstance(value, float):
-            assert abs(mine[key] - value) <= 1e-7, (key, mine[key], value)
+            assert abs(mine[key] - value) <= max(2.5e-7, 1e-5 * abs(value)), (seed, key, mine[key], value)
         else:
-            assert mine[key] == value, key
+            assert mine[key] == value, (seed, key)
 
 
 def test_inspect_has_the_seed_keys(ours):
-    inspect = ours["inspect"]
+    inspect = ours[31]["inspect"]
     for key in ["python", "pytorch", "platform", "backend", "world_size", "block_path", "dense_shapes",
                 "rank_local_shapes", "collectives", "not_included"]:
         assert key in inspect

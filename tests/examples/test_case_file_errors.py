@@ -16,6 +16,15 @@ CASES = {
                      "PLAN.params.items() if k != 'fc2.bias'}))",
     "wrong_shard": "case = dataclasses.replace(own_module.correct, plan=Plan(params={**PLAN.params, "
                    "'fc1.weight': Shard(1)}))",
+    "dropout": '''
+import torch.nn.functional as F
+class Dense(own_module.DenseBlock):
+    def forward(self, x):
+        return F.dropout(super().forward(x), p=0.1, training=True)
+class TP(TPBlock):
+    def forward(self, x):
+        return F.dropout(super().forward(x), p=0.1, training=True)
+case = dataclasses.replace(own_module.correct, build_dense=Dense, build_tp=TP)''',
     "one_rank_raises": '''
 def build_tp(group, dtype):
     if group.rank == 1:
@@ -60,6 +69,8 @@ def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):
     assert "'fc1.weight'" in err and "shape" in err
     lineno = HEAD.count("\n") + 4  # the `raise` line in one_rank_raises.py
     assert "in your build_tp (" in err and f"one_rank_raises.py:{lineno}): ValueError: rank one is unhappy" in err
+    assert "dropout makes this model nondeterministic" in err and "disable dropout" in err
+    assert "checker self-test failed" not in err  # the model's randomness, not the checker, is named
     assert "Traceback" not in err
     assert elapsed < 10, f"a rank-only failure must not wait for the collective timeout ({elapsed:.1f} s)"
 

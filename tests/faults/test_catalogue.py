@@ -19,7 +19,7 @@ def _cases():
             continue
         for block in fault.blocks:
             for world in WORLDS:
-                if fault.applies(block, world):
+                if fault.applies(block, world, "adamw"):
                     out.append((fault, world, fault.prepare(CaseSpec(block=block, preset="tiny",
                                                                       world_size=world))))
     return out
@@ -28,12 +28,22 @@ def _cases():
 CASES = _cases()
 
 
+OPTIMIZER_FAULTS = [f for f in CATALOGUE.values() if f.expected_stage == "optimizer"]
+
+
 @pytest.fixture(scope="module")
 def results():
     specs = []
     for _, _, faulty in CASES:
         specs += [faulty, dataclasses.replace(faulty, fault=None)]  # the fault and its correct twin
-    return dict(zip(specs, check(specs)))
+    specs += [dataclasses.replace(faulty, dtype="bfloat16") for faulty in _optimizer_cases("bfloat16")]
+    unique = list(dict.fromkeys(specs))  # correct twins repeat across faults: run each once
+    return dict(zip(unique, check(unique)))
+
+
+def _optimizer_cases(dtype="float32"):
+    return [s for f, w, s in CASES if f.expected_stage == "optimizer" and s.block in ("mlp", "lm")
+            and f.applies(s.block, w, "adamw", dtype)]
 
 
 def test_every_fault_is_exercised():
@@ -79,3 +89,22 @@ def test_collective_on_some_ranks_ends_as_a_hang_in_seconds():
                                                                              world_size=2))], timeout_s=2)
     assert r["verdict"] == "hang" and r["as_expected"]
     assert "hang detected" in r["summary"]
+
+
+@pytest.mark.parametrize("faulty", _optimizer_cases("bfloat16"), ids=lambda s: f"{s.fault}-{s.block}-tp{s.world_size}")
+def test_optimizer_faults_are_caught_in_bfloat16_by_the_replay(results, faulty):
+    """The optimizer stage replays the dense rule on the TP side's own weights and grads: bitwise, so a
+    wrong lr, betas, decay, reset or missing state is caught in bfloat16 as in float32, at its step."""
+    r = results[dataclasses.replace(faulty, dtype="bfloat16")]
+    assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
+    assert r["first_divergence"]["stage"] == "optimizer", r["summary"]
+    assert r["first_divergence"]["name"].startswith(("update:", "state:")), r["summary"]
+
+
+def test_optimizer_faults_show_at_their_first_step(results):
+    """Each optimizer fault is first seen at the step where it first acts: step 1, except a state reset
+    (the first step starts from empty state anyway)."""
+    for f, _, faulty in CASES:
+        if f.expected_stage == "optimizer" and f.name != "optimizer_differs_across_ranks":
+            want = 2 if f.name == "state_reset_on_sharded" else 1
+            assert results[faulty]["first_divergence"]["step"] == want, (f.name, results[faulty]["summary"])

@@ -7,6 +7,7 @@ reason for the bound; small tensors are kept as evidence for the diagnosis.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class Check:
     passed: bool | None
     placement: str = "replicate"
     seq: int = 0
+    # set where an allowance excused part of the difference: the raw max |TP - dense| (`error` is then
+    # what the allowance left unexplained, the figure held against the bound)
+    raw_error: float | None = None
 
 
 class Comparator:
@@ -80,8 +84,33 @@ class Comparator:
                       seq=self.seq)
         self.checks.append(check)
         self._keep_evidence(check, tp_local, ref, dense)
-        if placement.replicated and world > 1:
-            self.pending_replicas.append((check, tp_local.detach().clone()))
+        if world > 1 and placement.replicated:
+            self.pending_replicas.append((check, tp_local.detach().double().reshape(-1), None))
+        elif world > 1 and (held := copies(placement, tuple(dense.shape), world)) is not None:
+            # some elements live on several ranks (GQA KV heads replicated over ranks): their copies
+            # must agree bitwise too; compared in the dense layout, on the elements held twice or more
+            idx = placement.index_map(tuple(dense.shape), rank, world).reshape(-1)
+            spread_in = torch.full((held.numel(),), -math.inf, dtype=torch.float64)
+            spread_in[idx] = tp_local.detach().double().reshape(-1)
+            self.pending_replicas.append((check, spread_in, held >= 2))
+        return check
+
+    def compare_local(self, stage: str, step: int, name: str, tp_local: torch.Tensor, ref_local: torch.Tensor,
+                      placement: Placement, reason: str, weights: torch.Tensor | None = None) -> Check:
+        """Bitwise comparison of this rank's tensor with a reference computed on this rank from the TP
+        side's own inputs (the optimizer replay): no cross-rank replica check, exact bound. `weights`
+        (the parameter the tensor belongs to) is kept as evidence: a difference proportional to it
+        names weight decay."""
+        diff = maxdiff(tp_local, ref_local)
+        self.seq += 1
+        check = Check(stage=stage, step=step, name=name, rank=self.group.rank, error=diff, diff_vs_dense=diff,
+                      bound=0.0, kind="exact", reason=reason, passed=diff <= 0.0, placement=str(placement),
+                      seq=self.seq)
+        self.checks.append(check)
+        self._keep_evidence(check, tp_local, ref_local, ref_local)
+        key = f"{check.stage}|{check.step}|{check.name}"
+        if weights is not None and key in self.evidence:
+            self.evidence[key]["weights"] = weights.detach().double().numpy().copy()
         return check
 
     def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
@@ -95,7 +124,7 @@ class Comparator:
                              "float32/bfloat16 or --optimizer sgd). The reference is bad, not the TP implementation")
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense) -> None:
-        if check.step > 1 or tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
+        if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
             return
         self.evidence_left -= 3 * dense.numel()
         self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
@@ -104,22 +133,43 @@ class Comparator:
             "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
 
     def flush_replicas(self) -> None:
-        """Compare every pending replicated tensor across ranks, bitwise: max - min over ranks, for all
-        of them in one all-reduce (MAX of [x; -x])."""
+        """Compare every pending replicated tensor (and every element several ranks hold) across ranks,
+        bitwise: max - min over ranks, for all of them in one all-reduce (MAX of [x; -x]; an element a
+        rank does not hold enters as -inf in x and in -x, so it drops out of both maxima)."""
         if not self.pending_replicas:
             return
-        flats = [t.double().reshape(-1) for _, t in self.pending_replicas]
-        both = torch.cat(flats + [-f for f in flats])
+        flats = [t for _, t, _ in self.pending_replicas]
+        negs = [torch.where(torch.isinf(f) & (f < 0), f, -f) for f in flats]
+        both = torch.cat(flats + negs)
         self.tap.last = ("all_reduce", "checker:replicas", "optimizer")
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group.pg)
         hi, neg_lo = both.split(both.numel() // 2)
         b = tolerance.REPLICA
         sizes = [f.numel() for f in flats]
-        for (check, t), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
-            spread = float((h + n).abs().max()) if t.numel() else 0.0
+        for (check, _, shared), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
+            d = (h + n).abs() if shared is None else (h + n).abs()[shared]
+            spread = float(d.max()) if d.numel() else 0.0
             spread = spread if not math.isnan(spread) else math.inf
             self.checks.append(Check(stage="replicas", step=check.step, name=check.name, rank=check.rank,
                                      error=spread, diff_vs_dense=spread, bound=b.value, kind="replica",
                                      reason=b.reason, passed=spread <= b.value, placement=check.placement,
                                      seq=check.seq))
         self.pending_replicas.clear()
+
+
+def copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
+    """How many ranks hold each dense element under a non-replicated placement, or None when every
+    element is held once (plain shards): then there is nothing to compare across ranks."""
+    try:
+        return _copies(placement, shape, world)
+    except TypeError:  # a user's placement that cannot be hashed: computed each time
+        return _copies.__wrapped__(placement, shape, world)
+
+
+@functools.lru_cache(maxsize=256)
+def _copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
+    held = torch.zeros(math.prod(shape), dtype=torch.int64)
+    for r in range(world):
+        idx = placement.index_map(shape, r, world).reshape(-1)
+        held.index_add_(0, idx, torch.ones_like(idx))
+    return held if bool((held > 1).any()) else None

@@ -14,8 +14,13 @@ order. Each signature is a test on numbers, not on the fault's name:
   permuted          same values, wrong places (fused weight split contiguously, wrong shard/gather dim,
                     wrong head index)
   replicas_differ   a replicated tensor differs across ranks
+  decay             TP - reference is proportional to the weights (optimizer stage): weight decay or
+                    an L2 term applied differently
+  not_applied       TP is zero on some ranks where the reference is not (an update, a gradient or a
+                    load that never happened there)
   nan_inf           NaN/Inf appears on the TP side while the reference is finite
-  near_bound        every rank within 1e-3 relative of the reference: rounding, not a collective bug
+  near_bound        every rank within 1e-3 relative of the reference and the error within 2x the bound:
+                    rounding, not a collective bug
   mismatch          none of the above
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 # How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or 16
 # ulps of the working dtype when coarser (bf16). Chosen per diagnosis from the evidence's dtype.
 REL_MIN = 1e-3
+NEAR = 2.0  # "near the bound": within this factor of it; a small relative error far over a tight bound is real
 
 CAUSES = {
     "partial_sum": "partial sum: the per-rank values add up to the reference, so an all-reduce is missing "
@@ -42,6 +48,10 @@ CAUSES = {
     "replicas_differ": "replicas differ across ranks: a replicated tensor was computed or updated differently "
                        "on some rank",
     "nan_inf": "NaN/Inf appears first here on the TP side while the reference is finite",
+    "decay": "the difference is proportional to the weights: weight decay (or an L2 penalty) applied "
+             "differently from the dense rule (twice, as L2 instead of decoupled, with another coefficient)",
+    "not_applied": "zero on these ranks where the reference is not: the operation (an optimizer update, a "
+                   "gradient, a load) was not applied there",
     "near_bound": "a rounding-level difference just over the bound (every rank within 1e-3 relative): "
                   "a tolerance question more likely than a TP bug",
     "mismatch": "a numerical mismatch with no recognised collective signature",
@@ -59,6 +69,11 @@ def diagnose(first: dict, evidence: list[dict], world: int) -> dict:
     off = first["ranks"][0] if first["ranks"] else 0
     if len(ev) == world:
         signature, details = c.classify(ev, world, evidence, off)
+        if first["stage"] == "replicas" and signature in ("near_bound", "mismatch"):
+            signature = "replicas_differ"  # copies of one element on several ranks differ, by however little
+        error, bound = first.get("error"), first.get("bound")
+        if signature == "near_bound" and error is not None and bound and error > NEAR * bound:
+            signature, details = "mismatch", {"error_over_bound": error / bound}  # small, but not rounding
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
     location = first["name"].split(":", 1)[-1]
@@ -121,6 +136,9 @@ class Classifier:
         refs = [ev[r]["ref"] for r in range(world)]
         if any(not np.isfinite(t).all() for t in tps):
             return "nan_inf", {"ranks": [r for r in range(world) if not np.isfinite(tps[r]).all()]}
+        zero = [r for r in range(world) if tps[r].size and not tps[r].any() and refs[r].any()]
+        if zero:
+            return "not_applied", {"ranks": zero}
         replicated = ev[0]["placement"] == "replicate"
         identical = all(np.array_equal(t, tps[0]) for t in tps[1:])
         if replicated and world > 1 and not identical:
@@ -157,11 +175,16 @@ class Classifier:
         tp, ref = e["tp"], e["ref"]
         if not np.isfinite(tp).all():
             return "nan_inf", {}
+        if tp.size and not tp.any() and ref.any():
+            return "not_applied", {}
         c = self._scale_factor(tp, ref)
         if c is not None:
             for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
                 if world > 1 and abs(c - target) <= 1e-2 * target:
                     return name, {"factor": c}
+        if "weights" in e and (k := self._proportional(tp - ref, e["weights"])) is not None:
+            return "decay", {"difference_over_weights": k}
+        if c is not None:
             # any two scalars "scale"; and noise moves the fitted c off 1 too: a scale explains the
             # difference only when removing it leaves (almost) nothing
             if abs(c - 1.0) > 1e-6 and not _close_exact(tp, ref) and tp.size > 1 and self._explains(tp, ref, c):
@@ -172,6 +195,14 @@ class Classifier:
         if tp.shape == ref.shape and not self._close(tp, ref) and self._close(np.sort(tp.ravel()), np.sort(ref.ravel())):
             return "permuted", {}
         return "mismatch", {"relative_error": float(np.abs(d).max()) / max(_scale(ref), 1e-30)}
+
+    def _proportional(self, d: np.ndarray, w: np.ndarray) -> float | None:
+        """k with d == k * w up to 10% of d (rounding in the optimizer's arithmetic is coarser than d)."""
+        denom = float((w * w).sum())
+        if d.shape != w.shape or denom == 0 or _scale(d) == 0:
+            return None
+        k = float((d * w).sum()) / denom
+        return k if float(np.abs(d - k * w).max()) <= 0.1 * _scale(d) else None
 
     def _explains(self, tp: np.ndarray, ref: np.ndarray, c: float) -> bool:
         """Scaling by c removes at least 90% of the difference (up to one per-feature vector)."""

@@ -23,14 +23,20 @@ from tpcheck.check import capture, tolerance
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
-from tpcheck.check.loading import cast, leaf, load_from_dense
-from tpcheck.check.optimizer import AdaptiveSlack
+from tpcheck.check.loading import cast, leaf, load_from_dense, maxdiff
+from tpcheck.check.optimizer import AdaptiveSlack, Replay
 from tpcheck.check.result import RankPayload
 from tpcheck.check.sync import Rendezvous
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
 from tpcheck.plan import Replicate
+
+NONDETERMINISTIC = (
+    "dropout makes this model nondeterministic: the dense model drew random numbers in its forward or "
+    "backward (F.dropout, nn.Dropout, attention dropout), so its masks and the TP model's differ and no "
+    "tensor can be compared element by element; disable dropout for the check (p=0), see "
+    "docs/case-files.md#dropout")
 
 
 class _NoGrad:
@@ -81,7 +87,8 @@ class Engine:
             self.opt_tp = self.settings.make_optimizer(self.tp.parameters())
         has_truth = self.truth is not None and self.truth is not self.dense
         self.opt_truth = self.settings.make_optimizer(self.truth.parameters()) if has_truth else None
-        self.slack = AdaptiveSlack(self.opt_dense, self.opt_tp, self.opt_truth) \
+        self.replay = Replay(dict(self.tp.named_parameters()), self.settings.make_optimizer)
+        self.slack = AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth) \
             if self.settings.optimizer != "sgd" else None
 
     def _copy_of(self, src: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -121,11 +128,40 @@ class Engine:
         self.sync(f"finalize_grads of step {step}")
         self._compare_params(step, "grads", lambda p: p.grad)
         self.cmp.flush_replicas()
+        tp_params = dict(self.tp.named_parameters())
+        self.replay.run(tp_params)  # the dense rule on the TP side's own weights and grads
         for opt in self._optimizers():
             opt.step()
         self.sync(f"optimizer step {step}")
+        self._compare_replay(step, tp_params)
         self._compare_params(step, "optimizer", lambda p: p)
         self.cmp.flush_replicas()
+
+    def _compare_replay(self, step: int, tp_params: dict) -> None:
+        """The TP optimizer's state and update against the replay's, bitwise, parameter by parameter: the
+        state first (a wrong moment is the cause, a wrong update its effect), tensors before the step
+        count. State the TP optimizer lacks counts as zeros (nothing was accumulated)."""
+        plan = self.case.plan
+        for name in (n for n, _ in self.dense.named_parameters()):
+            tp_name = plan.tp_name(name)
+            p = tp_params[tp_name]
+            if p.grad is None:
+                continue
+            placement = plan.params[name]
+            own = self.opt_tp.state.get(p, {})
+            for key, ref in sorted(self.replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
+                mine = own.get(key)
+                if mine is None:
+                    mine = torch.zeros_like(ref)
+                elif not isinstance(mine, torch.Tensor) or mine.shape != ref.shape:
+                    mine = torch.full_like(ref, float("nan"))  # misshapen state: never equal
+                self.cmp.compare_local("optimizer", step, f"state:{name}.{key}", mine.detach(), ref, placement,
+                                       f"bitwise: the TP optimizer's {key} against the replay's",
+                                       weights=self.replay.before[tp_name])
+            self.cmp.compare_local("optimizer", step, f"update:{name}", p.detach() - self.replay.before[tp_name],
+                                   self.replay.update(tp_name), placement,
+                                   "bitwise: the dense update rule replayed on this rank's TP weights and grads",
+                                   weights=self.replay.params[tp_name].detach())
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
@@ -144,7 +180,10 @@ class Engine:
         case, group, cmp = self.case, self.group, self.cmp
         inputs, target = batch
         rec_d, rec_t = capture.Recorder(), capture.Recorder()
+        rng = torch.random.get_rng_state()
         kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d)
+        if not torch.equal(rng, torch.random.get_rng_state()):
+            raise UsageError(NONDETERMINISTIC)
         if self.truth is self.dense:
             (kw_t, out_t, loss_t), rec_t = (kw_d, out_d, loss_d), rec_d
         elif self.truth is None:
@@ -197,12 +236,16 @@ class Engine:
                     raise UsageError(f"parameter {name!r} got no gradient on the {who} side only")
                 continue
             tp_val, truth_val = tp_val.detach(), truth_val.detach() if truth_val is not None else None
+            raw = tp_val
             if stage == "optimizer" and self.slack is not None:
-                tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size, tp_p, p,
-                                                     truth_params.get(name), tp_val, truth_val)
+                tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size,
+                                                     plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
             label = "grad" if stage == "grads" else "param"
-            self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
-                             plan.params[name])
+            check = self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
+                                     plan.params[name])
+            if tp_val is not raw:
+                raw_error = maxdiff(raw, plan.params[name].shard(dense_val.detach(), group.rank, group.world_size))
+                check.raw_error = raw_error if raw_error != check.error else None
 
 
 def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> RankPayload:

@@ -1,5 +1,15 @@
-"""The optimizer stage: after an adaptive optimizer step, how far the TP weights may be from the
-dense ones for reasons the grads already explain.
+"""The optimizer stage.
+
+1. The replay. The dense update rule (torch.optim, the dense side's hyperparameters) is applied to the
+   TP side's own weights and gradients as they are just before the TP optimizer steps. SGD and AdamW
+   are elementwise, so replaying them on a rank's local shards is exactly what the dense optimizer
+   computes for those elements. The TP side's update must then equal the replay's bitwise (the same
+   kernel sees the same inputs), and so must its optimizer state (exp_avg, exp_avg_sq, step). Nothing
+   here is derived from the TP optimizer: a wrong lr, betas, eps, weight decay, a reset or missing
+   state, a parameter left out on some rank, shows at the step where it first acts.
+
+2. Against the dense model. After an adaptive optimizer step, how far the TP weights may be from the
+   dense ones for reasons the grads already explain:
 
 An adaptive optimizer amplifies small grad differences: AdamW steps by lr * m / (sqrt(v) + eps),
 about lr * sign(grad) at first, so where a moment is near 0 (or near eps) a rounding-level difference
@@ -14,24 +24,53 @@ Only after adaptive optimizer steps.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+
+class Replay:
+    """The dense update rule on the TP side's own inputs: `run(tp_params)` copies each TP parameter and
+    its gradient (before the TP optimizer steps) and steps `make_optimizer` on the copies."""
+
+    def __init__(self, tp_params: dict[str, nn.Parameter], make_optimizer) -> None:
+        self.params = {n: nn.Parameter(p.detach().clone()) for n, p in tp_params.items()}
+        self.before: dict[str, torch.Tensor] = {}
+        self.opt = make_optimizer(list(self.params.values()))
+
+    def run(self, tp_params: dict[str, nn.Parameter]) -> None:
+        with torch.no_grad():
+            for name, p in tp_params.items():
+                r = self.params[name]
+                r.copy_(p.detach())
+                r.grad = None if p.grad is None else p.grad.detach().clone()
+                self.before[name] = p.detach().clone()
+        self.opt.step()
+
+    def update(self, name: str) -> torch.Tensor:
+        """The replay's update of `name`: after - before."""
+        return self.params[name].detach() - self.before[name]
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        """The replay's optimizer state of `name` (tensors only), e.g. exp_avg, exp_avg_sq, step."""
+        return {k: v for k, v in self.opt.state.get(self.params[name], {}).items() if isinstance(v, torch.Tensor)}
 
 
 class AdaptiveSlack:
     """Per (side, parameter) slack accumulated over steps; `relax` returns the tensor with every
     element the slack explains set to the reference value."""
 
-    def __init__(self, dense_opt: torch.optim.Optimizer, tp_opt: torch.optim.Optimizer,
+    def __init__(self, dense_opt: torch.optim.Optimizer, replay: Replay,
                  truth_opt: torch.optim.Optimizer | None) -> None:
-        self.dense_opt, self.tp_opt, self.truth_opt = dense_opt, tp_opt, truth_opt
+        self.dense_opt, self.replay, self.truth_opt = dense_opt, replay, truth_opt
         self.slack: dict[tuple[str, str], torch.Tensor] = {}
 
-    def apply(self, name: str, placement, rank: int, world: int, tp_p, p, truth_p, tp_val, truth_val):
-        """(tp_val, truth_val) relaxed by the update differences their moments explain."""
+    def apply(self, name: str, placement, rank: int, world: int, tp_name: str, p, truth_p, tp_val, truth_val):
+        """(tp_val, truth_val) relaxed by the update differences their moments explain; the TP side's
+        moments are the replay's (dense rule on the TP side's own grads)."""
         hyper = next(g for g in self.dense_opt.param_groups if any(q is p for q in g["params"]))
         u_dense = adam_direction(self.dense_opt.state.get(p, {}), hyper)
         if u_dense is None:
             return tp_val, truth_val
-        u_tp = adam_direction(self.tp_opt.state.get(tp_p, {}), hyper)
+        u_tp = adam_direction(self.replay.state(tp_name), hyper)
         if u_tp is not None:
             tp_val = self._relax(("tp", name), hyper, tp_val, placement.shard(p.detach(), rank, world), u_tp,
                                  placement.shard(u_dense, rank, world))

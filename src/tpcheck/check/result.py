@@ -139,8 +139,11 @@ def _first(failed: list[dict]) -> dict:
     first = failed[0]
     ranks = sorted({c["rank"] for c in failed if c["name"] == first["name"] and c["step"] == first["step"]
                     and c["stage"] == first["stage"]})
-    return {"stage": first["stage"], "step": first["step"], "name": first["name"], "ranks": ranks,
-            "error": first["error"], "bound": first["bound"], "kind": first["kind"]}
+    out = {"stage": first["stage"], "step": first["step"], "name": first["name"], "ranks": ranks,
+           "error": first["error"], "bound": first["bound"], "kind": first["kind"]}
+    if first.get("raw_error") is not None:
+        out["raw_error"] = first["raw_error"]
+    return out
 
 
 def _summary(result: CaseResult, failed: list[dict]) -> str:

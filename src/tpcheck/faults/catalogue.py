@@ -14,6 +14,7 @@ from tpcheck.errors import UsageError
 from tpcheck.faults import injectors as inj
 
 MLP_BLOCKS = ("mlp", "layer", "lm")
+ALL_BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy")
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,13 @@ class Fault:
     worlds: tuple[int, ...] = (2, 3, 4, 6, 8)
     sequence_parallel: bool | None = None  # True: only under SP (the spec is switched to SP)
     overrides: tuple[tuple[str, object], ...] = ()  # config the block is built with for this fault
+    adaptive_only: bool = False  # an AdamW bug: with SGD (no state, no decay) there is nothing to see
+    # working dtypes in which the bug changes anything (e.g. 1 - lr * wd rounds to 1 in bfloat16)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 
-    def applies(self, block: str, world: int) -> bool:
-        return block in self.blocks and world in self.worlds
+    def applies(self, block: str, world: int, optimizer: str = "adamw", dtype: str = "float32") -> bool:
+        return (block in self.blocks and world in self.worlds and dtype in self.dtypes
+                and (optimizer == "adamw" or not self.adaptive_only))
 
     def prepare(self, spec: CaseSpec) -> CaseSpec:
         """The spec as this fault runs: its name, its sequence parallelism, its config overrides and,
@@ -107,6 +112,44 @@ def _entries() -> list[Fault]:
         Fault("optimizer_differs_across_ranks",
               "A replicated parameter is updated with a rank-dependent learning rate: replicas drift apart.",
               "the TP optimizer's parameter groups", "optimizer", "replicas_differ", i.replicated_lr_by_rank),
+        Fault("lr_times_world_on_last_rank",
+              "The last rank steps its sharded parameters with lr x world (a learning rate scaled for the wrong "
+              "parallel size).", "the TP optimizer's parameter groups on the last rank", "optimizer",
+              "scaled_by_world", i.lr_times_world_on_last_rank, blocks=ALL_BLOCKS),
+        Fault("weight_decay_twice_on_sharded",
+              "Sharded parameters get the decoupled weight decay twice per step (a wrapper decays what it shards).",
+              "after each TP optimizer step, on sharded parameters", "optimizer", "decay",
+              i.weight_decay_twice_on_sharded, blocks=ALL_BLOCKS, adaptive_only=True,
+              dtypes=("float32", "float64")),  # with 16-bit parameters 1 - lr * wd rounds to 1: a no-op
+        Fault("adam_l2_instead_of_adamw",
+              "The TP side uses Adam with an L2 penalty in the gradient instead of AdamW's decoupled decay.",
+              "the TP optimizer", "optimizer", "decay", i.adam_l2_instead_of_adamw, blocks=ALL_BLOCKS,
+              adaptive_only=True),
+        Fault("tp_betas_differ",
+              "The TP side's AdamW uses betas (0.9, 0.95) where the dense side uses (0.9, 0.999).",
+              "the TP optimizer's hyperparameters", "optimizer", "scaled", i.tp_betas_differ, blocks=ALL_BLOCKS,
+              adaptive_only=True),
+        Fault("state_reset_on_sharded",
+              "The optimizer state of sharded parameters is dropped before every step (rebuilt on resharding).",
+              "before each TP optimizer step, on sharded parameters", "optimizer", "mismatch",
+              i.state_reset_on_sharded, blocks=ALL_BLOCKS, adaptive_only=True),
+        Fault("replicated_on_rank0_only",
+              "Replicated parameters are in the optimizer on rank 0 only: the other ranks never update them.",
+              "the TP optimizer's parameters on ranks > 0", "optimizer", "not_applied", i.replicated_on_rank0_only,
+              blocks=("mlp", "attention", "layer", "lm")),
+        Fault("partial_sum_off_by_3pct",
+              "The last rank's partial sum enters the row-parallel reduction 3% too large (one rank's shard off).",
+              "forward all-reduce of the down projection, last rank's input", "forward", "mismatch",
+              i.intercept("all_reduce", "down", "forward", i.scale_partial(1.03), ranks=lambda r, w: r == w - 1),
+              sequence_parallel=False),
+        Fault("norm_eps_differs",
+              "The TP model's RMSNorm uses eps 1e-5 where the dense model uses 1e-6.",
+              "every RMSNorm of the TP module", "forward", "mismatch", i.norm_eps(1e-5),
+              blocks=("mlp", "attention", "layer", "lm"),
+              dtypes=("float32", "float64")),  # a 5e-6 relative change: below 16-bit resolution
+        Fault("weight_cached_at_first_forward",
+              "The gate/up projection keeps computing with the weights of its first forward (a stale cache).",
+              "the column-parallel gate/up module", "forward", "mismatch", i.weight_cached_at_first_forward("gate_up")),
         Fault("collective_on_some_ranks",
               "A collective is issued on some ranks only (a rank-dependent branch): the others wait forever.",
               "forward all-reduce of the down projection skipped on ranks > 0", "hang", "hang",
@@ -127,9 +170,10 @@ def get_fault(name: str) -> Fault:
 
 def apply_fault(case: Case, spec: CaseSpec) -> Case:
     fault = get_fault(spec.fault)
-    if not fault.applies(spec.block, spec.world_size):
+    if not fault.applies(spec.block, spec.world_size, spec.optimizer, spec.dtype):
         raise UsageError(f"fault {fault.name!r} applies to blocks {list(fault.blocks)} at world sizes "
-                         f"{list(fault.worlds)}, not {spec.block!r} at {spec.world_size}")
+                         f"{list(fault.worlds)}{' with AdamW' if fault.adaptive_only else ''} in {list(fault.dtypes)}, "
+                         f"not {spec.block!r} at {spec.world_size} with {spec.optimizer} in {spec.dtype}")
     if fault.sequence_parallel is not None and spec.sequence_parallel != fault.sequence_parallel:
         need = "with" if fault.sequence_parallel else "without"
         raise UsageError(f"fault {fault.name!r} needs a case {need} sequence parallelism (--sp)")

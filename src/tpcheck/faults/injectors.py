@@ -237,4 +237,171 @@ def not_replicated(name: str, p: Placement) -> bool:
 __all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
            "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
            "WrongDim", "injected", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed", "KVByRank",
-           "kv_head_by_rank", "embedding_without_mask", "smoothing_over_local_vocab"]
+           "kv_head_by_rank", "embedding_without_mask", "smoothing_over_local_vocab", "lr_times_world_on_last_rank",
+           "weight_decay_twice_on_sharded", "adam_l2_instead_of_adamw", "tp_betas_differ", "state_reset_on_sharded",
+           "replicated_on_rank0_only", "scale_partial", "norm_eps", "weight_cached_at_first_forward"]
+
+
+# ------------------------------------------------------------------ optimizer bugs (tp_optimizer)
+
+
+def _sharded(case: Case) -> set[str]:
+    return {case.plan.tp_name(n) for n, p in case.plan.params.items() if not p.replicated}
+
+
+def _with_group(default, params: list, special: list, **overrides) -> torch.optim.Optimizer:
+    """default(params) where the parameters in `special` form a group with `overrides`."""
+    normal = [p for p in params if not any(p is s for s in special)]
+    if not normal:
+        opt = default(special)
+        opt.param_groups[0].update(overrides)
+        return opt
+    opt = default(normal)
+    if special:
+        opt.add_param_group({"params": special, **overrides})
+    return opt
+
+
+def lr_times_world_on_last_rank(case: Case, spec: CaseSpec) -> Case:
+    """The last rank steps its sharded parameters with lr x world (a per-rank lr scaled for the wrong
+    parallel size)."""
+    sharded, lr = _sharded(case), case.run.learning_rate
+
+    def make(tp, group, default):
+        params = [p for _, p in tp.named_parameters()]
+        last = group.rank == group.world_size - 1
+        special = [p for n, p in tp.named_parameters() if last and n in sharded]
+        return _with_group(default, params, special, lr=lr * group.world_size)
+
+    return injected(case, tp_optimizer=make)
+
+
+def weight_decay_twice_on_sharded(case: Case, spec: CaseSpec) -> Case:
+    """Sharded parameters get the decoupled weight decay a second time after each step (a wrapper that
+    also decays the parameters it shards)."""
+    sharded, lr = _sharded(case), case.run.learning_rate
+
+    def make(tp, group, default):
+        opt = default([p for _, p in tp.named_parameters()])
+        targets = [p for n, p in tp.named_parameters() if n in sharded]
+        decay = opt.defaults.get("weight_decay", 0.0)
+
+        def again(optimizer, args, kwargs):
+            with torch.no_grad():
+                for p in targets:
+                    if p.grad is not None:
+                        p.mul_(1 - lr * decay)
+
+        opt.register_step_post_hook(again)
+        return opt
+
+    return injected(case, tp_optimizer=make)
+
+
+def adam_l2_instead_of_adamw(case: Case, spec: CaseSpec) -> Case:
+    """The TP side uses Adam with an L2 penalty added to the gradient instead of AdamW's decoupled
+    weight decay (same lr and decay coefficient)."""
+    lr = case.run.learning_rate
+
+    def make(tp, group, default):
+        decay = default([torch.nn.Parameter(torch.zeros(1))]).defaults.get("weight_decay", 0.0)
+        return torch.optim.Adam([p for _, p in tp.named_parameters()], lr=lr, weight_decay=decay)
+
+    return injected(case, tp_optimizer=make)
+
+
+def tp_betas_differ(case: Case, spec: CaseSpec) -> Case:
+    """The TP side's AdamW uses betas (0.9, 0.95) where the dense side uses (0.9, 0.999)."""
+
+    def make(tp, group, default):
+        opt = default([p for _, p in tp.named_parameters()])
+        for g in opt.param_groups:
+            g["betas"] = (0.9, 0.95)
+        return opt
+
+    return injected(case, tp_optimizer=make)
+
+
+def state_reset_on_sharded(case: Case, spec: CaseSpec) -> Case:
+    """The optimizer state of sharded parameters is dropped before every step (a resharding or
+    checkpoint path that rebuilds it)."""
+    sharded = _sharded(case)
+
+    def make(tp, group, default):
+        opt = default([p for _, p in tp.named_parameters()])
+        targets = [p for n, p in tp.named_parameters() if n in sharded]
+
+        def reset(optimizer, args, kwargs):
+            for p in targets:
+                optimizer.state.pop(p, None)
+
+        opt.register_step_pre_hook(reset)
+        return opt
+
+    return injected(case, tp_optimizer=make)
+
+
+def replicated_on_rank0_only(case: Case, spec: CaseSpec) -> Case:
+    """Replicated parameters are in the optimizer on rank 0 only: the other ranks never update them."""
+    replicated = {case.plan.tp_name(n) for n, p in case.plan.params.items() if p.replicated}
+
+    def make(tp, group, default):
+        keep = [p for n, p in tp.named_parameters() if group.rank == 0 or n not in replicated]
+        return default(keep)
+
+    return injected(case, tp_optimizer=make)
+
+
+# ------------------------------------------------------------------ small numeric bugs (at the bound)
+
+
+def scale_partial(factor: float):
+    """An interceptor action: this rank's partial sum enters the reduction scaled by `factor` (a rank
+    whose shard is slightly off: a stale or mis-converted weight, a wrong scaling constant)."""
+
+    def action(x, perform):
+        return perform(x * factor)
+
+    return action
+
+
+def norm_eps(eps: float):
+    """Every RMSNorm of the TP module uses `eps` (the dense one uses the config's)."""
+
+    def tamper(module, group):
+        for m in module.modules():
+            if hasattr(m, "eps") and hasattr(m, "weight") and type(m).__name__ == "RMSNorm":
+                m.eps = eps
+
+    return lambda case, spec: injected(case, tamper=tamper)
+
+
+def weight_cached_at_first_forward(site: str):
+    """Modules at `site` compute with the weights they saw at their first forward (a cache that is
+    never refreshed after an optimizer step); their gradients still reach the live parameters."""
+
+    def tamper(module, group):
+        for name, m in module.named_modules():
+            if site_matches(name, site):
+                _cache_first_weights(m)
+
+    return lambda case, spec: injected(case, tamper=tamper)
+
+
+def _cache_first_weights(m) -> None:
+    forward, cache = m.forward, {}
+
+    def stale_forward(*args, **kwargs):
+        params = dict(m.named_parameters(recurse=False))
+        if not cache:
+            cache.update({n: p.detach().clone() for n, p in params.items()})
+        live = {n: p.data for n, p in params.items()}
+        try:
+            for n, p in params.items():
+                p.data = cache[n]
+            return forward(*args, **kwargs)
+        finally:
+            for n, p in params.items():
+                p.data = live[n]
+
+    m.forward = stale_forward

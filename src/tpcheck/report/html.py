@@ -146,7 +146,7 @@ def _first_divergence(case: dict) -> str:
     if not f:
         return ""
     items = [("tensor", f["name"]), ("stage", f["stage"]), ("step", f["step"]), ("ranks", f["ranks"]),
-             ("error", f"{f['error']:.4g}"), ("bound", f"{f['bound']:.4g} ({f['kind']})")]
+             ("error", f"{f['error']:.4g}{_raw(f)}"), ("bound", f"{f['bound']:.4g} ({f['kind']})")]
     return "<h4>First divergent tensor</h4>" + _dl(items)
 
 
@@ -174,6 +174,11 @@ def _curves(case: dict) -> str:
             f"{esc(case['name'])}' src='{plots.curves_png(case)}'>")
 
 
+def _raw(c: dict) -> str:
+    """The raw |TP - dense| beside a figure an allowance relaxed."""
+    return f" (raw {c['raw_error']:.3g})" if c.get("raw_error") is not None else ""
+
+
 def _failed_checks(case: dict) -> str:
     failed = sorted((c for c in case.get("checks", []) if not c["passed"]),
                     key=lambda c: (c["step"], c["seq"], c["rank"]))
@@ -181,7 +186,7 @@ def _failed_checks(case: dict) -> str:
         return ""
     rows = "".join(
         f"<tr><td>{esc(c['stage'])}</td><td class=num>{c['step']}</td><td>{esc(c['name'])}</td>"
-        f"<td class=num>{c['rank']}</td><td class=num>{c['error']:.3g}</td><td class=num>{c['bound']:.3g}</td>"
+        f"<td class=num>{c['rank']}</td><td class=num>{c['error']:.3g}{_raw(c)}</td><td class=num>{c['bound']:.3g}</td>"
         f"<td>{esc(c['kind'])}</td><td>{esc(c['placement'])}</td></tr>" for c in failed[:MAX_FAILED_ROWS])
     more = (f"<p class=muted>… and {len(failed) - MAX_FAILED_ROWS} more in the JSON report.</p>"
             if len(failed) > MAX_FAILED_ROWS else "")
