@@ -62,3 +62,30 @@ class DropLastRow(Shard):
 def test_plan_that_leaves_elements_uncovered_is_an_error():
     with pytest.raises(UsageError, match="leaves 4 of 8 elements on no rank"):
         validate(DropLastRow(0), (4, 2), 2, "w")
+
+
+def test_copies_counts_the_ranks_holding_each_element():
+    """Elements several ranks hold (a fused part with fewer units than ranks: GQA KV heads) are what the
+    checker compares across ranks; plain shards hold each element once and need no index maps."""
+    from tpcheck.plan import copies
+
+    assert copies(Shard(0), (8, 4), 4) is None
+    assert copies(Fused(0, (4, 4)), (8, 4), 2) is None  # every part splits over the ranks
+    held = copies(Fused(0, (4, 1), (1, 2)), (6, 3), 4)  # q: 4 rows sharded; kv: one unit of 2 rows on all 4
+    assert held is not None
+    rows = held.reshape(6, 3)[:, 0].tolist()
+    assert rows == [1, 1, 1, 1, 4, 4]
+
+
+def test_copies_of_a_user_placement_without_a_hash():
+    """A user's placement need not be hashable: counted without the cache."""
+    from tpcheck.plan import Placement, copies
+
+    class Everywhere(Placement):
+        __hash__ = None
+
+        def shard(self, dense, rank, world):
+            return dense
+
+    held = copies(Everywhere(), (2, 2), 3)
+    assert held is not None and held.tolist() == [3, 3, 3, 3]

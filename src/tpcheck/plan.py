@@ -14,6 +14,7 @@ row-parallel dim 1; activations `[seq, batch, hidden]`, sequence parallelism sha
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -40,6 +41,11 @@ class Placement:
         """Flat dense indices held by `rank`, in its local layout."""
         ids = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
         return self.shard(ids, rank, world)
+
+    def may_share(self, world: int) -> bool:
+        """Whether two of `world` ranks can hold the same dense element. True unless the placement
+        knows better (then `copies` need not build index maps)."""
+        return True
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,9 @@ class Shard(Placement):
     def shard(self, dense, rank, world):
         self.check_divisible(tuple(dense.shape), world, "shard")
         return dense.chunk(world, dim=self.dim)[rank]
+
+    def may_share(self, world: int) -> bool:
+        return False
 
     def __str__(self) -> str:
         return f"shard(dim={self.dim})"
@@ -117,12 +126,35 @@ class Fused(Placement):
                 pieces.append(part.narrow(self.dim, unit * u, u))
         return torch.cat(pieces, dim=self.dim)
 
+    def may_share(self, world: int) -> bool:
+        return any(n < world for n in self.units)
+
     def replica_unit(self, rank: int, world: int, units: int) -> int:
         """The unit a rank holds of a part with fewer units than ranks: consecutive ranks share one."""
         return rank // (world // units)
 
     def __str__(self) -> str:
         return f"fused(dim={self.dim}, units={list(self.units)})"
+
+
+def copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
+    """How many ranks hold each dense element (flat), or None when no element is held by two ranks
+    (plain shards: nothing to compare across ranks). Replicate is the trivial case and not asked here."""
+    if not placement.may_share(world):
+        return None
+    try:
+        return _copies(placement, shape, world)
+    except TypeError:  # a user's placement that cannot be hashed: computed each time
+        return _copies.__wrapped__(placement, shape, world)
+
+
+@functools.lru_cache(maxsize=256)
+def _copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
+    held = torch.zeros(math.prod(shape), dtype=torch.int64)
+    for r in range(world):
+        idx = placement.index_map(shape, r, world).reshape(-1)
+        held.index_add_(0, idx, torch.ones_like(idx))
+    return held if bool((held > 1).any()) else None
 
 
 def unshard(placement: Placement, locals_: list[torch.Tensor], shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:

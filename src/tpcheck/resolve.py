@@ -12,7 +12,7 @@ from tpcheck.check.case import Case, CaseSpec
 from tpcheck.check.launch import DEFAULT_TIMEOUT_S, Launcher, TorchrunLauncher
 from tpcheck.check.usercode import build_user_case, is_user_block
 from tpcheck.errors import UsageError
-from tpcheck.faults import CATALOGUE, apply_fault, get_fault
+from tpcheck.faults import CATALOGUE, apply_fault, check_applies
 
 
 class DefaultResolver:
@@ -33,12 +33,7 @@ class DefaultResolver:
         block = _block(spec.block)
         block.check_config(config_for(spec), spec)
         if spec.fault:
-            fault = get_fault(spec.fault)
-            if not fault.applies(spec.block, spec.world_size, spec.optimizer, spec.dtype):
-                raise UsageError(f"fault {fault.name!r} applies to block(s) {list(fault.blocks)} at world sizes "
-                                 f"{list(fault.worlds)}{' with AdamW' if fault.adaptive_only else ''} in "
-                                 f"{list(fault.dtypes)}, not {spec.block!r} at {spec.world_size} with "
-                                 f"{spec.optimizer} in {spec.dtype}")
+            check_applies(spec)
 
     def build(self, spec: CaseSpec) -> Case:
         if is_user_block(spec.block):

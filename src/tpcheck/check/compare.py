@@ -7,7 +7,6 @@ reason for the bound; small tensors are kept as evidence for the diagnosis.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from tpcheck.check.ledger import CollectiveTap
 from tpcheck.check.loading import maxdiff
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
-from tpcheck.plan import Placement
+from tpcheck.plan import Placement, copies
 
 EVIDENCE_MAX_NUMEL = 1 << 16  # tensors up to this size are sent to the parent for diagnosis
 EVIDENCE_BUDGET = 1 << 21  # total elements per rank and case
@@ -55,7 +54,8 @@ class Comparator:
     def __init__(self, group: TPGroup, tap: CollectiveTap, dtype: torch.dtype, dtype_name: str) -> None:
         self.group, self.tap, self.dtype, self.dtype_name = group, tap, dtype, dtype_name
         self.checks: list[Check] = []
-        self.pending_replicas: list[tuple[Check, torch.Tensor]] = []
+        # (check, values in float64, mask of the elements several ranks hold; None: all of them)
+        self.pending_replicas: list[tuple[Check, torch.Tensor, torch.Tensor | None]] = []
         self.evidence: dict[str, dict] = {}
         self.evidence_left = EVIDENCE_BUDGET
         self.seq = 0
@@ -107,10 +107,7 @@ class Comparator:
                       bound=0.0, kind="exact", reason=reason, passed=diff <= 0.0, placement=str(placement),
                       seq=self.seq)
         self.checks.append(check)
-        self._keep_evidence(check, tp_local, ref_local, ref_local)
-        key = f"{check.stage}|{check.step}|{check.name}"
-        if weights is not None and key in self.evidence:
-            self.evidence[key]["weights"] = weights.detach().double().numpy().copy()
+        self._keep_evidence(check, tp_local, ref_local, ref_local, weights)
         return check
 
     def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
@@ -123,14 +120,16 @@ class Comparator:
                              "NaN/Inf (float16 with AdamW, whose eps underflows, is a known cause; use "
                              "float32/bfloat16 or --optimizer sgd). The reference is bad, not the TP implementation")
 
-    def _keep_evidence(self, check: Check, tp_local, ref, dense) -> None:
+    def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
         if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
             return
         self.evidence_left -= 3 * dense.numel()
-        self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
+        kept = self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
             "tp": tp_local.detach().double().numpy().copy(), "ref": ref.detach().double().numpy().copy(),
             "dense": dense.detach().double().numpy().copy(), "placement": check.placement,
             "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
+        if weights is not None:
+            kept["weights"] = weights.detach().double().numpy().copy()
 
     def flush_replicas(self) -> None:
         """Compare every pending replicated tensor (and every element several ranks hold) across ranks,
@@ -156,20 +155,3 @@ class Comparator:
                                      seq=check.seq))
         self.pending_replicas.clear()
 
-
-def copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
-    """How many ranks hold each dense element under a non-replicated placement, or None when every
-    element is held once (plain shards): then there is nothing to compare across ranks."""
-    try:
-        return _copies(placement, shape, world)
-    except TypeError:  # a user's placement that cannot be hashed: computed each time
-        return _copies.__wrapped__(placement, shape, world)
-
-
-@functools.lru_cache(maxsize=256)
-def _copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
-    held = torch.zeros(math.prod(shape), dtype=torch.int64)
-    for r in range(world):
-        idx = placement.index_map(shape, r, world).reshape(-1)
-        held.index_add_(0, idx, torch.ones_like(idx))
-    return held if bool((held > 1).any()) else None

@@ -68,7 +68,7 @@ def hang_details(payloads: list) -> dict:
             stuck.append({"rank": p.rank, **spot})
         else:
             unknown.append({"rank": p.rank, "last_seen": spot or None, "message": p.message})
-    ledgers = {p.rank: p.ledger_lines() for p in payloads if p.ledger_lines() is not None}
+    ledgers = {p.rank: lines for p in payloads if (lines := p.ledger_lines()) is not None}
     diff = ledger_diff(ledgers) if ledgers else None
     if diff and len(ledgers) < len(payloads):
         diff += f" (no ledger from rank(s) {sorted(set(range(len(payloads))) - set(ledgers))})"

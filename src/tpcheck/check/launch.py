@@ -33,7 +33,7 @@ from tpcheck.check.case import CaseSpec, Resolver
 from tpcheck.check.result import RankPayload
 from tpcheck.check.spawn import Ranks, recv_plain, send_plain
 from tpcheck.check.sync import Rendezvous
-from tpcheck.check.worker import RankState, pool_rank
+from tpcheck.check.worker import Build, RankState, pool_rank
 from tpcheck.errors import UsageError
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -53,7 +53,7 @@ def _preload() -> None:
 class RankPool:
     """`world` forked rank processes sharing one gloo group; `resolve` turns a spec into a Case on a rank."""
 
-    def __init__(self, world: int, resolve: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, world: int, resolve: Build, timeout_s: float = DEFAULT_TIMEOUT_S,
                  stall_s: float | None = None) -> None:
         _preload()
         self.world, self.timeout_s = world, timeout_s

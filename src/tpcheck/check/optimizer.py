@@ -14,12 +14,13 @@
 An adaptive optimizer amplifies small grad differences: AdamW steps by lr * m / (sqrt(v) + eps),
 about lr * sign(grad) at first, so where a moment is near 0 (or near eps) a rounding-level difference
 in the grads can move an element by up to 2 x lr, and it stays moved. The grads were already checked
-against their bounds; what the optimizer stage must show is that the TP side applied the same update
-rule to them. So each element may differ by (twice) the update difference its own moments explain,
-lr * |u_tp - u_dense| with u computed from each side's moments and the DENSE side's hyperparameters (a
-different lr, betas, eps or weight decay on the TP side stays unexplained), accumulated over steps.
-Likewise the float64 side against the dense one, so that bounds are not inflated by the same effect.
-Only after adaptive optimizer steps.
+against their bounds, and the replay has shown that the TP side applied the dense rule to them. So each
+element may differ by (twice) the update difference the moments explain, lr * |u_tp - u_dense|, with u
+from the dense hyperparameters and, for the TP side, the *replay's* moments (the dense rule on the TP
+side's own grads), never the TP optimizer's own: a TP optimizer bug cannot widen its own allowance.
+Accumulated over steps. Likewise the float64 side against the dense one, so that bounds are not
+inflated by the same effect. Only after adaptive optimizer steps; the check then records the raw
+difference beside the one left unexplained (`Check.raw_error`).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Replay:
 
 
 class AdaptiveSlack:
-    """Per (side, parameter) slack accumulated over steps; `relax` returns the tensor with every
+    """Per (side, parameter) slack accumulated over steps; `apply` returns the tensors with every
     element the slack explains set to the reference value."""
 
     def __init__(self, dense_opt: torch.optim.Optimizer, replay: Replay,

@@ -56,7 +56,6 @@ class RankPayload:
 class CaseResult:
     """One case, merged over its ranks. `to_json()` gives the report's case object (report-schema.md)."""
 
-    name: str
     spec: CaseSpec
     verdict: str
     as_expected: bool
@@ -69,6 +68,10 @@ class CaseResult:
     diagnosis: dict | None = None
     problems: list[dict] | None = None
     hang: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @property
     def expected(self) -> str:
@@ -98,7 +101,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     """One CaseResult from every rank's payload."""
     seconds = max((p.seconds for p in payloads), default=0.0)
     if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
-        return CaseResult(name=spec.name, spec=spec, seconds=seconds, **failure_fields(spec, payloads))
+        return CaseResult(spec=spec, seconds=seconds, **failure_fields(spec, payloads))
     checks = _fill_bounds([asdict(c) for p in payloads for c in p.checks])
     failed = sorted((c for c in checks if not c["passed"]),
                     key=lambda c: (c["seq"], c["stage"] == "replicas", c["rank"]))
@@ -106,7 +109,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     entries = [asdict(e) for p in payloads for e in p.ledger]
     ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, spec.steps,
                           spec.micro_batches)
-    result = CaseResult(name=spec.name, spec=spec, verdict=verdict, as_expected=False, summary="",
+    result = CaseResult(spec=spec, verdict=verdict, as_expected=False, summary="",
                         seconds=seconds, checks=checks, ledger=ledger, self_test=payloads[0].control)
     result.as_expected = verdict == result.expected
     control = result.self_test

@@ -168,16 +168,23 @@ def get_fault(name: str) -> Fault:
         raise UsageError(f"unknown fault {name!r}; `tpcheck faults` lists them: {sorted(CATALOGUE)}") from None
 
 
-def apply_fault(case: Case, spec: CaseSpec) -> Case:
+def check_applies(spec: CaseSpec) -> Fault:
+    """The spec's fault, or UsageError naming where it applies and the spec's block, world size,
+    optimizer and dtype that it does not fit."""
     fault = get_fault(spec.fault)
     if not fault.applies(spec.block, spec.world_size, spec.optimizer, spec.dtype):
-        raise UsageError(f"fault {fault.name!r} applies to blocks {list(fault.blocks)} at world sizes "
+        raise UsageError(f"fault {fault.name!r} applies to block(s) {list(fault.blocks)} at world sizes "
                          f"{list(fault.worlds)}{' with AdamW' if fault.adaptive_only else ''} in {list(fault.dtypes)}, "
                          f"not {spec.block!r} at {spec.world_size} with {spec.optimizer} in {spec.dtype}")
+    return fault
+
+
+def apply_fault(case: Case, spec: CaseSpec) -> Case:
+    fault = check_applies(spec)
     if fault.sequence_parallel is not None and spec.sequence_parallel != fault.sequence_parallel:
         need = "with" if fault.sequence_parallel else "without"
         raise UsageError(f"fault {fault.name!r} needs a case {need} sequence parallelism (--sp)")
     return fault.inject(case, spec)
 
 
-__all__ = ["CATALOGUE", "Fault", "apply_fault", "get_fault"]
+__all__ = ["CATALOGUE", "Fault", "apply_fault", "check_applies", "get_fault"]
