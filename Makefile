@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test quick lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,10 +14,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	mkdir -p reports  # tpcheck writes into existing directories only
 	$(VENV)/bin/tpcheck run --mode all --world-size 2 --json reports/demo.json --html reports/demo.html
 
+# everything, as CI runs it (the 2,000-case false-alarm sweep included)
 test: $(STAMP) lint
 	$(PY) -m pytest -q -ra
+
+# the development loop: everything but the tests marked slow
+quick: $(STAMP) lint
+	$(PY) -m pytest -q -ra -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """(d) What a full check costs over the bare dense step, and what capture costs (issue 5).
 
-Check: `tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, steps=1, optimizer="sgd")])`
+Check: `tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, steps=1, optimizer="sgd", micro_batches=1)])`
 (dense fp32 + float64 truth + TP model on every rank, compare everything, capture activations for the
 diagnosis). Its `seconds` field is the slower rank's time for the whole case (build, load, step, compare).
 Floor: one dense forward + backward + SGD step of `DenseMLP` at the same size, timed in one process.
@@ -32,7 +32,7 @@ def inner_check(size, capture: bool) -> None:
     import tpcheck
 
     spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=2, steps=1,
-                            optimizer="sgd", capture=capture)
+                            optimizer="sgd", micro_batches=1, capture=capture)  # one step as the dense one
     t0 = time.perf_counter()
     (r,) = tpcheck.check([spec], timeout_s=300)
     print(json.dumps({"seconds": r["seconds"], "wall_s": time.perf_counter() - t0, "verdict": r["verdict"],
@@ -81,7 +81,7 @@ def inner_profile(size) -> None:
     from tpcheck.resolve import RESOLVER
 
     spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=1, steps=1,
-                            optimizer="sgd")
+                            optimizer="sgd", micro_batches=1)
 
     def once():
         group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))

@@ -2,19 +2,27 @@
 
 0  every case went as expected (correct implementations equivalent, injected faults caught)
 1  some case did not (a TP implementation differs from its dense twin, or a fault was missed)
-2  bad input or a rank that raised/died (the message names the value and the fix)
+2  bad input or a rank that raised/died (the message names the value and the fix), or an output (--json,
+   --html, stdout) that could not be written after the run (the others are still written)
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 
 from tpcheck.errors import EXIT_USAGE, UsageError
 
 MODES = ("inspect", "equivalence", "missing_forward_reduce", "missing_backward_reduce", "all")  # = seed.MODES
+# Options `run --mode` applies (by argparse dest); any other option given with --mode is refused.
+MODE_OPTIONS = {"mode", "world_size", "preset", "steps", "optimizer", "lr", "seed", "timeout", "json_path",
+                "html_path", "quiet"}
+INSPECT_OPTIONS = {"mode", "world_size", "json_path", "html_path", "quiet"}  # inspect runs nothing
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
+MAX_LR = 10.0  # the seed MLP's dense reference overflows to Inf/NaN at lr 30 with SGD
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3; 1 for --mode)")
     run.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
     run.add_argument("--lr", type=float, default=None)
-    run.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation micro-batches")
+    run.add_argument("--micro-batches", type=int, default=2,
+                     help="gradient accumulation: micro-batches per step (default 2)")
+    _add_precision_arg(run)
     run.add_argument("--seed", type=int, default=31)
     _add_output_args(run)
     run.set_defaults(func=cmd_run)
@@ -47,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--steps", type=int, default=None, help="override the case's optimizer steps")
     verify.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
     verify.add_argument("--lr", type=float, default=None)
-    verify.add_argument("--micro-batches", type=int, default=None)
+    verify.add_argument("--micro-batches", type=int, default=None, help="override the case's micro-batches per step")
+    _add_precision_arg(verify)
     verify.add_argument("--seed", type=int, default=None)
     _add_output_args(verify)
     verify.set_defaults(func=cmd_verify)
@@ -63,20 +74,148 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-master-weights", dest="master_weights", action="store_false", default=None,
+                   help="with bfloat16/float16: pure 16-bit parameters and optimizer state (default: float32 "
+                        "master weights, grads and optimizer state, as Megatron-Core and torchtitan train)")
+
+
 def _add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, default=None, help="seconds any collective may wait (default 20)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds any collective may wait, 1..3600 (default 20)")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the full JSON report here")
     p.add_argument("--html", dest="html_path", metavar="PATH", help="write the HTML report here")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
-        return args.func(args)
+        code = args.func(args)
     except UsageError as e:
         print(f"tpcheck: error: {e}", file=sys.stderr)
+        code = EXIT_USAGE
+    problem = write_stdout("")  # what is still buffered: a full disk or a closed pipe shows here
+    if problem:
+        print(f"tpcheck: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    return code
+
+
+# ------------------------------------------------------------------------------ flags and outputs
+
+
+def check_common_flags(args: argparse.Namespace) -> None:
+    """What `run` and `verify` check alike before any rank starts: --timeout, --lr, the output paths."""
+    from tpcheck.report.output import check_output_path
+
+    if args.timeout is not None and not MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout {args.timeout:g} must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} seconds: "
+                         f"it is how long any collective may wait, and below {MIN_TIMEOUT_S:g} s a correct "
+                         "implementation is reported as a false hang")
+    if args.lr is not None and math.isfinite(args.lr) and args.lr > MAX_LR:
+        raise UsageError(f"--lr {args.lr:g} is above {MAX_LR:g}: steps that large make the weights, and the dense "
+                         "reference itself, overflow to Inf/NaN within a few steps (the seed MLP's does at lr 30 "
+                         "with SGD), leaving nothing to compare; typical learning rates are 1e-5..1e-1")
+    check_output_path("--json", args.json_path)
+    check_output_path("--html", args.html_path)
+
+
+def given_options(argv: list[str]) -> dict[str, str]:
+    """{dest: flag} of the options typed in `argv` (not those left at their defaults): argv is parsed
+    again by a parser whose options default to nothing. (argparse lists a parser's options only in its
+    `_actions`: there is no public way.)"""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for command in commands.choices.values():
+        for action in command._actions:
+            if action.option_strings:
+                action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    return {a.dest: max(a.option_strings, key=len) for a in commands.choices[given["command"]]._actions
+            if a.option_strings and a.dest in given}
+
+
+def refuse_options_the_mode_ignores(args: argparse.Namespace) -> None:
+    """`run --mode` checks the seed's fixture: options given that it would not apply are refused."""
+    inspect = args.mode == "inspect"
+    applies = INSPECT_OPTIONS if inspect else MODE_OPTIONS
+    ignored = [flag for dest, flag in given_options(args.argv).items() if dest not in applies]
+    if not ignored:
+        return
+    them = "it" if len(ignored) == 1 else "them"
+    does = ("runs nothing, it prints the seed MLP's shapes for --world-size ranks" if inspect else
+            "checks the seed's MLP block in float32, without sequence parallelism, one micro-batch per step, with "
+            "the mode's own fault")
+    fix = f"drop {them}" if inspect else f"drop {them}, or drop --mode to run the matrix check with {them}"
+    raise UsageError(f"--mode {args.mode} ignores {', '.join(ignored)}: it {does}; {fix}")
+
+
+def check_inspect_world_size(world_size: int) -> None:
+    """inspect shows the seed MLP split over `world_size` ranks: refuse a world size a run would refuse."""
+    from tpcheck.check.case import CaseSpec
+    from tpcheck.resolve import RESOLVER
+
+    RESOLVER.validate(CaseSpec(block="mlp", preset="seed", world_size=world_size))
+
+
+def write_stdout(text: str) -> str | None:
+    """Write `text` to stdout and flush it; on failure (a full disk, a closed pipe) return the problem and
+    point stdout at /dev/null, so that Python's own flush at exit cannot fail again with a traceback."""
+    if sys.stdout is None:  # started with stdout closed
+        return "stdout is closed: the seed's JSON was not printed" if text else None
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # no file descriptor behind sys.stdout: nothing left to flush at exit
+            pass
+        return f"stdout: cannot write: {e.strerror or e}"
+    return None
+
+
+def render_output(flag: str, report: dict) -> str:
+    """The text of one report output: '--json' or '--html'."""
+    if flag == "--json":
+        return json.dumps(report, indent=2, sort_keys=True) + "\n"
+    from tpcheck.report.html import render_html
+
+    return render_html(report)
+
+
+def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> list[str]:
+    """Write the report to each output given ({flag: path}); one that fails is skipped and the others are
+    still written. Returns a line per failure."""
+    from tpcheck.report.schema import write_atomic
+
+    failed = []
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        try:
+            write_atomic(path, render_output(flag, report))
+        except OSError as e:
+            failed.append(f"{flag} {path!r}: cannot write the report: {e.strerror or e}")
+        else:
+            if not quiet:
+                print(f"{flag[2:].upper()} report: {path}", file=sys.stderr)
+    return failed
+
+
+def exit_after_outputs(failed: list[str], code: int) -> int:
+    """The exit code once the outputs are written: 2 when one failed (each said on stderr), else `code`."""
+    if not failed:
+        return code
+    for line in failed:
+        print(f"tpcheck: error: {line}", file=sys.stderr)
+    print(f"tpcheck: error: exit 2 because an output failed (the checks alone give exit {code}; the other "
+          "outputs were written)", file=sys.stderr)
+    return EXIT_USAGE
 
 
 # ------------------------------------------------------------------------------ run
@@ -85,19 +224,21 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tpcheck.check.launch import under_torchrun
 
-    if args.timeout is not None and not 0 < args.timeout <= 3600:
-        raise UsageError(f"--timeout {args.timeout} must be in (0, 3600] seconds")
+    check_common_flags(args)
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
     if args.mode:
         from tpcheck.seed import mode_specs
 
+        refuse_options_the_mode_ignores(args)
         if len(world_sizes) != 1:
             raise UsageError(f"--mode takes one --world-size, got {world_sizes}")
+        if args.mode in ("inspect", "all") and not under_torchrun():
+            check_inspect_world_size(world_sizes[0])
         specs = mode_specs(args.mode, world_sizes[0], preset=args.preset, steps=args.steps, optimizer=args.optimizer,
                            lr=args.lr, seed=args.seed)
     else:
         specs = matrix_specs(args, world_sizes)
-    return execute(specs, args, seed_mode=args.mode)
+    return execute(specs, args, seed_mode=args.mode, seed_world_size=world_sizes[0])
 
 
 def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
@@ -114,11 +255,14 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
     for block, ws, dtype, fault in itertools.product(args.block, world_sizes, args.dtype, faults):
         spec = CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, dtype=dtype,
                         steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw", lr=args.lr,
-                        micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed)
+                        micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed,
+                        master_weights=args.master_weights is not False)
         if fault is None:
             specs.append(spec)
-        elif CATALOGUE[fault].applies(block, ws, spec.optimizer, dtype) and feasible(CATALOGUE[fault].prepare(spec)):
-            specs.append(CATALOGUE[fault].prepare(spec))
+        elif CATALOGUE[fault].applies(block, ws, spec.optimizer, dtype, spec.micro_batches, spec.master_weights):
+            faulty = CATALOGUE[fault].prepare(spec)
+            if feasible(faulty):
+                specs.append(faulty)
     if not specs:
         raise UsageError("no case to run: the faults given apply to none of the blocks and world sizes given")
     return specs
@@ -129,25 +273,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from tpcheck.check.launch import under_torchrun
     from tpcheck.check.usercode import file_spec
 
+    check_common_flags(args)
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
     given = {"steps": args.steps, "optimizer": args.optimizer, "lr": args.lr,
-             "micro_batches": args.micro_batches, "seed": args.seed}
+             "micro_batches": args.micro_batches, "seed": args.seed, "master_weights": args.master_weights}
     specs = [file_spec(t, ws, dtype=d, **given)
              for t, ws, d in itertools.product(args.target, world_sizes, args.dtype or [None])]
     return execute(specs, args)
 
 
-def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None) -> int:
-    """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit code."""
+def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None, seed_world_size: int = 2) -> int:
+    """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit code.
+    seed_mode: the seed's JSON for that mode goes to stdout (inspect: for `seed_world_size` ranks)."""
     from tpcheck.check.launch import DEFAULT_TIMEOUT_S, under_torchrun
     from tpcheck.check.result import exit_code
     from tpcheck.check.session import run_specs
     from tpcheck.report.console import print_summary, progress_printer
-    from tpcheck.report.schema import build_report, write_atomic
+    from tpcheck.report.schema import build_report
     from tpcheck.resolve import RESOLVER, torchrun_launcher
     from tpcheck.resolve import launcher as pool_launcher
 
-    timeout = args.timeout or DEFAULT_TIMEOUT_S
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     if not under_torchrun():  # bad input fails fast, before any rank is forked
         for spec in specs:
             RESOLVER.validate(RESOLVER.prepare(spec))
@@ -162,24 +308,20 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None)
             if seed_mode:
                 from tpcheck.seed import seed_payload
 
-                seed = seed_payload(seed_mode, results, specs[0].world_size if specs else 2)
+                seed = seed_payload(seed_mode, results, seed_world_size)
             report = build_report(results, exit_code=code, seed=seed)
-            if seed_mode:
-                print(json.dumps(report["seed"], indent=2))
+            failed = []  # outputs that could not be written: said at the end, exit 2
+            stdout_problem = write_stdout(json.dumps(report["seed"], indent=2) + "\n") if seed_mode else None
+            if stdout_problem:
+                failed.append(stdout_problem)
             if not args.quiet:
                 print_summary(results, sys.stderr)
             else:  # quiet, but never silent about why the exit code is 2
                 for r in results:
                     if r["verdict"] in ("invalid", "error"):
                         print(f"tpcheck: error: {r['name']}: {r['summary']}", file=sys.stderr)
-            if args.json_path:
-                write_atomic(args.json_path, json.dumps(report, indent=2, sort_keys=True) + "\n")
-                _say(args, f"JSON report: {args.json_path}")
-            if args.html_path:
-                from tpcheck.report.html import render_html
-
-                write_atomic(args.html_path, render_html(report))
-                _say(args, f"HTML report: {args.html_path}")
+            failed += write_outputs(report, {"--json": args.json_path, "--html": args.html_path}, args.quiet)
+            code = exit_after_outputs(failed, code)
         if under_torchrun():
             code = launcher.broadcast_code(code)
         return code
@@ -187,34 +329,32 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None)
         launcher.close()
 
 
-def _say(args: argparse.Namespace, text: str) -> None:
-    if not args.quiet:
-        print(text, file=sys.stderr)
-
-
 # ------------------------------------------------------------------------------ report
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Read a JSON report, checked against the shipped schema (the first error: exit 2), print its summary
+    and optionally render it as HTML."""
     from tpcheck.report.console import print_summary
-    from tpcheck.report.schema import SCHEMA, write_atomic
+    from tpcheck.report.output import check_output_path
+    from tpcheck.report.schema import SCHEMA, load_schema
+    from tpcheck.report.validate import first_error
 
+    check_output_path("--html", args.html_path)
     try:
         with open(args.result) as f:
             report = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UsageError(f"cannot read the report {args.result!r}: {e}; pass a file from `tpcheck run --json`") \
             from None
-    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
-        found = report.get("schema") if isinstance(report, dict) else type(report).__name__
-        raise UsageError(f"{args.result!r} has schema {found!r}, this tpcheck reads {SCHEMA!r}")
+    if isinstance(report, dict) and report.get("schema") != SCHEMA:
+        raise UsageError(f"{args.result!r} has schema {report.get('schema')!r}, this tpcheck reads {SCHEMA!r}")
+    error = first_error(report, load_schema())
+    if error:
+        raise UsageError(f"{args.result!r} is not a valid {SCHEMA} report: at {error}; pass a file from "
+                         "`tpcheck run --json`")
     print_summary(report["cases"], sys.stderr)
-    if args.html_path:
-        from tpcheck.report.html import render_html
-
-        write_atomic(args.html_path, render_html(report))
-        print(f"HTML report: {args.html_path}", file=sys.stderr)
-    return 0
+    return exit_after_outputs(write_outputs(report, {"--html": args.html_path}, quiet=False), 0)
 
 
 # ------------------------------------------------------------------------------ faults
@@ -225,12 +365,15 @@ def cmd_faults(args: argparse.Namespace) -> int:
 
     rows = [{"name": f.name, "bug_class": f.bug_class, "where": f.where, "expected_stage": f.expected_stage,
              "expected_signature": f.expected_signature, "blocks": list(f.blocks), "world_sizes": list(f.worlds),
-             "sequence_parallel": f.sequence_parallel}
+             "sequence_parallel": f.sequence_parallel, "dtypes": list(f.dtypes)}
             for f in CATALOGUE.values()]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        text = json.dumps(rows, indent=2) + "\n"
     else:
-        for r in rows:
-            print(f"{r['name']:<32} [{', '.join(r['blocks'])}] {r['bug_class']}")
-            print(f"{'':<32} injected: {r['where']}; expected: {r['expected_signature']} in {r['expected_stage']}")
+        text = "".join(f"{r['name']:<32} [{', '.join(r['blocks'])}] {r['bug_class']}\n{'':<32} injected: "
+                       f"{r['where']}; expected: {r['expected_signature']} in {r['expected_stage']}; dtypes: "
+                       f"{', '.join(r['dtypes'])}\n" for r in rows)
+    problem = write_stdout(text)
+    if problem:
+        raise UsageError(problem)
     return 0

@@ -27,7 +27,7 @@ SEED_KEYS = {  # seed RunResult key -> our check name
     "down_grad_max_abs_diff": "grad:down.weight",
     "down_bias_grad_max_abs_diff": "grad:down.bias",
 }
-NOT_INCLUDED = ["CUDA/NCCL (untested on this CPU machine)", "mixed precision (autocast, float32 master weights)",
+NOT_INCLUDED = ["CUDA/NCCL (untested on this CPU machine)", "autocast mixed precision",
                 "fused kernels", "pipeline and data parallelism"]
 
 
@@ -36,7 +36,8 @@ def mode_specs(mode: str, world_size: int, *, preset: str | None = None, steps: 
     """The CaseSpecs of a seed mode ('all': the three run modes; 'inspect': none)."""
     modes = SEED_MODES if mode == "all" else () if mode == "inspect" else (mode,)
     return [CaseSpec(block="mlp", preset=preset or "seed", world_size=world_size, steps=1 if steps is None else steps,
-                     optimizer=optimizer or "sgd", lr=lr, seed=seed, fault=None if m == "equivalence" else m,
+                     optimizer=optimizer or "sgd", lr=lr, seed=seed, micro_batches=1,
+                     fault=None if m == "equivalence" else m,
                      label=m) for m in modes]
 
 

@@ -1,12 +1,16 @@
-"""Property tests: over random shapes, world sizes {1, 2, 4}, seeds, fp32/bf16, optimizers and sequence
-parallelism, a correct MLP is never flagged, and the seed's two faults are always flagged. One pool of
-ranks per world size serves every example."""
+"""Property tests: a correct MLP is never flagged and the seed's two faults always are, over random
+shapes, world sizes {1, 2, 4}, seeds, dtypes, optimizers and sequence parallelism; and no correct case
+of any block is flagged over random cases from `tpcheck.blocks.sampling` (a fresh seed per run, printed
+for reproduction; in the slow test the 2,000 cases that docs/tolerances.md reports)."""
+import os
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpcheck import CaseSpec
-from tpcheck.blocks import BLOCKS
+from tpcheck import CaseSpec, check
+from tpcheck.blocks.sampling import random_specs
 from tpcheck.check.session import run_specs
 from tpcheck.resolve import launcher as pool_launcher
 
@@ -23,14 +27,15 @@ def mlp_specs(draw):
     sp = draw(st.booleans())
     overrides = (("seq", world * draw(st.integers(1, 3)) if sp else draw(st.integers(1, 6))),
                  ("batch", draw(st.integers(1, 3))),
-                 ("hidden", draw(st.sampled_from([4, 8, 16, 64, 128]))),
+                 ("hidden", draw(st.sampled_from([8, 16, 64, 128]))),
                  ("ffn", world * draw(st.integers(1, 24))))
     return CaseSpec(block="mlp", preset="seed", world_size=world, sequence_parallel=sp, overrides=overrides,
-                    dtype=draw(st.sampled_from(["float32", "bfloat16"])), seed=draw(st.integers(0, 10_000)),
-                    optimizer=draw(st.sampled_from(["sgd", "adamw"])), steps=draw(st.integers(1, 3)))
+                    dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])), seed=draw(st.integers(0, 10_000)),
+                    optimizer=draw(st.sampled_from(["sgd", "adamw"])), steps=draw(st.integers(1, 3)),
+                    micro_batches=draw(st.integers(1, 3)))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=mlp_specs())
 def test_no_false_alarm_and_seed_faults_always_flagged(launcher, spec):
     import dataclasses
@@ -40,37 +45,37 @@ def test_no_false_alarm_and_seed_faults_always_flagged(launcher, spec):
         specs += [dataclasses.replace(spec, fault=f) for f in ("missing_forward_reduce", "missing_backward_reduce")]
     correct, *faulty = run_specs(specs, launcher)
     assert correct["verdict"] == "equivalent", correct["summary"]
-    assert correct["self_test"]["flagged"] and correct["self_test"]["sensitive"]
+    assert correct["self_test"]["failures"] == [] and correct["self_test"]["flagged"] > 0
     for r in faulty:
         assert r["verdict"] == "not equivalent", r["summary"]
         assert r["diagnosis"]["signature"] == "partial_sum", r["summary"]
 
 
-@st.composite
-def block_specs(draw):
-    """Any block at random valid shapes: heads divisible by the world size, kv heads dividing the heads
-    and either sharded or replicated over the ranks, a vocabulary divisible by the world size."""
-    world = draw(st.sampled_from([1, 2, 4]))
-    sp = draw(st.booleans())
-    seq = world * draw(st.integers(1, 3)) if sp else draw(st.integers(1, 6))
-    batch = draw(st.integers(2 if seq == 1 else 1, 2))  # >= 2 tokens: the LM ignores every 5th label
-    heads = world * draw(st.sampled_from([1, 2]))
-    kv = draw(st.sampled_from([k for k in range(1, heads + 1) if heads % k == 0 and (k % world == 0 or world % k == 0)]))
-    # head dim >= 4, hidden >= 8, vocab >= 16: below that, tensors of 2-4 elements with heavy cancellation
-    # make the max-error statistic that calibrates bounds too noisy (measured: ~1% false alarms at hidden
-    # 2-4), and bf16 logits over a vocabulary of 8 at tp 4 get bounds the self-test rejects as too loose
-    head_dim = draw(st.sampled_from([4, 8]) if heads > 1 else st.just(8))
-    overrides = (("heads", heads), ("kv_heads", kv), ("hidden", heads * head_dim),
-                 ("ffn", world * draw(st.integers(2, 8))), ("vocab", world * draw(st.integers(max(2, 16 // world), 16))),
-                 ("seq", seq), ("batch", batch), ("layers", draw(st.integers(1, 2))))
-    return CaseSpec(block=draw(st.sampled_from([b for b in BLOCKS if b != "mlp"])),  # the MLP: above
-                    preset="tiny", world_size=world, sequence_parallel=sp, overrides=overrides,
-                    dtype=draw(st.sampled_from(["float32", "bfloat16"])), seed=draw(st.integers(0, 10_000)),
-                    optimizer=draw(st.sampled_from(["sgd", "adamw"])), steps=draw(st.integers(1, 2)))
+def _sweep_seed() -> int:
+    """A fresh seed per run (not a fixed set of examples); TPCHECK_SWEEP_SEED reproduces a run."""
+    return int(os.environ.get("TPCHECK_SWEEP_SEED", random.randrange(2**31)))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=block_specs())
-def test_no_false_alarm_on_any_block(launcher, spec):
-    (result,) = run_specs([spec], launcher)
-    assert result["verdict"] == "equivalent", result["summary"]
+def _no_false_alarm(n: int, seed: int | None = None) -> None:
+    seed = _sweep_seed() if seed is None else seed
+    specs = random_specs(seed, n)
+    results = check(specs)
+    false_alarms = [r for r in results if r["verdict"] != "equivalent"]
+    worst = max((c["error"] / c["bound"] for r in results if "checks" in r for c in r["checks"]
+                 if c["kind"] == "calibrated" and c["bound"]), default=0.0)
+    print(f"{n} random correct cases, TPCHECK_SWEEP_SEED={seed}: max error/bound {worst:.3f}")
+    assert not false_alarms, (f"TPCHECK_SWEEP_SEED={seed}: " + "; ".join(
+        f"{r['name']} {r['spec']['overrides']} seed {r['spec']['seed']}: {r['summary']}" for r in false_alarms[:5]))
+    assert worst <= 1.0
+
+
+def test_no_false_alarm_on_random_correct_cases():
+    """Every block, float32/bfloat16/float16, world 1-8, SP on/off, 1-3 micro-batches, 1-3 steps."""
+    _no_false_alarm(120)
+
+
+@pytest.mark.slow
+def test_no_false_alarm_on_2000_random_correct_cases():
+    """The sweep behind the bound's factor, as docs/tolerances.md reports it (2,000 random correct cases,
+    seed 11; TPCHECK_SWEEP_SEED draws another set). The 120-case test above draws a fresh set each run."""
+    _no_false_alarm(2000, int(os.environ.get("TPCHECK_SWEEP_SEED", 11)))

@@ -41,9 +41,9 @@ def sharded_refs(world, seed=0, shape=SHAPE):
     return dense, list(np.split(dense, world, axis=0))
 
 
-def run(tps, refs, placement, world, **kw):
+def run(tps, refs, placement, world, micro_batches=1, **kw):
     f = kw.pop("first", None) or first(ranks=range(world))
-    return diagnose(f, evidence(tps, refs, placement, **kw), world)
+    return diagnose(f, evidence(tps, refs, placement, **kw), world, micro_batches)
 
 
 # --- one test per signature -------------------------------------------------------------------------
@@ -71,6 +71,29 @@ def test_partial_sum_with_a_bias_added_on_every_rank_names_the_bias():
     d = run(partials, [ref] * world, "replicate", world, weights={"down.bias": bias})
     assert d["signature"] == "partial_sum"
     assert "down.bias" in d["evidence"]["plus"]
+
+
+def test_partial_sums_rounded_in_16_bit_at_their_own_scale():
+    # Partials much larger than their sum (cancellation), each rounded to float16 at its own scale: the
+    # sum misses the reference by more than rounding at the *reference's* scale, not at the partials'.
+    world, eps = 2, 2.0**-10
+    ref = rng(30).standard_normal(SHAPE)
+    p0 = 64 * rng(31).standard_normal(SHAPE)
+    partials = [np.float16(p0).astype(np.float64), np.float16(ref - p0).astype(np.float64)]
+    assert np.abs(sum(partials) - ref).max() > 16 * eps * np.abs(ref).max()  # the case this is about
+    d = run(partials, [ref] * world, "replicate", world, eps=eps)
+    assert d["signature"] == "partial_sum"
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_scaled_by_micro_batches(micro_batches):
+    ref = rng(32).standard_normal(SHAPE)
+    world = 4  # not a multiple that scaled_by_world could also explain
+    d = run([micro_batches * ref] * world, [ref] * world, "replicate", world, micro_batches=micro_batches)
+    assert d["signature"] == "scaled_by_micro_batches"
+    assert d["evidence"]["factor"] == pytest.approx(micro_batches)
+    # without accumulation, the same numbers are a plain scale
+    assert run([micro_batches * ref] * world, [ref] * world, "replicate", world)["signature"] == "scaled"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -221,7 +244,7 @@ def test_record_fields():
     assert d["sentence"].endswith(CAUSES["scaled_by_world"])
     assert set(CAUSES) == {"partial_sum", "scaled_by_world", "scaled_by_1/world", "scaled", "offset",
                            "rank0_shard", "permuted", "replicas_differ", "nan_inf", "near_bound", "mismatch", "not_applied",
-                           "decay"}
+                           "decay", "scaled_by_micro_batches"}
 
 
 # --- checker mutants: near misses that must not be misnamed -------------------------------------------

@@ -120,11 +120,11 @@ def test_bad_plans_and_bad_references_are_invalid_not_tp_bugs(register_block):
     assert exit_code(results) == 2
 
 
-def test_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subprocess():
-    """float16 matmuls run on CPU, but AdamW's eps underflows in float16 and the dense reference itself
-    turns NaN: that is bad input (exit 2, a clear message), not a TP bug. Also: other bad input, via the
-    real command line, in parallel, with no traceback."""
-    cmds = [["run", "--dtype", "float16", "--world-size", "1", "-q"], ["run", "--preset", "huge"],
+def test_pure_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subprocess():
+    """Pure float16 parameters (no float32 masters): AdamW's eps underflows in float16 and the dense
+    reference itself turns NaN: that is bad input (exit 2, a clear message), not a TP bug. Also: other
+    bad input, via the real command line, in parallel, with no traceback."""
+    cmds = [["run", "--dtype", "float16", "--no-master-weights", "--world-size", "1", "-q"], ["run", "--preset", "huge"],
             ["run", "--world-size", "5"]]
     procs = [subprocess.Popen([sys.executable, "-m", "tpcheck", *c], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for c in cmds]
@@ -138,4 +138,5 @@ def test_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subprocess
         assert p.returncode == 2, err
         assert "Traceback" not in err and "tpcheck: error:" in err
     assert "float16" in outs[0][1] and "AdamW" in outs[0][1] and "not the TP implementation" in outs[0][1]
+    assert "--no-master-weights" in outs[0][1]
     assert "huge" in outs[1][1] and "world size 5" in outs[2][1]

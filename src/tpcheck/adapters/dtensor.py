@@ -20,8 +20,8 @@ bias Replicate, Embedding weight Shard(0); everything else replicated), and on e
 DTensor placements are checked against it (a custom ParallelStyle that places differently is an error
 naming the parameter; pass `placements=` for it).
 
-Collectives: DTensor's collectives do not pass through a TPGroup, so `torch.distributed.tensor.debug.
-CommDebugMode` counts them, per phase, into the case's ledger (site "dtensor"): forward = during the
+Collectives: DTensor's collectives do not pass through a TPGroup, so a dispatch mode (`_counting_mode`,
+what torch's CommDebugMode counts) counts them, per phase, into the case's ledger (site "dtensor"): forward = during the
 module's forward; backward = from the output's gradient to the end of the backward pass. The checker
 compares the ledgers of all ranks like any other, and reports them.
 """
@@ -128,7 +128,7 @@ class LocalShards(nn.Module):
             else:
                 local = p
             self.shards[name.replace(".", "__")] = nn.Parameter(local.detach().clone())
-        self.comm = None  # an open CommDebugMode between a forward and the end of its backward
+        self.comm = None  # an open counting mode from a step's first forward to the end of its backward
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for key, p in self.shards.items():
@@ -146,15 +146,14 @@ class LocalShards(nn.Module):
         return out
 
     def forward(self, **inputs):
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        self._close()
-        self.comm = CommDebugMode()
-        self.comm.__enter__()
+        if self.comm is None:  # one mode per step: every micro-batch's forward and backward, to finalize_grads
+            self.comm = _counting_mode()
+            self.comm.__enter__()
+        before = _counts(self.comm)
         out = torch.func.functional_call(self.parallel, self._params(), args=(), kwargs=inputs)
         if hasattr(out, "to_local"):
             out = out.to_local()
-        self._record("forward", Counter())
+        self._record("forward", before)
         if out.requires_grad:
             out.register_hook(self._on_backward_start)
         return out
@@ -183,16 +182,49 @@ class LocalShards(nn.Module):
         self._close()
 
 
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
+_COLLECTIVES = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
+                ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("gather", "gather"), ("scatter", "scatter"),
+                ("reduce", "reduce"))
+
+
+def _collective(func) -> str | None:
+    """The ledger's name of a c10d / functional-collective op, or None for any other op."""
+    packet = getattr(func, "_overloadpacket", None)
+    if packet is None or getattr(packet, "_qualified_op_name", "").split("::")[0] not in _COLLECTIVE_NAMESPACES:
+        return None
+    flat = packet.__name__.replace("_", "")
+    return next((name for key, name in _COLLECTIVES if key in flat), None)
+
+
+def _counting_mode():
+    """A dispatch mode that counts the collectives DTensor issues (it lets DTensor desugar first, as
+    torch's CommDebugMode does). Not CommDebugMode itself: in torch 2.13 its module tracker registers a
+    forward hook per module call and leaks those of a module called twice in one forward, so a second
+    forward under it fails with IndexError in `_fw_set_module_hook`."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveCount(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **(kwargs or {}))
+            if any(t is DTensor or (isinstance(t, type) and issubclass(t, DTensor)) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            if (name := _collective(func)) is not None:
+                self.counts[name] += 1
+            return out
+
+    return CollectiveCount()
+
+
 def _counts(comm) -> Counter:
-    counts = Counter()
-    for op, n in comm.get_comm_counts().items():
-        name = str(getattr(op, "__name__", op)).split(".")[-1]
-        for short in ("all_reduce", "allreduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
-            if short in name:
-                name = short.replace("allreduce", "all_reduce")
-                break
-        counts[name] += n
-    return counts
+    return Counter(comm.counts)
 
 
 # ------------------------------------------------------------------------------ the Case

@@ -29,6 +29,7 @@ OPTIMIZERS = ("sgd", "adamw")
 VERDICTS_EXPECTED = ("equivalent", "not equivalent", "hang")
 MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+MAX_LR = 10.0  # above, the weights and the dense reference itself overflow within a few steps (= cli.MAX_LR)
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # (forward kwargs, target)
 # (op, site, phase, x, perform) -> tensor: replaces one collective (see parallel/group.py's Tap)
@@ -41,18 +42,27 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation),
-    optimizer and learning rate (None: 0.05 for SGD, 1e-3 for AdamW), seed of the weights and batches,
-    and whether module outputs are captured to localize the first divergence. Validated on creation:
-    this is the one place where these values are checked."""
+    """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation: the
+    micro-batch losses are averaged, grads accumulate), optimizer and learning rate (None: 0.05 for
+    SGD, 1e-3 for AdamW), seed of the weights and batches, and whether module outputs are captured to
+    localize the first divergence. Validated on creation: this is the one place where these values are
+    checked.
+
+    master_weights: with a 16-bit dtype, both sides train as Megatron-Core and torchtitan do: the
+    modules compute in the 16-bit dtype, the optimizer steps float32 master copies of the weights
+    (grads upcast to float32, float32 optimizer state), and the modules get the masters rounded back
+    after each step. False: pure 16-bit parameters and optimizer state (updates below half an ulp of a
+    weight round away on both sides, so the post-step check sees much less; see docs/tolerances.md).
+    No effect in float32/float64."""
 
     dtype: str = "float32"
     steps: int = 3
-    micro_batches: int = 1
+    micro_batches: int = 2
     optimizer: str = "adamw"
     lr: float | None = None
     seed: int = 31
     capture: bool = True
+    master_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,10 +75,19 @@ class RunSettings:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
                 raise UsageError(f"{name} must be an integer in 1..{MAX_STEPS}, got {value!r} (a check needs a few "
                                  "steps; drift over many steps shows within tens)")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise UsageError(f"learning rate {self.lr!r} must be a finite number > 0")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr)
+                                        and 0 < self.lr <= MAX_LR):
+            raise UsageError(f"learning rate {self.lr!r} must be a finite number in (0, {MAX_LR:g}]: larger steps make "
+                             "the weights, and the dense reference itself, overflow to Inf/NaN within a few steps")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise UsageError(f"seed {self.seed!r} must be an integer in torch's range [-2**63, 2**64)")
+        if not isinstance(self.master_weights, bool):
+            raise UsageError(f"master_weights {self.master_weights!r} must be True or False")
+
+    @property
+    def uses_masters(self) -> bool:
+        """Whether the optimizer steps float32 master copies (16-bit dtype with master_weights)."""
+        return self.master_weights and self.torch_dtype in (torch.bfloat16, torch.float16)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,7 +111,8 @@ class Injection:
     intercept(group) -> Interceptor: handed every collective the TP module issues (through the tap).
     load_plan: the plan the TP side loads its weights with, when it differs from `Case.plan` (a TP
         implementation with its own checkpoint loading); the checks always use `Case.plan`.
-    tp_optimizer(tp_module, group, default_factory) -> Optimizer: the TP side's own optimizer.
+    tp_optimizer(tp_params, group, default_factory) -> Optimizer: the TP side's own optimizer over
+        `tp_params.named_parameters()` (the TP module, or its float32 masters under master weights).
     """
 
     tamper: Callable[[nn.Module, TPGroup], None] | None = None
@@ -165,12 +185,13 @@ class CaseSpec:
     steps: int = 3
     optimizer: str = "adamw"
     lr: float | None = None
-    micro_batches: int = 1
+    micro_batches: int = 2
     sequence_parallel: bool = False
     fault: str | None = None
     seed: int = 31
     overrides: tuple[tuple[str, object], ...] = ()
     capture: bool = True
+    master_weights: bool = True
     label: str = ""
     expected: str | None = None
 
@@ -179,6 +200,8 @@ class CaseSpec:
         if self.label:
             return self.label
         parts = [self.block, self.preset, f"tp{self.world_size}", self.dtype]
+        if not self.master_weights and self.dtype in ("bfloat16", "float16"):
+            parts.append("pure")
         if self.sequence_parallel:
             parts.append("sp")
         if self.fault:
@@ -194,7 +217,8 @@ class CaseSpec:
     def run_settings(self) -> RunSettings:
         """This spec's run settings (validated: raises UsageError naming a bad value)."""
         return RunSettings(dtype=self.dtype, steps=self.steps, micro_batches=self.micro_batches,
-                           optimizer=self.optimizer, lr=self.lr, seed=self.seed, capture=self.capture)
+                           optimizer=self.optimizer, lr=self.lr, seed=self.seed, capture=self.capture,
+                           master_weights=self.master_weights)
 
     def validate(self) -> None:
         """What can be checked without building anything; raises UsageError naming the value and the fix.

@@ -7,6 +7,7 @@ reason for the bound; small tensors are kept as evidence for the diagnosis.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,18 @@ class Check:
     # set where an allowance excused part of the difference: the raw max |TP - dense| (`error` is then
     # what the allowance left unexplained, the figure held against the bound)
     raw_error: float | None = None
+    # calibrated bounds: bound = factor(world) * ref_error + floor (tolerance.py)
+    ref_error: float | None = None
+    floor: float | None = None
+    numel: int = 0  # elements compared on this rank
+    # a control (self-test): a copy of the reference with one element moved by a known amount, compared
+    # through the same path; it must be flagged (check/result.py turns an unflagged control into "error")
+    control: bool = False
+
+
+def measure(tp: torch.Tensor, ref: torch.Tensor) -> float:
+    """The error of one comparison: max |TP - reference| (float64; NaN/Inf give a non-finite error)."""
+    return maxdiff(tp, ref)
 
 
 class Comparator:
@@ -59,31 +72,32 @@ class Comparator:
         self.evidence: dict[str, dict] = {}
         self.evidence_left = EVIDENCE_BUDGET
         self.seq = 0
+        self.controlled: set[tuple[str, int, str]] = set()  # (stage, step, bound kind) with a control
 
     def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
-                truth: torch.Tensor | None, placement: Placement, exact: bool = False) -> Check:
+                truth: torch.Tensor | None, placement: Placement, exact: bool = False,
+                dtype: torch.dtype | None = None) -> Check:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives.
-        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING)."""
+        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING).
+        `dtype`: the dtype the compared values were rounded to (default: the working dtype)."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
-        diff = maxdiff(tp_local, ref)
+        diff = measure(tp_local, ref)
         if exact:
             bound = tolerance.EXACT
         elif truth is not None:
-            bound = tolerance.calibrated(dense, truth, self.dtype, world)
+            bound = tolerance.calibrated(dense, truth, dtype or self.dtype, world)
         else:
             bound = tolerance.PENDING
         # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
             self._check_reference_finite(stage, step, name, dense, truth)
         self.seq += 1
-        check = Check(stage=stage, step=step, name=name, rank=rank, error=diff, diff_vs_dense=diff,
-                      bound=bound.value, kind=bound.kind, reason=bound.reason,
-                      passed=None if bound.value is None else diff <= bound.value, placement=str(placement),
-                      seq=self.seq)
-        self.checks.append(check)
+        check = self._record(stage, step, name, diff, bound, placement)
+        check.numel = ref.numel()
         self._keep_evidence(check, tp_local, ref, dense)
+        self._control(check, ref, dense, bound, placement)
         if world > 1 and placement.replicated:
             self.pending_replicas.append((check, tp_local.detach().double().reshape(-1), None))
         elif world > 1 and (held := copies(placement, tuple(dense.shape), world)) is not None:
@@ -101,14 +115,48 @@ class Comparator:
         side's own inputs (the optimizer replay): no cross-rank replica check, exact bound. `weights`
         (the parameter the tensor belongs to) is kept as evidence: a difference proportional to it
         names weight decay."""
-        diff = maxdiff(tp_local, ref_local)
+        diff = measure(tp_local, ref_local)
         self.seq += 1
-        check = Check(stage=stage, step=step, name=name, rank=self.group.rank, error=diff, diff_vs_dense=diff,
-                      bound=0.0, kind="exact", reason=reason, passed=diff <= 0.0, placement=str(placement),
-                      seq=self.seq)
-        self.checks.append(check)
+        bound = tolerance.Bound(0.0, "exact", reason)
+        check = self._record(stage, step, name, diff, bound, placement)
         self._keep_evidence(check, tp_local, ref_local, ref_local, weights)
+        self._control(check, ref_local, ref_local, bound, placement)
         return check
+
+    def _record(self, stage: str, step: int, name: str, error: float, bound: tolerance.Bound, placement: Placement,
+                control: bool = False) -> Check:
+        """One comparison's Check, appended in execution order. `passed` is provisional: the parent fills
+        in pending bounds and judges every check (`result.judge`)."""
+        check = Check(stage=stage, step=step, name=name, rank=self.group.rank, error=error, diff_vs_dense=error,
+                      bound=bound.value, kind=bound.kind, reason=bound.reason,
+                      passed=None if bound.value is None else error <= bound.value, placement=str(placement),
+                      seq=self.seq, ref_error=bound.ref_error, floor=bound.floor, control=control)
+        self.checks.append(check)
+        return check
+
+    def _control(self, real: Check, ref: torch.Tensor, dense: torch.Tensor, bound: tolerance.Bound,
+                 placement: Placement) -> None:
+        """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the reference with
+        its largest element moved by `tolerance.control_shift` (the largest error the checker claims to
+        flag in this dtype) goes through the same measure -> record -> bound -> judge path as `real`,
+        with `real`'s bound. If it is not flagged, the checker cannot see errors of that size here."""
+        key = (real.stage, real.step, real.kind)
+        if key in self.controlled or ref.numel() == 0:
+            return
+        self.controlled.add(key)
+        planted = ref.detach().clone().reshape(-1)
+        i = int(planted.abs().argmax())
+        scale = float(dense.abs().max())
+        shift = tolerance.control_shift(self.dtype, scale)  # the working dtype's claim (masters included)
+        if not planted.is_floating_point():
+            shift = max(1.0, round(shift))
+        planted[i] = planted[i].double().add(shift).to(planted.dtype)
+        planted = planted.reshape(ref.shape)
+        check = self._record(real.stage, real.step, f"control:{real.name}", measure(planted, ref), bound, placement,
+                             control=True)
+        lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
+        near = ref.detach().reshape(-1)[lo:i + 4]
+        self._keep_evidence(check, planted.reshape(-1)[lo:i + 4], near, near)
 
     def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
         """Bad input is reported as such (exit 2), not as a TP bug."""
@@ -117,13 +165,16 @@ class Comparator:
                              "the inputs or weights are bad, not the TP implementation")
         if not bool(torch.isfinite(dense).all()):
             raise UsageError(f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
-                             "NaN/Inf (float16 with AdamW, whose eps underflows, is a known cause; use "
-                             "float32/bfloat16 or --optimizer sgd). The reference is bad, not the TP implementation")
+                             "NaN/Inf (pure float16 parameters with AdamW, whose eps underflows in float16, are a known "
+                             "cause: drop --no-master-weights / master_weights=False, or use --optimizer sgd). The "
+                             "reference is bad, not the TP implementation")
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
-        if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
-            return
-        self.evidence_left -= 3 * dense.numel()
+        """Small tensors (and every control's few elements, outside the budget) are kept for diagnosis."""
+        if not check.control:
+            if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
+                return
+            self.evidence_left -= 3 * dense.numel()
         kept = self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
             "tp": tp_local.detach().double().numpy().copy(), "ref": ref.detach().double().numpy().copy(),
             "dense": dense.detach().double().numpy().copy(), "placement": check.placement,
@@ -137,6 +188,11 @@ class Comparator:
         rank does not hold enters as -inf in x and in -x, so it drops out of both maxima)."""
         if not self.pending_replicas:
             return
+        # the control: one element that the last rank holds 1 larger than the others must be flagged
+        first = self.pending_replicas[0][0]
+        planted = torch.tensor([1.0 if self.group.rank == self.group.world_size - 1 else 0.0], dtype=torch.float64)
+        self.pending_replicas.append((dataclasses.replace(first, name=f"control:{first.name}", control=True),
+                                      planted, None))
         flats = [t for _, t, _ in self.pending_replicas]
         negs = [torch.where(torch.isinf(f) & (f < 0), f, -f) for f in flats]
         both = torch.cat(flats + negs)
@@ -152,6 +208,6 @@ class Comparator:
             self.checks.append(Check(stage="replicas", step=check.step, name=check.name, rank=check.rank,
                                      error=spread, diff_vs_dense=spread, bound=b.value, kind="replica",
                                      reason=b.reason, passed=spread <= b.value, placement=check.placement,
-                                     seq=check.seq))
+                                     seq=check.seq, control=check.control))
         self.pending_replicas.clear()
 

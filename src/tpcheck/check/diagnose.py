@@ -7,6 +7,8 @@ order. Each signature is a test on numbers, not on the fault's name:
   partial_sum       replicated tensor; each rank differs, the sum over ranks equals the reference
   scaled_by_world   TP = world x reference            (reduced twice; summed instead of averaged)
   scaled_by_1/world TP = reference / world            (loss divided by tp as if data parallel)
+  scaled_by_micro_batches  TP = micro-batches x reference (losses summed over the micro-batches of a
+                    step instead of averaged)
   scaled            TP = c x reference for another c
   offset            TP - reference is one per-feature vector broadcast over tokens (a bias counted
                     (tp-1) extra times when added before the reduction)
@@ -40,6 +42,8 @@ CAUSES = {
     "scaled_by_world": "scaled by the world size: reduced twice, or summed where it should be averaged",
     "scaled_by_1/world": "scaled by 1/world size: divided by tp as if data parallel, or averaged where it "
                          "should be summed",
+    "scaled_by_micro_batches": "scaled by the number of micro-batches: the micro-batch losses (or grads) "
+                              "were summed where they should be averaged",
     "scaled": "scaled by a constant factor",
     "offset": "offset by a per-feature vector: a bias added before the reduction is counted tp times",
     "rank0_shard": "every rank holds rank 0's shard: weights loaded without the rank offset",
@@ -58,14 +62,15 @@ CAUSES = {
 }
 
 
-def diagnose(first: dict, evidence: list[dict], world: int) -> dict:
+def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int = 1) -> dict:
     """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict."""
     key = f"{first['stage']}|{first['step']}|{first['name']}"
     if first["stage"] == "replicas":
         key = next((k for k in _keys(evidence) if k.endswith(f"|{first['step']}|{first['name']}")), key)
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     signature, details = ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
-    c = Classifier(rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)))
+    c = Classifier(rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)),
+                   micro_batches=micro_batches)
     off = first["ranks"][0] if first["ranks"] else 0
     if len(ev) == world:
         signature, details = c.classify(ev, world, evidence, off)
@@ -101,6 +106,7 @@ class Classifier:
     """The signature tests, with `rel`: how close "equal up to rounding" is, relative to a tensor's scale."""
 
     rel: float = REL_MIN
+    micro_batches: int = 1
 
     def _close(self, a: np.ndarray, b: np.ndarray) -> bool:
         return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= self.rel * max(_scale(b), 1e-30)
@@ -123,12 +129,13 @@ class Classifier:
                     return c
         return None
 
-    def _per_feature(self, d: np.ndarray) -> bool:
-        """d is one nonzero vector over the last dim, broadcast over all other dims."""
-        if d.ndim < 2 or _scale(d) == 0:
+    def _per_feature(self, d: np.ndarray, noise: float = 0.0) -> bool:
+        """d is one nonzero vector over the last dim, broadcast over all other dims (up to `noise`, the
+        absolute rounding of the tensors d was computed from, or `rel` of d's own scale)."""
+        if d.ndim < 2 or _scale(d) <= noise:
             return False
         rows = d.reshape(-1, d.shape[-1])
-        return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= self.rel * _scale(d)
+        return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= max(noise, self.rel * _scale(d))
 
     def classify(self, ev: dict[int, dict], world: int, evidence: list[dict], off: int = 0) -> tuple[str, dict]:
         """Signatures that need every rank's tensor; `off` is a rank where the check failed."""
@@ -144,10 +151,12 @@ class Classifier:
         if replicated and world > 1 and not identical:
             total = np.sum(tps, axis=0)
             if not all(self._close(t, refs[0]) for t in tps):
-                if self._close(total, refs[0]):
+                # each partial was rounded at its own scale, which cancellation can make larger than the sum's
+                noise = self.rel * max(_scale(t) for t in [*tps, refs[0]])
+                if float(np.abs(total - refs[0]).max(initial=0.0)) <= noise:
                     return "partial_sum", {"sum_over_ranks_error": float(np.abs(total - refs[0]).max())}
-                bias = self._bias_explaining(total - refs[0], world, evidence)
-                if bias or self._per_feature(total - refs[0]):  # a replicated bias added on every rank rides along
+                bias = self._bias_explaining(total - refs[0], world, evidence, noise)
+                if bias or self._per_feature(total - refs[0], noise):  # a replicated bias added on every rank
                     return "partial_sum", {"plus": f"(world - 1) x {bias or 'a per-feature vector'} "
                                                    "(a bias added on each rank)"}
             errs = [float(np.abs(t - refs[0]).max(initial=0.0)) for t in tps]
@@ -179,8 +188,10 @@ class Classifier:
             return "not_applied", {}
         c = self._scale_factor(tp, ref)
         if c is not None:
-            for name, target in (("scaled_by_world", world), ("scaled_by_1/world", 1.0 / world)):
-                if world > 1 and abs(c - target) <= 1e-2 * target:
+            for name, target, applies in (("scaled_by_world", world, world > 1),
+                                          ("scaled_by_1/world", 1.0 / world, world > 1),
+                                          ("scaled_by_micro_batches", self.micro_batches, self.micro_batches > 1)):
+                if applies and abs(c - target) <= 1e-2 * target:
                     return name, {"factor": c}
         if "weights" in e and (k := self._proportional(tp - ref, e["weights"])) is not None:
             return "decay", {"difference_over_weights": k}
@@ -214,14 +225,17 @@ class Classifier:
         bias = self._bias_explaining(ev[0]["tp"] - ev[0]["ref"], world, evidence)
         return {"offset_is": f"(world - 1) x {bias}"} if bias else {}
 
-    def _bias_explaining(self, d: np.ndarray, world: int, evidence: list[dict]) -> str | None:
-        """The name of a 1-D parameter p (as loaded) with every row of d equal to (world - 1) * p."""
-        if world < 2 or d.ndim < 1 or _scale(d) == 0:
+    def _bias_explaining(self, d: np.ndarray, world: int, evidence: list[dict], noise: float = 0.0) -> str | None:
+        """The name of a 1-D parameter p (as loaded) with every row of d equal to (world - 1) * p, up to
+        `noise` (the absolute rounding of the tensors d was computed from) or `rel` of p's scale."""
+        if world < 2 or d.ndim < 1 or _scale(d) <= noise:
             return None
         rows = d.reshape(-1, d.shape[-1])
         for key, e in evidence[0].items():
             stage, _, name = key.split("|", 2)
             if stage == "weights" and e["dense"].shape == rows.shape[1:]:
-                if all(self._close(row, (world - 1) * e["dense"]) for row in rows):
+                bias = (world - 1) * e["dense"]
+                tol = max(noise, self.rel * _scale(bias))
+                if all(float(np.abs(row - bias).max(initial=0.0)) <= tol for row in rows):
                     return name.split(":", 1)[-1]
         return None

@@ -3,14 +3,18 @@ the plan. Nothing here knows a layer: shapes and layouts come from the plan.
 
 Three models run on every rank: the dense model in the working dtype, a float64 copy of it (the
 ground truth that calibrates tolerances, held on rank 0 only: it is the largest of the three) and the
-TP model. All start from the same weights. Every rank measures its TP tensors against the dense ones;
-rank 0 also measures the dense model's own error against float64, which sets each check's bound (the
-parent fills in the bounds of the other ranks' checks from rank 0's, by `seq`).
+TP model. All start from the same weights, and every step after the first restarts the TP model and
+the truth from the dense model's weights (through the plan), so each step is checked on its own
+arithmetic. Every rank measures its TP tensors against the dense ones; rank 0 also measures the dense
+model's own error against float64, which sets each check's bound (the parent fills in the bounds of
+the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with master weights each side's
+optimizer steps float32 masters (check/optimizer.py: `Masters`).
 
-Order of a step: dense and float64 forward/backward (capturing the activations named in
-`plan.activations`), then the TP forward/backward, whose captured tensors are compared as they are
-produced (local comparisons only, no collective inside the model's forward), then a ledger sync, then
-the checker's own collectives (replica comparisons), then grads, optimizer step, weights.
+Order of a step: for each micro-batch, dense and float64 forward/backward (capturing the activations
+named in `plan.activations`), then the TP forward/backward, whose captured tensors are compared as they
+are produced (local comparisons only, no collective inside the model's forward), then a ledger sync and
+the checker's own collectives (replica comparisons); then grads, the replay of the dense optimizer rule
+on the TP side's inputs, the optimizer steps, update and state against the replay, weights.
 """
 from __future__ import annotations
 
@@ -19,12 +23,12 @@ import time
 import torch
 from torch import nn
 
-from tpcheck.check import capture, tolerance
+from tpcheck.check import capture
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
 from tpcheck.check.loading import cast, leaf, load_from_dense, maxdiff
-from tpcheck.check.optimizer import AdaptiveSlack, Replay
+from tpcheck.check.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.check.result import RankPayload
 from tpcheck.check.sync import Rendezvous
 from tpcheck.errors import UsageError
@@ -54,7 +58,6 @@ class Engine:
         self.settings = case.run
         self.dtype = case.run.torch_dtype
         self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype)
-        self.control: dict | None = None
         try:
             self._build()
         except Exception as e:  # noqa: BLE001 - tell the other ranks before they issue a collective
@@ -80,14 +83,16 @@ class Engine:
         load_from_dense(self.tp, master, case.inject.load_plan or case.plan, group)  # from the float32 master
         if case.inject.tamper is not None:
             case.inject.tamper(self.tp, group)
-        self.opt_dense = self.settings.make_optimizer(self.dense.parameters())
+        # what each optimizer steps: the modules' own parameters, or their float32 masters
+        self.dense_master, self.tp_master = Masters.of(self.dense, self.settings), Masters.of(self.tp, self.settings)
+        self.opt_dense = self.settings.make_optimizer(self.dense_master.parameters())
         if case.inject.tp_optimizer is not None:
-            self.opt_tp = case.inject.tp_optimizer(self.tp, group, self.settings.make_optimizer)
+            self.opt_tp = case.inject.tp_optimizer(self.tp_master.owner, group, self.settings.make_optimizer)
         else:
-            self.opt_tp = self.settings.make_optimizer(self.tp.parameters())
+            self.opt_tp = self.settings.make_optimizer(self.tp_master.parameters())
         has_truth = self.truth is not None and self.truth is not self.dense
         self.opt_truth = self.settings.make_optimizer(self.truth.parameters()) if has_truth else None
-        self.replay = Replay(dict(self.tp.named_parameters()), self.settings.make_optimizer)
+        self.replay = Replay(self.tp_master.params, self.settings.make_optimizer)
         self.slack = AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth) \
             if self.settings.optimizer != "sgd" else None
 
@@ -118,6 +123,12 @@ class Engine:
     def _step(self, step: int) -> None:
         for opt in self._optimizers():
             opt.zero_grad(set_to_none=True)
+        for model in (self.dense, self.tp, self.truth):  # under master weights the optimizers hold the masters
+            if model is not None:
+                model.zero_grad(set_to_none=True)
+        if step > 1:
+            self._tp_from_dense()
+        self._truth_from_dense(self.dense.named_parameters())
         for micro in range(self.settings.micro_batches):
             batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, torch.float32)
             self._forward_backward(step, batch)
@@ -126,15 +137,20 @@ class Engine:
         else:
             finalize_grads(self.tp, self.group)
         self.sync(f"finalize_grads of step {step}")
-        self._compare_params(step, "grads", lambda p: p.grad)
+        self._compare_params(step, "grads", dict(self.dense.named_parameters()), dict(self.tp.named_parameters()),
+                             lambda p: p.grad)
         self.cmp.flush_replicas()
-        tp_params = dict(self.tp.named_parameters())
-        self.replay.run(tp_params)  # the dense rule on the TP side's own weights and grads
+        self.dense_master.take_grads()
+        self.tp_master.take_grads()
+        self.replay.run(self.tp_master.params)  # the dense rule on the TP side's own weights and grads
+        self._truth_from_dense(self.dense_master.params.items(), self.opt_dense)
         for opt in self._optimizers():
             opt.step()
+        self.dense_master.write_back()
+        self.tp_master.write_back()
         self.sync(f"optimizer step {step}")
-        self._compare_replay(step, tp_params)
-        self._compare_params(step, "optimizer", lambda p: p)
+        self._compare_replay(step, self.tp_master.params)
+        self._compare_params(step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p)
         self.cmp.flush_replicas()
 
     def _compare_replay(self, step: int, tp_params: dict) -> None:
@@ -162,6 +178,38 @@ class Engine:
                                    self.replay.update(tp_name), placement,
                                    "bitwise: the dense update rule replayed on this rank's TP weights and grads",
                                    weights=self.replay.params[tp_name].detach())
+
+    def _tp_from_dense(self) -> None:
+        """Every step after the first starts the TP side from the dense side's weights (and masters),
+        through the plan, as the first step does: each step is then checked from the same weights, so its
+        forward, grads and update are held to the rounding of that step's own arithmetic. Nothing is
+        lost: the previous step's update was compared with the dense rule element by element (the
+        replay) and the weights with the dense ones; the TP optimizer's state and anything the TP module
+        keeps besides its parameters (caches, buffers) are not touched."""
+        load_from_dense(self.tp, self.dense, self.case.plan, self.group)
+        if self.tp_master.masters:
+            load_from_dense(self.tp_master, self.dense_master, self.case.plan, self.group)
+
+    def _truth_from_dense(self, dense_params, dense_opt: torch.optim.Optimizer | None = None) -> None:
+        """The float64 truth restarts from the dense side at every step: its weights (before the forward:
+        the weights the dense module computes with; before the optimizer step: what the dense optimizer
+        steps, and that optimizer's state, in float64). So the dense side's distance to the truth is the
+        rounding of this step's arithmetic only, never the dense trajectory's own drift (16-bit weights
+        cannot follow lr-sized updates exactly: without the restart the reference's "error" after one
+        step is of the order of the update itself, and every bound after it is vacuous)."""
+        if self.opt_truth is None:
+            return
+        truth = dict(self.truth.named_parameters())
+        with torch.no_grad():
+            for name, p in dense_params:
+                t = truth[name]
+                t.copy_(p.detach().double())
+                if dense_opt is not None:
+                    state = dense_opt.state.get(p)
+                    if state:
+                        self.opt_truth.state[t] = {k: v.detach().clone().double() if torch.is_tensor(v) and
+                                                   v.is_floating_point() and v.dim() else
+                                                   (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
@@ -206,9 +254,7 @@ class Engine:
                                                                     group.world_size)
             kw_tp[k] = leaf(local, k in case.grad_inputs)
         out_tp = self.tp(**kw_tp)
-        out_check = cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
-        if step == 1 and self.truth is not None:
-            self.control = tolerance.self_test(out_check, out_tp.detach(), out_d, case.output_placement, group)
+        cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
         target_local = case.target_placement.shard(cast(target, self.dtype), group.rank, group.world_size)
         loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
         cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
@@ -222,11 +268,13 @@ class Engine:
                         case.input_placements.get(k, Replicate()))
         cmp.flush_replicas()
 
-    def _compare_params(self, step: int, stage: str, get) -> None:
+    def _compare_params(self, step: int, stage: str, dense_params: dict, tp_params: dict, get) -> None:
+        """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against the
+        dense side's; after the step these are what the optimizers stepped (float32 masters under
+        master weights, compared with float32's bound)."""
         plan, group = self.case.plan, self.group
-        tp_params = dict(self.tp.named_parameters())
         truth_params = dict(self.truth.named_parameters()) if self.truth is not None else {}
-        for name, p in self.dense.named_parameters():
+        for name, p in dense_params.items():
             tp_p = tp_params[plan.tp_name(name)]
             tp_val, dense_val = get(tp_p), get(p)
             truth_val = get(truth_params[name]) if truth_params else None
@@ -242,7 +290,7 @@ class Engine:
                                                      plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
             label = "grad" if stage == "grads" else "param"
             check = self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
-                                     plan.params[name])
+                                     plan.params[name], dtype=dense_val.dtype)
             if tp_val is not raw:
                 raw_error = maxdiff(raw, plan.params[name].shard(dense_val.detach(), group.rank, group.world_size))
                 check.raw_error = raw_error if raw_error != check.error else None
@@ -254,7 +302,7 @@ def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> Rank
     engine = Engine(case, group, rendezvous)
     checks = engine.run()
     return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=engine.cmp.evidence,
-                       expected_collectives=case.expected_collectives, control=engine.control,
+                       expected_collectives=case.expected_collectives,
                        ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
 
 

@@ -1,5 +1,11 @@
 """The optimizer stage.
 
+0. What is stepped. In float32/float64, and with pure 16-bit parameters, each optimizer steps its
+   module's own parameters. With a 16-bit dtype and master weights (the default: Megatron-Core's and
+   torchtitan's recipe) each side keeps float32 masters: created from the module's 16-bit weights as
+   loaded, given the module's grads upcast after the last micro-batch, stepped in float32 with float32
+   state, and rounded back into the module after the step (`Masters`).
+
 1. The replay. The dense update rule (torch.optim, the dense side's hyperparameters) is applied to the
    TP side's own weights and gradients as they are just before the TP optimizer steps. SGD and AdamW
    are elementwise, so replaying them on a rank's local shards is exactly what the dense optimizer
@@ -18,7 +24,7 @@ against their bounds, and the replay has shown that the TP side applied the dens
 element may differ by (twice) the update difference the moments explain, lr * |u_tp - u_dense|, with u
 from the dense hyperparameters and, for the TP side, the *replay's* moments (the dense rule on the TP
 side's own grads), never the TP optimizer's own: a TP optimizer bug cannot widen its own allowance.
-Accumulated over steps. Likewise the float64 side against the dense one, so that bounds are not
+Per step (every step starts from the dense weights). Likewise the float64 side against the dense one, so that bounds are not
 inflated by the same effect. Only after adaptive optimizer steps; the check then records the raw
 difference beside the one left unexplained (`Check.raw_error`).
 """
@@ -26,6 +32,46 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+class Masters:
+    """The parameters one side's optimizer steps, by name: the module's own, or float32 masters."""
+
+    def __init__(self, module: nn.Module, masters: bool) -> None:
+        self.module, self.masters = module, masters
+        own = dict(module.named_parameters())
+        self.params = {n: nn.Parameter(p.detach().float().clone()) for n, p in own.items()} if masters else own
+        self._own = own
+
+    @classmethod
+    def of(cls, module: nn.Module, settings) -> Masters:
+        return cls(module, settings.uses_masters)
+
+    @property
+    def owner(self):
+        """What a TP-side optimizer factory is handed: the module itself, or (master weights) an object
+        whose named_parameters() are the masters."""
+        return self if self.masters else self.module
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def parameters(self):
+        return iter(self.params.values())
+
+    def take_grads(self) -> None:
+        """Masters: the module's accumulated grads, upcast to float32 (None stays None)."""
+        if self.masters:
+            for n, m in self.params.items():
+                g = self._own[n].grad
+                m.grad = None if g is None else g.detach().float()
+
+    def write_back(self) -> None:
+        """Masters: the stepped float32 values, rounded into the module's parameters."""
+        if self.masters:
+            with torch.no_grad():
+                for n, m in self.params.items():
+                    self._own[n].copy_(m)
 
 
 class Replay:
@@ -56,13 +102,12 @@ class Replay:
 
 
 class AdaptiveSlack:
-    """Per (side, parameter) slack accumulated over steps; `apply` returns the tensors with every
-    element the slack explains set to the reference value."""
+    """`apply` returns the tensors with every element that this step's update difference explains set
+    to the reference value (both sides start every step from the dense weights: nothing accumulates)."""
 
     def __init__(self, dense_opt: torch.optim.Optimizer, replay: Replay,
                  truth_opt: torch.optim.Optimizer | None) -> None:
         self.dense_opt, self.replay, self.truth_opt = dense_opt, replay, truth_opt
-        self.slack: dict[tuple[str, str], torch.Tensor] = {}
 
     def apply(self, name: str, placement, rank: int, world: int, tp_name: str, p, truth_p, tp_val, truth_val):
         """(tp_val, truth_val) relaxed by the update differences their moments explain; the TP side's
@@ -73,17 +118,17 @@ class AdaptiveSlack:
             return tp_val, truth_val
         u_tp = adam_direction(self.replay.state(tp_name), hyper)
         if u_tp is not None:
-            tp_val = self._relax(("tp", name), hyper, tp_val, placement.shard(p.detach(), rank, world), u_tp,
+            tp_val = self._relax(hyper, tp_val, placement.shard(p.detach(), rank, world), u_tp,
                                  placement.shard(u_dense, rank, world))
         if truth_val is not None and truth_p is not None and truth_p is not p and self.truth_opt is not None:
             u_truth = adam_direction(self.truth_opt.state.get(truth_p, {}), hyper)
             if u_truth is not None:
-                truth_val = self._relax(("truth", name), hyper, truth_val, p.detach(), u_truth, u_dense)
+                truth_val = self._relax(hyper, truth_val, p.detach(), u_truth, u_dense)
         return tp_val, truth_val
 
-    def _relax(self, key, hyper, x, ref, u_x, u_ref):
-        slack = self.slack.setdefault(key, torch.zeros_like(x, dtype=torch.float64))
-        slack += 2.0 * hyper["lr"] * (u_x.double() - u_ref.double()).abs()
+    @staticmethod
+    def _relax(hyper, x, ref, u_x, u_ref):
+        slack = 2.0 * hyper["lr"] * (u_x.double() - u_ref.double()).abs()
         return torch.where((x - ref).abs().double() <= slack, ref.to(x.dtype), x)
 
 

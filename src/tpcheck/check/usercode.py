@@ -27,7 +27,7 @@ from tpcheck.errors import UsageError
 
 FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
 # Case fields a CaseSpec may override for a user case (set by the CLI/plugin only for values given).
-OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches")
+OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches", "master_weights")
 USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "loss", "tp_loss")
 
 _REGISTERED: dict[str, Case] = {}

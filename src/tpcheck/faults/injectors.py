@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from tpcheck.check.case import Case, CaseSpec
-from tpcheck.parallel.collectives import reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region
+from tpcheck.parallel.collectives import (
+    all_reduce_grad_,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
@@ -236,10 +240,13 @@ def not_replicated(name: str, p: Placement) -> bool:
 
 __all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
            "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
-           "WrongDim", "injected", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed", "KVByRank",
+           "WrongDim", "injected", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed",
+           "KVByRank",
            "kv_head_by_rank", "embedding_without_mask", "smoothing_over_local_vocab", "lr_times_world_on_last_rank",
-           "weight_decay_twice_on_sharded", "adam_l2_instead_of_adamw", "tp_betas_differ", "state_reset_on_sharded",
-           "replicated_on_rank0_only", "scale_partial", "norm_eps", "weight_cached_at_first_forward"]
+           "weight_decay_twice_on_sharded", "lr_scaled_on_last_rank", "adam_l2_instead_of_adamw", "tp_betas_differ",
+           "state_reset_on_sharded",
+           "replicated_on_rank0_only", "scale_partial", "norm_eps", "weight_cached_at_first_forward",
+           "sum_microbatch_losses", "reduce_grads_every_microbatch"]
 
 
 # ------------------------------------------------------------------ optimizer bugs (tp_optimizer)
@@ -262,18 +269,25 @@ def _with_group(default, params: list, special: list, **overrides) -> torch.opti
     return opt
 
 
-def lr_times_world_on_last_rank(case: Case, spec: CaseSpec) -> Case:
-    """The last rank steps its sharded parameters with lr x world (a per-rank lr scaled for the wrong
-    parallel size)."""
-    sharded, lr = _sharded(case), case.run.learning_rate
+def lr_scaled_on_last_rank(factor):
+    """The last rank steps its sharded parameters with lr x factor(world) (a per-rank learning rate
+    scaled for the wrong parallel size, or slightly off)."""
 
-    def make(tp, group, default):
-        params = [p for _, p in tp.named_parameters()]
-        last = group.rank == group.world_size - 1
-        special = [p for n, p in tp.named_parameters() if last and n in sharded]
-        return _with_group(default, params, special, lr=lr * group.world_size)
+    def inject(case: Case, spec: CaseSpec) -> Case:
+        sharded, lr = _sharded(case), case.run.learning_rate
 
-    return injected(case, tp_optimizer=make)
+        def make(tp, group, default):
+            params = [p for _, p in tp.named_parameters()]
+            last = group.rank == group.world_size - 1
+            special = [p for n, p in tp.named_parameters() if last and n in sharded]
+            return _with_group(default, params, special, lr=lr * factor(group.world_size))
+
+        return injected(case, tp_optimizer=make)
+
+    return inject
+
+
+lr_times_world_on_last_rank = lr_scaled_on_last_rank(lambda world: world)
 
 
 def weight_decay_twice_on_sharded(case: Case, spec: CaseSpec) -> Case:
@@ -405,3 +419,32 @@ def _cache_first_weights(m) -> None:
                 p.data = live[n]
 
     m.forward = stale_forward
+
+
+# ------------------------------------------------------------------ gradient accumulation
+
+
+def sum_microbatch_losses(case: Case, spec: CaseSpec) -> Case:
+    """The TP side's loss is not averaged over the micro-batches (the engine divides each micro-batch's
+    loss by their number on both sides; this TP loss undoes it: the sum)."""
+    micro = case.run.micro_batches
+
+    def tp_loss(out, target, group):
+        return case.compute_tp_loss(out, target, group) * micro
+
+    return dataclasses.replace(case, tp_loss=tp_loss)
+
+
+def reduce_grads_every_microbatch(case: Case, spec: CaseSpec) -> Case:
+    """Parameters whose grads are partial sums over the ranks (`partial_grad`: sequence-parallel norm
+    weights) are all-reduced by a post-accumulate-grad hook after every micro-batch instead of once
+    after the last: from the second micro-batch on, the grad already reduced is summed over the ranks
+    again. The module's finalize_grads becomes a no-op (the hook did the reducing)."""
+
+    def tamper(module, group):
+        for name, p in module.named_parameters():
+            if getattr(p, "partial_grad", False):
+                p.register_post_accumulate_grad_hook(lambda param, site=name: all_reduce_grad_(param, group, site))
+        module.finalize_grads = lambda: None
+
+    return injected(case, tamper=tamper)

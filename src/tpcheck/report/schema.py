@@ -9,6 +9,7 @@ import tempfile
 import torch
 
 from tpcheck._version import __version__
+from tpcheck.report.output import current_umask, written_directly
 
 SCHEMA = "tpcheck.report/1"
 
@@ -33,16 +34,27 @@ def build_report(results: list[dict], *, exit_code: int, seed: dict | None = Non
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` so that a crash leaves the old file or none, never half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tpcheck-", suffix=".tmp")
+    """Write `text` to `path`. A regular file (or a new one) is replaced atomically, so that a crash
+    leaves the old file or none, never half a file, and gets the mode the umask gives a new file; a
+    symlink is written through to its target (the link stays); a character device or a FIFO is opened
+    and written, never replaced (tpcheck.report.output). Raises OSError when the write fails."""
+    target = os.path.realpath(path)
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and written_directly(mode):
+        with open(target, "w") as f:
+            f.write(text)
+        return
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tpcheck-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)
         raise

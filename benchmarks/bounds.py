@@ -1,0 +1,93 @@
+"""How tight the calibrated bounds are on correct code: random correct cases over every block, dtype,
+world size 1-8, SP on/off, 1-3 micro-batches, 1-3 steps, SGD and AdamW (`tpcheck.blocks.sampling`).
+
+For every calibrated check it records error / bound and the factor the check needed,
+(error - floor) / ref_error (bound = factor * ref_error + floor, check/tolerance.py), and the bound
+relative to the tensor's scale (what the self-test's planted error must exceed). Prints, per dtype
+and world size, the largest of each and the 10 largest needed factors. Results:
+benchmarks/results/bounds.json.
+
+    .venv/bin/python benchmarks/bounds.py --n 2000
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import parser, table, write  # noqa: E402
+
+
+def value_dtype(spec, check: dict) -> str:
+    """The dtype a check's values are rounded to: float32 masters after the step of a 16-bit run."""
+    masters = spec.master_weights and spec.dtype in ("bfloat16", "float16")
+    if masters and check["stage"] == "optimizer" and check["name"].startswith("param:"):
+        return "float32"
+    return spec.dtype
+
+
+def sweep(n: int, seed: int) -> dict:
+    import torch
+
+    import tpcheck
+    from tpcheck.blocks.sampling import random_specs
+    from tpcheck.check.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL
+
+    specs = random_specs(seed, n)
+    t0 = time.perf_counter()
+    results = tpcheck.check(specs)
+    seconds = time.perf_counter() - t0
+    cells: dict = defaultdict(lambda: {"cases": 0, "max_error_over_bound": 0.0, "max_needed_factor": 0.0,
+                                       "max_relative_bound": 0.0, "worst": ""})
+    bad, tail = [], []
+    for spec, r in zip(specs, results):
+        if r["verdict"] != "equivalent":
+            bad.append({"case": r["name"], "spec": r["spec"], "summary": r["summary"]})
+            continue
+        cell = cells[(spec.dtype, spec.world_size)]
+        cell["cases"] += 1
+        for c in r["checks"]:
+            if c["kind"] != "calibrated" or not c["bound"]:
+                continue
+            ratio = c["error"] / c["bound"]
+            where = f"{r['name']} {c['stage']} {c['name']} step {c['step']}"
+            if ratio > cell["max_error_over_bound"]:
+                cell["max_error_over_bound"], cell["worst"] = ratio, where
+            if c["ref_error"]:
+                need = (c["error"] - c["floor"]) / c["ref_error"]
+                cell["max_needed_factor"] = max(cell["max_needed_factor"], need)
+                tail.append((need, c["numel"], where))
+            ulps = FLOOR_ULPS if c["numel"] >= SMALL_NUMEL else SMALL_FLOOR_ULPS  # numel: the tensor on one rank
+            scale = c["floor"] / (ulps * torch.finfo(getattr(torch, value_dtype(spec, c))).eps)
+            if scale:
+                cell["max_relative_bound"] = max(cell["max_relative_bound"], c["bound"] / scale)
+    tail.sort(reverse=True)
+    return {"n": n, "seed": seed, "seconds": seconds, "not_equivalent": bad, "largest_needed": tail[:10],
+            "by_dtype_world": {f"{d}/tp{w}": v for (d, w), v in sorted(cells.items())}}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--n", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    from tpcheck.check.tolerance import MAX_FACTOR
+
+    out = sweep(60 if args.quick else args.n, args.seed)
+    rows = [[k, v["cases"], v["max_needed_factor"], v["max_error_over_bound"], v["max_relative_bound"], v["worst"]]
+            for k, v in out["by_dtype_world"].items()]
+    print(table(["dtype/world", "cases", "needed factor", "error/bound", "bound/scale", "largest error/bound at"],
+                rows))
+    print(f"factor {MAX_FACTOR:g}; {out['n']} cases in {out['seconds']:.0f} s; "
+          f"not equivalent or error: {len(out['not_equivalent'])}")
+    for need, numel, where in out["largest_needed"]:
+        print(f"   needed {need:.2f} over {numel} elements: {where}")
+    for b in out["not_equivalent"][:10]:
+        print("  ", b["case"], b["summary"][:300])
+    write("bounds", out)
+
+
+if __name__ == "__main__":
+    main()
