@@ -68,30 +68,31 @@ def test_every_fault_is_exercised():
                                                    and {"bfloat16", "float16"} & set(f.dtypes)}
 
 
+def caught_and_twin_passes(results: dict, faulty: CaseSpec) -> dict:
+    """The faulty case's first divergence, after asserting it is caught and its correct twin passes."""
+    r = results[faulty]
+    assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
+    twin = results[dataclasses.replace(faulty, fault=None)]
+    assert twin["verdict"] == "equivalent" and twin["as_expected"], twin["summary"]
+    return r["first_divergence"] | {"summary": r["summary"], "signature": r["diagnosis"]["signature"]}
+
+
 @pytest.mark.parametrize("fault,world,faulty", CASES,
                          ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES])
 def test_fault_caught_at_its_stage_and_twin_passes(results, fault, world, faulty):
-    r = results[faulty]
-    assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
-    first = r["first_divergence"]
-    assert (first["stage"], first["step"]) == (fault.expected_stage, first_step(fault)), r["summary"]
-    assert r["diagnosis"]["signature"] == fault.expected_signature, r["summary"]
-    twin = results[dataclasses.replace(faulty, fault=None)]
-    assert twin["verdict"] == "equivalent" and twin["as_expected"], twin["summary"]
+    first = caught_and_twin_passes(results, faulty)
+    assert (first["stage"], first["step"]) == (fault.expected_stage, first_step(fault)), first["summary"]
+    assert first["signature"] == fault.expected_signature, first["summary"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,world,faulty", CASES_16BIT,
                          ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES_16BIT])
 def test_fault_caught_in_16_bit_and_twin_passes(results_16bit, fault, world, faulty):
-    r = results_16bit[faulty]
-    assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
-    first = r["first_divergence"]
+    first = caught_and_twin_passes(results_16bit, faulty)
     # caught where the fault acts or later (where its effect first exceeds 16-bit rounding), never before
     earliest = (first_step(fault), ORDER.index(fault.expected_stage))
-    assert (first["step"], ORDER.index(first["stage"])) >= earliest, r["summary"]
-    twin = results_16bit[dataclasses.replace(faulty, fault=None)]
-    assert twin["verdict"] == "equivalent" and twin["as_expected"], twin["summary"]
+    assert (first["step"], ORDER.index(first["stage"])) >= earliest, first["summary"]
 
 
 def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_region():
