@@ -2,6 +2,8 @@
 from tpcheck's internals, no hang. All the rank-side ones run in one launch."""
 import time
 
+import pytest
+
 from tpcheck.cli import main
 
 HEAD = '''
@@ -86,3 +88,28 @@ def test_correct_file_still_passes_with_overrides(tmp_path, capsys):
     case = json.loads((tmp_path / "r.json").read_text())["cases"][0]
     assert case["name"] == "own_mlp/tp2/float64" and case["spec"]["steps"] == 1
     assert max(c["step"] for c in case["checks"]) == 1
+
+
+EXITS = {  # name: (body, what the message must say)
+    "sys_exit_at_import": ("\nsys.exit(0)\ncase = own_module.correct", "called sys.exit(0)"),
+    "os_exit_at_import": ("\nimport os; os._exit(0)\ncase = own_module.correct", "ended the process (exit code 0)"),
+    "sys_exit_in_case": ("\ndef case(spec):\n    sys.exit(7)", "called sys.exit(7)"),
+    "os_exit_in_case": ("\ndef case(spec):\n    import os; os._exit(7)", "ended the process (exit code 7)"),
+    "sys_exit_in_build_tp": ("\ndef build_tp(group, dtype):\n    sys.exit(0)\n"
+                             "case = dataclasses.replace(own_module.correct, build_tp=build_tp)", "called sys.exit(0)"),
+}
+
+
+@pytest.mark.parametrize("name", EXITS)
+def test_user_code_that_exits_is_invalid_not_a_success(name, tmp_path, capsys):
+    """sys.exit / os._exit in a case file, at import, in case(spec) or in a callable on the ranks: exit 2
+    with a message naming it (never the user's exit code, never 0 with no report)."""
+    body, words = EXITS[name]
+    path = _write(tmp_path, name, body)
+    code = main(["verify", str(path), "--world-size", "2", "--json", str(tmp_path / "r.json")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert words in err and "must not" in err and "Traceback" not in err
+    if "os_exit" not in name:  # an exception carries the user's line; os._exit leaves no frame behind
+        line = HEAD.count("\n") + 1 + next(i for i, text in enumerate(body.split("\n")) if "exit(" in text)
+        assert f"{name}.py:{line})" in err, err

@@ -78,10 +78,16 @@ def load_module(path: str):
         return _MODULES[path]
     mod_name = "tpcheck_case_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(mod_name, path)
+    if os.getpid() == _PARENT:  # a forked rank inherits the module; only the process that reports probes
+        _survives(lambda: spec.loader.exec_module(importlib.util.module_from_spec(spec)),
+                  f"importing your case file {_short(path)}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[mod_name]
+        raise UsageError(_exit_message(e, f"your case file {_short(path)}", path)) from None
     except SyntaxError as e:
         del sys.modules[mod_name]
         raise UsageError(f"syntax error in your case file ({_short(e.filename or path)}:{e.lineno}): {e.msg}") from None
@@ -131,10 +137,14 @@ def user_case(spec: CaseSpec) -> Case:
     path, name = parse_target(spec.block[len(FILE_PREFIX):])
     attr, obj = pick(load_module(path), path, name)
     if not isinstance(obj, Case):
+        if os.getpid() == _PARENT:
+            _survives(lambda: obj(spec), f"your {attr}(spec) in {_short(path)}")
         try:
             obj = obj(spec)
         except UsageError:
             raise
+        except SystemExit as e:
+            raise UsageError(_exit_message(e, f"your {attr}(spec)", path)) from None
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"in your {attr} ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
         if not isinstance(obj, Case):
@@ -201,12 +211,56 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
             return fn(*args)
         except UsageError:
             raise
+        except SystemExit as e:  # a case must not end the rank: reported like any other mistake in it
+            raise UsageError(_exit_message(e, f"your {what}", path or _defined_in(fn))) from None
         except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
             raise UsageError(f"in your {what} ({user_frame(e, path or _defined_in(fn))}): {type(e).__name__}: {e}") \
                 from None
 
     guarded._tpcheck_guarded = True
     return guarded
+
+
+_PARENT = os.getpid()  # the process that imported tpcheck (the CLI, the API's caller); ranks are forks
+
+
+def _exit_message(e: SystemExit, who: str, path: str | None) -> str:
+    return (f"{who} called sys.exit({e.code!r}) ({user_frame(e, path)}): a case file must not exit the "
+            "process (tpcheck would report nothing, or a false success); return, or raise an exception")
+
+
+def _survives(fn: Callable[[], object], who: str) -> None:
+    """Run `fn` once in a forked child first: user code that ends the process outright (os._exit, a
+    signal) cannot be caught in-process, and would end tpcheck with the user's exit code and no report.
+    Exceptions (SystemExit included) are left to the in-process run, which names the user's line."""
+    if not hasattr(os, "fork"):
+        return
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, say that it returned or raised, and leave without cleanup
+        os.close(read)
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)  # what the user's code prints shows once, in-process
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - reported by the in-process run
+                pass
+            os.write(write, b"1")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        finished = pipe.read() == b"1"
+    _, status = os.waitpid(pid, 0)
+    if finished:
+        return
+    how = (f"exit code {os.waitstatus_to_exitcode(status)}" if os.WIFEXITED(status)
+           else f"signal {os.WTERMSIG(status)}")
+    raise UsageError(f"{who} ended the process ({how}) before returning, e.g. with os._exit: a case file must "
+                     "not end the process (tpcheck would report nothing, or a false success); return, or raise "
+                     "an exception")
 
 
 def _defined_in(fn) -> str | None:
