@@ -26,14 +26,16 @@ def test_derived_plan_follows_the_styles():
 
 
 @pytest.mark.slow
-def test_llama_plan_world_4_and_collective_counts():
+@pytest.mark.parametrize("mb", [1, 2])
+def test_llama_plan_world_4_and_collective_counts(mb):
     ex = str(REPO / "examples" / "dtensor_llama.py")
-    results = check([file_spec(f"{ex}:tp", 4, steps=1), file_spec(f"{ex}:sp", 2, steps=1)])
+    results = check([file_spec(f"{ex}:tp", 4, steps=1, micro_batches=mb),
+                     file_spec(f"{ex}:sp", 2, steps=1, micro_batches=mb)])
     assert [r["verdict"] for r in results] == ["equivalent", "equivalent"], [r["summary"] for r in results]
     ledger = results[1]["ledger"]["per_rank"]["0"]
     counts = {phase: Counter({op: v["count"] for op, v in ops.items()}) for phase, ops in ledger.items()}
-    # per layer: all-gather before attention and FFN, reduce-scatter after wo and w2 (forward), the
-    # transposes in backward, plus the norm weights' partial grads all-reduced (2 per layer); the
-    # forward all-reduce is the SP loss's own (tpcheck's collective, not DTensor's).
-    assert counts["forward"] == Counter(all_gather=4, reduce_scatter=4, all_reduce=1)
-    assert counts["backward"] == Counter(all_gather=4, reduce_scatter=4, all_reduce=4)
+    # per layer and micro-batch: all-gather before attention and FFN, reduce-scatter after wo and w2
+    # (forward), the transposes in backward, plus the norm weights' partial grads all-reduced (2 per
+    # layer); the forward all-reduce is the SP loss's own (tpcheck's collective, not DTensor's).
+    assert counts["forward"] == Counter(all_gather=4 * mb, reduce_scatter=4 * mb, all_reduce=mb)
+    assert counts["backward"] == Counter(all_gather=4 * mb, reduce_scatter=4 * mb, all_reduce=4 * mb)
