@@ -113,3 +113,26 @@ def test_user_code_that_exits_is_invalid_not_a_success(name, tmp_path, capsys):
     if "os_exit" not in name:  # an exception carries the user's line; os._exit leaves no frame behind
         line = HEAD.count("\n") + 1 + next(i for i, text in enumerate(body.split("\n")) if "exit(" in text)
         assert f"{name}.py:{line})" in err, err
+
+
+RETURNS = {  # name: (the case's changed field, the message)
+    "build_tp_none": ("build_tp=lambda group, dtype: None", "your build_tp ({file}:{line}) returned None; "
+                      "expected a torch.nn.Module"),
+    "build_tp_tensor": ("build_tp=lambda group, dtype: torch.zeros(3)", "your build_tp ({file}:{line}) returned a "
+                        "torch.Tensor; expected a torch.nn.Module"),
+    "make_batch_tensor": ("make_batch=lambda g, dtype: torch.zeros(3)", "your make_batch ({file}:{line}) returned a "
+                          "torch.Tensor; expected a pair ({{forward argument name: tensor}}, target)"),
+    "loss_float": ("loss=lambda out, target: 0.5", "your loss ({file}:{line}) returned a float; expected a loss tensor"),
+}
+
+
+def test_callables_returning_the_wrong_type_are_invalid_naming_them(tmp_path, capsys):
+    paths = {n: _write(tmp_path, n, f"import torch\ncase = dataclasses.replace(own_module.correct, {field})")
+             for n, (field, _) in RETURNS.items()}
+    code = main(["verify", *map(str, paths.values()), "--world-size", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2
+    line = HEAD.count("\n") + 2  # the `case = ...` line, where the lambda is defined
+    for name, (_, words) in RETURNS.items():
+        assert words.format(file=paths[name], line=line) in err, (name, err)
+    assert "Traceback" not in err and err.count("invalid:") == len(RETURNS)

@@ -208,7 +208,7 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
 
     def guarded(*args):
         try:
-            return fn(*args)
+            out = fn(*args)
         except UsageError:
             raise
         except SystemExit as e:  # a case must not end the rank: reported like any other mistake in it
@@ -216,9 +216,53 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
         except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
             raise UsageError(f"in your {what} ({user_frame(e, path or _defined_in(fn))}): {type(e).__name__}: {e}") \
                 from None
+        problem = _RETURNS[what](out) if what in _RETURNS else None
+        if problem:
+            raise UsageError(f"your {what} ({_where(fn)}) returned {_describe(out)}; expected {problem}")
+        return out
 
     guarded._tpcheck_guarded = True
     return guarded
+
+
+def _module(out) -> str | None:
+    from torch import nn
+
+    return None if isinstance(out, nn.Module) else "a torch.nn.Module"
+
+
+def _batch(out) -> str | None:
+    ok = (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], dict)
+          and all(isinstance(k, str) for k in out[0]))
+    return None if ok else "a pair ({forward argument name: tensor}, target), e.g. ({'x': x}, target)"
+
+
+def _tensor(out) -> str | None:
+    import torch
+
+    return None if isinstance(out, torch.Tensor) else "a loss tensor"
+
+
+# what each user callable must return (docs/case-files.md); the problem's words, or None when it fits
+_RETURNS = {"build_dense": _module, "build_tp": _module, "make_batch": _batch, "loss": _tensor, "tp_loss": _tensor}
+
+
+def _describe(out) -> str:
+    if out is None:
+        return "None"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(v).__name__ for v in out[:4])})"
+    kind = type(out)
+    return f"a {kind.__name__}" if kind.__module__ == "builtins" else f"a {kind.__module__.split('.')[0]}.{kind.__name__}"
+
+
+def _where(fn) -> str:
+    """"file.py:LINE" where the user's callable is defined."""
+    target = inspect.unwrap(fn)
+    try:
+        return f"{_short(os.path.abspath(inspect.getsourcefile(target)))}:{inspect.getsourcelines(target)[1]}"
+    except (TypeError, OSError):
+        return getattr(target, "__qualname__", repr(target))
 
 
 _PARENT = os.getpid()  # the process that imported tpcheck (the CLI, the API's caller); ranks are forks

@@ -70,9 +70,10 @@ def summary_table(results: list[dict]) -> Table:
     return table
 
 
-def print_summary(results: list[dict], out: TextIO = sys.stderr) -> None:
-    """The table, then for every case that did not go as expected its summary and diagnosed cause."""
-    console = make_console(out)
+def print_summary(results: list[dict], out: TextIO | None = None) -> None:
+    """The table, then for every case that did not go as expected its summary and diagnosed cause (on
+    `out`, default the sys.stderr of the call)."""
+    console = make_console(sys.stderr if out is None else out)
     _print_table(console, summary_table(results))
     for r in results:
         if r["as_expected"]:
@@ -96,8 +97,10 @@ def _print_table(console: Console, table: Table) -> None:
     console.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
 
 
-def progress_printer(out: TextIO = sys.stderr):
-    """A callback `progress(done, total, result)`: a live bar on a terminal, one line per case elsewhere."""
+def progress_printer(out: TextIO | None = None):
+    """A callback `progress(done, total, result)`: a live bar on a terminal, one line per case elsewhere.
+    `out` defaults to the sys.stderr of the call (not of the import: a test runner replaces it)."""
+    out = sys.stderr if out is None else out
     console = make_console(out)
     if not console.is_terminal:
         def progress(done: int, total: int, result: dict) -> None:
