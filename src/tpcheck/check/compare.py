@@ -56,11 +56,6 @@ class Check:
     control: bool = False
 
 
-def measure(tp: torch.Tensor, ref: torch.Tensor) -> float:
-    """The error of one comparison: max |TP - reference| (float64; NaN/Inf give a non-finite error)."""
-    return maxdiff(tp, ref)
-
-
 class Comparator:
     """The checks of one case on one rank, in execution order, and the evidence kept for diagnosis."""
 
@@ -83,7 +78,7 @@ class Comparator:
         `dtype`: the dtype the compared values were rounded to (default: the working dtype)."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
-        diff = measure(tp_local, ref)
+        diff = maxdiff(tp_local, ref)
         if exact:
             bound = tolerance.EXACT
         elif truth is not None:
@@ -115,7 +110,7 @@ class Comparator:
         side's own inputs (the optimizer replay): no cross-rank replica check, exact bound. `weights`
         (the parameter the tensor belongs to) is kept as evidence: a difference proportional to it
         names weight decay."""
-        diff = measure(tp_local, ref_local)
+        diff = maxdiff(tp_local, ref_local)
         self.seq += 1
         bound = tolerance.Bound(0.0, "exact", reason)
         check = self._record(stage, step, name, diff, bound, placement)
@@ -138,7 +133,7 @@ class Comparator:
                  placement: Placement) -> None:
         """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the reference with
         its largest element moved by `tolerance.control_shift` (the largest error the checker claims to
-        flag in this dtype) goes through the same measure -> record -> bound -> judge path as `real`,
+        flag in this dtype) goes through the same maxdiff -> record -> bound -> judge path as `real`,
         with `real`'s bound. If it is not flagged, the checker cannot see errors of that size here."""
         key = (real.stage, real.step, real.kind)
         if key in self.controlled or ref.numel() == 0:
@@ -152,7 +147,7 @@ class Comparator:
             shift = max(1.0, round(shift))
         planted[i] = planted[i].double().add(shift).to(planted.dtype)
         planted = planted.reshape(ref.shape)
-        check = self._record(real.stage, real.step, f"control:{real.name}", measure(planted, ref), bound, placement,
+        check = self._record(real.stage, real.step, f"control:{real.name}", maxdiff(planted, ref), bound, placement,
                              control=True)
         lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
         near = ref.detach().reshape(-1)[lo:i + 4]

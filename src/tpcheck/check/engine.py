@@ -43,6 +43,14 @@ NONDETERMINISTIC = (
     "docs/case-files.md#dropout")
 
 
+def _in_float64(value):
+    """An optimizer state entry for the float64 truth: moment tensors in float64, the rest (a scalar
+    step tensor, a number) copied as they are."""
+    if not torch.is_tensor(value):
+        return value
+    return value.detach().clone().double() if value.is_floating_point() and value.dim() else value.clone()
+
+
 class _NoGrad:
     """Stands for a float64 input on ranks that hold no float64 model."""
 
@@ -204,12 +212,8 @@ class Engine:
             for name, p in dense_params:
                 t = truth[name]
                 t.copy_(p.detach().double())
-                if dense_opt is not None:
-                    state = dense_opt.state.get(p)
-                    if state:
-                        self.opt_truth.state[t] = {k: v.detach().clone().double() if torch.is_tensor(v) and
-                                                   v.is_floating_point() and v.dim() else
-                                                   (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+                if dense_opt is not None and (state := dense_opt.state.get(p)):
+                    self.opt_truth.state[t] = {k: _in_float64(v) for k, v in state.items()}
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]

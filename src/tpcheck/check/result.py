@@ -158,7 +158,7 @@ def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) ->
         elif c["stage"] != "replicas":
             kept = evidence[c["rank"]].get(f"{c['stage']}|{c['step']}|{c['name']}")
             shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0)) if kept is not None else None
-            if shown is None or not abs(shown - c["error"]) <= 1e-3 * c["error"]:  # float64 vs the measure's dtype
+            if shown is None or not abs(shown - c["error"]) <= 1e-3 * c["error"]:  # float64 vs maxdiff's dtype
                 failures.append(f"the evidence of {where} does not show its planted error "
                                 f"({'missing' if shown is None else f'{shown:.3g}'} instead of {c['error']:.3g})")
     have = {(c["rank"], c["stage"], c["step"]) for c in controls}
