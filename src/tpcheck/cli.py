@@ -4,6 +4,9 @@
 1  some case did not (a TP implementation differs from its dense twin, or a fault was missed)
 2  bad input or a rank that raised/died (the message names the value and the fix), or an output (--json,
    --html, stdout) that could not be written after the run (the others are still written)
+130, 143, 129  interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP: every rank is stopped at once, the
+   cases that finished are reported (marked `interrupted`), temp dirs are removed; a second signal
+   exits at once
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import sys
 
 from tpcheck.errors import EXIT_USAGE, UsageError
@@ -87,20 +91,89 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
 
 
+def entry() -> None:
+    """The `tpcheck` command: `main`, then exit without torch's slow interpreter teardown (about a
+    second; gloo sometimes aborts in it), once stdout and stderr are flushed."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if sys.stderr is None:  # started with stderr closed: print(file=None) would write to stdout
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        code = args.func(args)
+        with StopOnSignals():
+            code = args.func(args)
     except UsageError as e:
         print(f"tpcheck: error: {e}", file=sys.stderr)
         code = EXIT_USAGE
+    except Interrupted as e:  # before any case ran (while importing a case file, say)
+        print(f"tpcheck: interrupted by {e.name}: nothing was checked", file=sys.stderr)
+        code = e.exit_code
     problem = write_stdout("")  # what is still buffered: a full disk or a closed pipe shows here
     if problem:
         print(f"tpcheck: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     return code
+
+
+# ------------------------------------------------------------------------------ signals
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """A signal stopped the run (a BaseException, like KeyboardInterrupt: no `except Exception` in
+    user or library code swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopOnSignals:
+    """While a command runs: the first SIGINT/SIGTERM/SIGHUP raises Interrupted in the main thread
+    (the run stops its ranks and reports what finished); a second one kills every rank, removes the
+    temp dirs and exits at once. Handlers are restored on exit (tests call `main` in-process)."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, object] = {}
+        self.count = 0
+
+    def __enter__(self) -> StopOnSignals:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self.saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            from tpcheck.check.spawn import kill_all
+
+            kill_all()
+            print(f"tpcheck: interrupted again by {signal.Signals(signum).name}: stopped at once", file=sys.stderr)
+            os._exit(128 + signum)
+        raise Interrupted(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
 
 
 # ------------------------------------------------------------------------------ flags and outputs
@@ -300,33 +373,56 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
     launcher = torchrun_launcher(timeout) if under_torchrun() else pool_launcher(timeout)
     try:
         progress = None if args.quiet or len(specs) < 2 else progress_printer()
-        results = run_specs(specs, launcher, progress)
+        results: list[dict] = []
+        interrupted = None
+        try:
+            run_specs(specs, launcher, progress, results)
+        except Interrupted as e:
+            if under_torchrun():
+                raise
+            launcher.abort()  # every rank stopped at once; what finished is still reported below
+            interrupted = {"signal": e.name, "cases_finished": len(results), "cases_planned": len(specs)}
         is_rank0 = not under_torchrun() or launcher.rank == 0
         code = exit_code(results) if is_rank0 else 0
+        if interrupted:
+            code = 128 + signal.Signals[interrupted["signal"]].value
         if is_rank0:
             seed = None
-            if seed_mode:
+            if seed_mode and not interrupted:
                 from tpcheck.seed import seed_payload
 
                 seed = seed_payload(seed_mode, results, seed_world_size)
-            report = build_report(results, exit_code=code, seed=seed)
+            report = build_report(results, exit_code=code, seed=seed, interrupted=interrupted)
             failed = []  # outputs that could not be written: said at the end, exit 2
-            stdout_problem = write_stdout(json.dumps(report["seed"], indent=2) + "\n") if seed_mode else None
+            stdout_problem = write_stdout(json.dumps(report["seed"], indent=2) + "\n") if seed else None
             if stdout_problem:
                 failed.append(stdout_problem)
             if not args.quiet:
-                print_summary(results, sys.stderr)
+                if results:
+                    print_summary(results, sys.stderr)
             else:  # quiet, but never silent about why the exit code is 2
                 for r in results:
                     if r["verdict"] in ("invalid", "error"):
                         print(f"tpcheck: error: {r['name']}: {r['summary']}", file=sys.stderr)
+            if interrupted:
+                print(f"tpcheck: interrupted by {interrupted['signal']} after {len(results)} of {len(specs)} "
+                      "case(s): every rank was stopped; the reports hold the cases that finished", file=sys.stderr)
             failed += write_outputs(report, {"--json": args.json_path, "--html": args.html_path}, args.quiet)
-            code = exit_after_outputs(failed, code)
+            if interrupted:  # the signal's exit code stands; a failed output is still said
+                for line in failed:
+                    print(f"tpcheck: error: {line}", file=sys.stderr)
+            else:
+                code = exit_after_outputs(failed, code)
         if under_torchrun():
             code = launcher.broadcast_code(code)
         return code
     finally:
-        launcher.close()
+        try:
+            launcher.close()
+        except Interrupted:  # a signal while saying goodbye to healthy ranks: stop them instead
+            if hasattr(launcher, "abort"):
+                launcher.abort()
+            raise
 
 
 # ------------------------------------------------------------------------------ report

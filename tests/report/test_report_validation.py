@@ -60,12 +60,15 @@ BAD = {  # name: (change to a valid report, where, what the message says)
     "cases 'abc'": (lambda r: r.update(cases="abc"), "cases", '"abc" is not of type array'),
     "summary null": (lambda r: r.update(summary=None), "summary", "null is not of type object"),
     "no summary": (lambda r: r.pop("summary"), "the top level", "'summary' is a required property"),
-    "exit code 7": (lambda r: r["summary"].update(exit_code=7), "summary.exit_code", "7 is not one of [0, 1, 2]"),
+    "exit code 7": (lambda r: r["summary"].update(exit_code=7), "summary.exit_code", "7 is not one of [0, 1, 2, 129, 130, 143]"),
     "exit code true": (lambda r: r["summary"].update(exit_code=True), "summary.exit_code", "true is not one of"),
     "extra summary key": (lambda r: r["summary"].update(x=1), "summary", "'x' was unexpected"),
     "bad verdict name": (lambda r: r["summary"].update(verdicts={"fine": 1}), "summary.verdicts",
                          "property name \"fine\" is not one of"),
     "environment list": (lambda r: r.update(environment=[]), "environment", "[] is not of type object"),
+    "interrupted by SIGKILL": (lambda r: r.update(interrupted={"signal": "SIGKILL", "cases_finished": 0,
+                                                               "cases_planned": 1}),
+                               "interrupted.signal", "\"SIGKILL\" is not one of"),
 }
 
 

@@ -191,8 +191,8 @@ class Comparator:
         flats = [t for _, t, _ in self.pending_replicas]
         negs = [torch.where(torch.isinf(f) & (f < 0), f, -f) for f in flats]
         both = torch.cat(flats + negs)
-        self.tap.last = ("all_reduce", "checker:replicas", "optimizer")
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group.pg)
+        self.tap.performing(("all_reduce", "checker:replicas", "optimizer"), dist.all_reduce, both,
+                            op=dist.ReduceOp.MAX, group=self.group.pg)
         hi, neg_lo = both.split(both.numel() // 2)
         b = tolerance.REPLICA
         sizes = [f.numel() for f in flats]

@@ -5,13 +5,16 @@ rank times out, or is killed by the launcher), so the verdict follows the *root*
 priority: bad input ("invalid") > a rank that died or raised ("error") > a hang > the knock-on
 failures (peers that lost their connection or were stopped by the launcher).
 
-A hang is told rank by rank: who was stuck in which collective (op, site, phase), who was waiting
-at the checker's checkpoint, and where the ranks' ledgers of issued collectives first differ --
-the rank-dependent branch that skipped a collective is usually right there.
+A hang is told rank by rank from the launcher's evidence (heartbeat.py): who waited in which
+collective (op, site, phase, and the file:line that issued it), who waited at the checker's
+checkpoint, who was computing or silent -- the culprits, named first -- and where the ranks' ledgers
+of issued collectives first differ (the rank-dependent branch that skipped a collective is usually
+right there).
 """
 from __future__ import annotations
 
 from tpcheck.check.case import CaseSpec
+from tpcheck.check.heartbeat import culprits, describe
 from tpcheck.check.ledger import ledger_diff
 
 # status -> (priority, verdict); lower priority wins
@@ -57,46 +60,56 @@ def error_summary(p) -> str:
 
 
 def hang_details(payloads: list) -> dict:
-    stuck, waiting, unknown = [], [], []
-    for p in payloads:
-        spot = _spot(p.last_collective)
-        if p.status == "ok":
-            continue
-        if p.waiting_in == "checkpoint":
-            waiting.append({"rank": p.rank, "checkpoint": p.checkpoint, "message": p.message})
-        elif p.waiting_in == "collective":
-            stuck.append({"rank": p.rank, **spot})
-        else:
-            unknown.append({"rank": p.rank, "last_seen": spot or None, "message": p.message})
+    """Per rank, where it was (the launcher's heartbeat evidence when there is some, else what the rank
+    said itself); the culprits among them; where the ranks' ledgers of collectives first differ."""
+    ranks = [_evidence(p) for p in payloads if p.status != "ok"]
+    culprit, cause = culprits([e for e in ranks if e["state"] != "unknown"])
+    stuck = [{"rank": e["rank"], **{k: e[k] for k in ("op", "site", "phase") if k in e}}
+             for e in ranks if e["state"] == "collective"]
+    waiting = [{"rank": e["rank"], "checkpoint": e.get("checkpoint"), "message": e.get("message", "")}
+               for e in ranks if e["state"] == "checkpoint"]
     ledgers = {p.rank: lines for p in payloads if (lines := p.ledger_lines()) is not None}
     diff = ledger_diff(ledgers) if ledgers else None
     if diff and len(ledgers) < len(payloads):
         diff += f" (no ledger from rank(s) {sorted(set(range(len(payloads))) - set(ledgers))})"
-    return {"stuck_in_collective": stuck, "waiting_at_checkpoint": waiting, "other": unknown, "ledger_diff": diff}
+    return {"ranks": ranks, "culprits": culprit, "cause": cause, "stuck_in_collective": stuck,
+            "waiting_at_checkpoint": waiting, "ledger_diff": diff}
 
 
-def _spot(last) -> dict:
-    if not last:
-        return {}
-    op, site, phase = last
-    return {"op": op, "site": site, "phase": phase}
+def _evidence(p) -> dict:
+    """One rank's state in a hang: the launcher's evidence (`where`), completed by the rank's own
+    report (the checkpoint's message, a tapped collective's label)."""
+    e = dict(p.where) if p.where else {"rank": p.rank, "state": p.waiting_in or "unknown"}
+    if p.message and p.status == "hang":
+        e["message"] = p.message
+    if p.waiting_in == "checkpoint":
+        e["state"] = "checkpoint"
+        e["checkpoint"] = p.checkpoint or e.get("checkpoint")
+    if e["state"] == "collective" and "op" not in e and p.last_collective:
+        e["op"], e["site"], e["phase"] = p.last_collective
+    return e
+
+
+def _line(e: dict) -> str:
+    if "seconds" in e:
+        return describe(e)
+    if e["state"] == "collective":  # a rank's own report, without the launcher's evidence (torchrun)
+        return (f"rank {e['rank']} stuck in {e['phase']} {e['op']} at {e['site']!r} until the timeout" if e.get("op")
+                else f"rank {e['rank']} stuck in a collective until the timeout")
+    if e["state"] == "checkpoint":
+        return f"rank {e['rank']} waiting at the checker's checkpoint after {e.get('checkpoint') or 'a checkpoint'}"
+    return e.get("message") or f"rank {e['rank']}: no evidence"
 
 
 def hang_summary(h: dict) -> str:
-    parts = [f"rank {s['rank']} stuck in {s['phase']} {s['op']} at {s['site']!r} until the timeout"
-             if s.get("op") else f"rank {s['rank']} stuck in a collective until the timeout"
-             for s in h["stuck_in_collective"]]
-    by_checkpoint: dict[str, list[int]] = {}
-    for w in h["waiting_at_checkpoint"]:
-        by_checkpoint.setdefault(w["checkpoint"] or "a checkpoint", []).append(w["rank"])
-    parts += [f"rank(s) {ranks} waiting at the checker's checkpoint after {cp}" for cp, ranks in by_checkpoint.items()]
-    parts += [o["message"] for o in h["other"]]
     mismatch = [w["message"] for w in h["waiting_at_checkpoint"] if w["message"].startswith("collective mismatch")]
-    if mismatch and not h["stuck_in_collective"]:
+    if mismatch and not h["stuck_in_collective"] and not h["culprits"]:
         return f"hang risk: {mismatch[0]}; a collective was issued on some ranks only"
+    by_rank = {e["rank"]: e for e in h["ranks"]}
+    head = ""
+    if h["culprits"]:
+        head = f"rank(s) {h['culprits']} held the others up: "
+    order = h["culprits"] + [r for r in sorted(by_rank) if r not in h["culprits"]]
+    parts = "; ".join(_line(by_rank[r]) for r in order)
     diff = f"; {h['ledger_diff']}" if h["ledger_diff"] else ""
-    if h["stuck_in_collective"] or "first differ" in (h["ledger_diff"] or ""):
-        cause = "a collective was issued on some ranks only"
-    else:
-        cause = "some rank never reached a collective or checkpoint (stuck in compute or user code)"
-    return f"hang detected: {'; '.join(parts)}{diff}; {cause}"
+    return f"hang detected: {head}{parts}{diff}; {h['cause']}"

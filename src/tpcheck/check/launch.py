@@ -8,13 +8,15 @@ Queue's feeder thread may still hold a lock (or unsent data) when the parent for
 when a rank calls `os._exit`; `Connection.send` is synchronous, so neither can happen.
 
 Never hang: every collective has the process group's timeout, and the checker's checkpoints wait on
-the store with the same timeout, so a rank stuck in a collective reports "hang" by itself. The parent
-is the backstop: it waits on the ranks' pipes and exit sentinels, never longer than `stall_s`
-(default 2 * timeout + 10 s) without progress (a rank entering a collective or passing a checkpoint;
-a world-1 case, which has none, gets 10 * stall_s in all). After the first problem it gives the other
-ranks a short grace (timeout + 2 s after a hang, so their own diagnosis arrives; 1 s after a crash,
-since they only wait for the dead rank), then kills the stragglers. A pool that saw any problem is
-torn down (its group may be out of step) and a fresh one serves the next case.
+the store with the same timeout, so a rank stuck in a collective reports "hang" by itself. Each rank
+also sends heartbeats (heartbeat.py: where it is, from its Python stack). When a rank's wait times
+out, the parent decides at once from the others' latest beats -- who was computing, silent, or
+waiting elsewhere -- and kills them: a hang is reported within `timeout` + about a second. The parent
+is also the backstop for a case in which no rank waits: no stack moving and no progress for
+`timeout + 4` s is a hang (world 1, which has no collective, gets 10 times that; `stall_s` overrides
+it). After a crash or an error the others get 1 s (they only wait for the dead rank), then are
+stopped. A pool that saw any problem is torn down (its group may be out of step) and a fresh one
+serves the next case.
 
 Ranks die with the parent (PR_SET_PDEATHSIG, plus a parent-pid check while idle): a killed check
 leaves no process behind.
@@ -22,7 +24,9 @@ leaves no process behind.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -30,8 +34,9 @@ from multiprocessing.connection import wait
 import torch.distributed as dist
 
 from tpcheck.check.case import CaseSpec, Resolver
+from tpcheck.check.heartbeat import Beat, Watch, describe
 from tpcheck.check.result import RankPayload
-from tpcheck.check.spawn import Ranks, recv_plain, send_plain
+from tpcheck.check.spawn import TEMP_DIRS, Ranks, recv_plain, send_plain
 from tpcheck.check.sync import Rendezvous
 from tpcheck.check.worker import Build, RankState, pool_rank
 from tpcheck.errors import UsageError
@@ -56,78 +61,96 @@ class RankPool:
     def __init__(self, world: int, resolve: Build, timeout_s: float = DEFAULT_TIMEOUT_S,
                  stall_s: float | None = None) -> None:
         _preload()
-        self.world, self.timeout_s = world, timeout_s
-        self.stall_s = stall_s if stall_s is not None else 2 * timeout_s + 10
+        self.world, self.timeout_s, self.stall_s = world, timeout_s, stall_s
         self.ranks = Ranks(world, pool_rank, (timeout_s, resolve))
         self.conns, self.procs = self.ranks.conns, self.ranks.procs
         self.healthy = True
+        self.cases = 0  # cases sent, counted alike by the ranks: their beats carry it
 
     def run(self, spec: CaseSpec) -> list[RankPayload]:
         """Run one case on every rank; returns one payload per rank (synthesised for dead or killed ranks)."""
+        self.cases += 1
+        watch = Watch(self.world, self.cases, self.timeout_s)
+        if self.stall_s is not None:
+            watch.stall_limit = lambda: self.stall_s
         for conn in self.conns:
             try:
                 send_plain(conn, spec)
             except OSError:
                 pass  # that rank is dead: its sentinel says so below
-        got, seen = self._collect()
-        self._synthesise(got, seen)
+        got = self._collect(watch)
+        self._synthesise(got, watch)
         payloads = [got[r] for r in range(self.world)]
         if any(p.status != "ok" for p in payloads):
             self.healthy = False  # the group may be out of step: never reuse it
         return payloads
 
-    def _collect(self) -> tuple[dict[int, RankPayload], dict[int, tuple]]:
-        """Wait for every rank's result, a death, or the deadline; returns results and last spots seen."""
-        got: dict[int, dict] = {}
-        seen: dict[int, tuple] = {}
-        # world 1 issues no collective, hence no progress note: one fixed, longer deadline
-        deadline = time.monotonic() + (10 * self.stall_s if self.world == 1 else self.stall_s)
-        while len(got) < self.world and (left := deadline - time.monotonic()) > 0:
+    def _collect(self, watch: Watch) -> dict[int, RankPayload]:
+        """Wait for every rank's result, a death, a hang, or the stall deadline; returns the results.
+        A rank whose wait timed out ends the wait at once: the others' beats say where they are."""
+        got: dict[int, RankPayload] = {}
+        failed_by = None  # after a crash or an error: the others get a short grace, then are stopped
+        while len(got) < self.world:
+            deadline = watch.deadline() if failed_by is None else failed_by
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             pending = {c: r for r, c in enumerate(self.conns) if r not in got}
             sentinels = {self.procs[r].sentinel: r for r in pending.values()}
-            for obj in wait([*pending, *sentinels], timeout=left):
+            for obj in wait([*pending, *sentinels], timeout=min(left, 1.0)):
                 r = pending.get(obj, sentinels.get(obj))
                 if r in got:
                     continue
-                msg = self._read(r)
+                msg = self._drain(r, watch)
                 if msg is None and obj in sentinels:
                     self.procs[r].join(timeout=1)
-                    msg = _death(r, self.procs[r].exitcode)
+                    msg = self._drain(r, watch) or _death(r, self.procs[r].exitcode)
                 if msg is None:
                     continue
-                if isinstance(msg, tuple):  # ("progress", rank, last_collective)
-                    seen[r] = msg[2]
-                    if self.world > 1 and all(p.status == "ok" for p in got.values()):
-                        deadline = time.monotonic() + self.stall_s
-                    continue
                 got[r] = msg
-                if msg.status != "ok":
-                    grace = self.timeout_s + 2 if msg.status == "hang" else 1.0
-                    deadline = min(deadline, time.monotonic() + grace)
-        return got, seen
+                if msg.status == "hang":
+                    for q in range(self.world):  # results already sent by the others, then decide
+                        if q not in got and (late := self._drain(q, watch)) is not None:
+                            got[q] = late
+                    return got
+                if msg.status != "ok" and failed_by is None:
+                    failed_by = time.monotonic() + 1.0  # the others only wait for this rank now
+        return got
 
-    def _read(self, r: int):
+    def _drain(self, r: int, watch: Watch) -> RankPayload | None:
+        """Read rank r's pipe: beats go to the watch; returns its result if one came."""
         conn = self.conns[r]
         try:
-            return recv_plain(conn) if conn.poll() else None
+            while conn.poll():
+                msg = recv_plain(conn)
+                if isinstance(msg, Beat):
+                    watch.note(msg)
+                else:
+                    return msg
         except (EOFError, OSError):
-            return None
+            pass
+        return None
 
-    def _synthesise(self, got: dict[int, RankPayload], seen: dict[int, tuple]) -> None:
-        """Payloads for ranks that gave none: killed after another rank's failure, or after the deadline."""
-        failed = sorted(r for r, p in got.items() if p.status != "ok")
+    def _synthesise(self, got: dict[int, RankPayload], watch: Watch) -> None:
+        """Payloads for ranks that gave none (stopped after another rank's failure, or stuck), and the
+        parent's evidence of where each rank was (heartbeat.py) on every payload of a hang."""
+        failed = sorted(r for r, p in got.items() if p.status not in ("ok", "hang"))
         for r in range(self.world):
+            e = watch.evidence(r, self.procs[r].pid)
+            e["own_report"] = r in got  # False: the launcher's evidence alone (the rank was stopped)
             if r in got:
+                if got[r].status == "hang":
+                    got[r].where = e
                 continue
-            spot = seen.get(r)
-            where = f"; last seen in {spot[2]} {spot[0]} at {spot[1]!r}" if spot else ""
             if failed:
-                got[r] = RankPayload(status="aborted", rank=r, last_collective=spot, has_ledger=False,
-                                     message=f"rank {r} was stopped: still running after rank(s) {failed} failed{where}")
-            else:
-                got[r] = RankPayload(status="hang", rank=r, last_collective=spot, waiting_in="unknown", has_ledger=False,
-                                     message=f"rank {r} gave no result and no sign of progress "
-                                     f"for {self.stall_s:g} s (stuck outside any collective?){where}; killed")
+                got[r] = RankPayload(status="aborted", rank=r, has_ledger=False, where=e,
+                                     message=f"rank {r} was stopped: still running after rank(s) {failed} failed; "
+                                             f"{describe(e)}")
+                continue
+            label = e.get("op") and (e["op"], e["site"], e["phase"])
+            got[r] = RankPayload(status="hang", rank=r, message=describe(e), where=e, waiting_in=e["state"],
+                                 checkpoint=e.get("checkpoint"), last_collective=label or None,
+                                 ledger=list(watch.ledgers[r]), has_ledger=r in watch.beats)
 
     def close(self) -> None:
         if self.healthy:
@@ -163,6 +186,7 @@ class Launcher:
         self.resolver = resolver
         self.timeout_s, self.stall_s = float(timeout_s), stall_s
         self.pools: dict[int, RankPool] = {}
+        self.cache = CompileCache()
 
     def run(self, spec: CaseSpec) -> list[RankPayload]:
         try:
@@ -183,12 +207,45 @@ class Launcher:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+        self.cache.remove()
+
+    def abort(self) -> None:
+        """Stop every rank now (an interrupt): no goodbye to the ranks, no waiting for them."""
+        for pool in self.pools.values():
+            pool.ranks.kill()
+        self.pools.clear()
+        self.cache.remove()
 
     def __enter__(self) -> Launcher:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):  # KeyboardInterrupt, a signal
+            self.abort()
+        else:
+            self.close()
+
+
+class CompileCache:
+    """Torch's compile cache (TORCHINDUCTOR_CACHE_DIR) in a private temp dir, removed with the
+    launcher, unless the user chose one: otherwise every run leaves torchinductor_<user> in $TMPDIR."""
+
+    VAR = "TORCHINDUCTOR_CACHE_DIR"
+
+    def __init__(self) -> None:
+        self.path = None
+        if self.VAR not in os.environ:
+            self.path = tempfile.mkdtemp(prefix="tpcheck-inductor-")
+            os.environ[self.VAR] = self.path
+            TEMP_DIRS.add(self.path)
+
+    def remove(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            TEMP_DIRS.discard(self.path)
+            if os.environ.get(self.VAR) == self.path:
+                del os.environ[self.VAR]
+            self.path = None
 
 
 # ---------------------------------------------------------------------------- torchrun

@@ -69,12 +69,13 @@ class CollectiveTap:
     def __init__(self, rank: int, interceptor: Interceptor | None = None) -> None:
         self.rank, self.interceptor = rank, interceptor
         self.ledger: list[LedgerEntry] = []
-        self.last: tuple[str, str, str] | None = None  # (op, site, phase)
+        self.last: tuple[str, str, str] | None = None  # (op, site, phase) of the last one entered
+        self.inside: tuple[str, str, str] | None = None  # the one being performed now (kept if it raises)
 
     def __call__(self, op: str, site: str, phase: str, x: torch.Tensor, perform) -> torch.Tensor:
         def recorded(t: torch.Tensor) -> torch.Tensor:
             self.note(op, site, phase, t.numel() * t.element_size())
-            return perform(t)
+            return self.performing((op, site, phase), perform, t)
 
         if self.interceptor is not None:
             return self.interceptor(op, site, phase, x, recorded)
@@ -84,6 +85,14 @@ class CollectiveTap:
         """Record a collective (adapters whose collectives bypass the TPGroup call this directly)."""
         self.last = (op, site, phase)
         self.ledger.append(LedgerEntry(self.rank, phase, op, site, nbytes))
+
+    def performing(self, label: tuple[str, str, str], fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` while `inside` names the collective: what a rank stuck in it is waiting
+        in. A collective that raises (timed out) leaves `inside` set, for the rank's report."""
+        self.last = self.inside = label
+        out = fn(*args, **kwargs)
+        self.inside = None
+        return out
 
     def lines(self) -> list[str]:
         return [e.line() for e in self.ledger]
@@ -97,7 +106,7 @@ def sync_ledgers(tap: CollectiveTap, rendezvous: Rendezvous, where: str) -> None
         return
     mine = tap.lines()
     try:
-        said = rendezvous.exchange("sync", "\n".join(mine))
+        said = rendezvous.exchange("sync", "\n".join(mine), label=where)
     except RendezvousTimeout as e:
         raise CollectiveMismatch(
             f"hang detected: rank(s) {e.missing} did not reach the checkpoint after {where} within "

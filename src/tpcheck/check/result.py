@@ -22,7 +22,7 @@ from tpcheck.check.failures import failure_fields
 from tpcheck.check.ledger import LedgerEntry, check_ledger
 from tpcheck.errors import EXIT_EQUIVALENT, EXIT_NOT_EQUIVALENT, EXIT_USAGE
 
-PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint")
+PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint", "where")
 
 
 @dataclass
@@ -40,8 +40,9 @@ class RankPayload:
     seconds: float = 0.0
     traceback: str | None = None
     last_collective: tuple | None = None
-    waiting_in: str | None = None  # collective | checkpoint | unknown (hangs)
+    waiting_in: str | None = None  # collective | checkpoint | compute | unresponsive (hangs)
     checkpoint: str | None = None
+    where: dict | None = None  # the launcher's evidence of where the rank was (heartbeat.py)
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
 
     def problem_json(self) -> dict:

@@ -11,10 +11,11 @@ Progress = Callable[[int, int, dict], None]
 
 
 def run_specs(specs: Sequence[CaseSpec], launcher: Launcher | TorchrunLauncher,
-              progress: Progress | None = None) -> list[dict]:
+              progress: Progress | None = None, results: list[dict] | None = None) -> list[dict]:
     """Case results (the report's case objects) in the order of `specs` (empty on torchrun ranks
-    other than 0). Each spec is first prepared by the launcher's resolver (a fault's own settings)."""
-    results: list[dict] = []
+    other than 0). Each spec is first prepared by the launcher's resolver (a fault's own settings).
+    `results`, when given, is filled as cases finish: what the caller keeps if the run is interrupted."""
+    results = [] if results is None else results
     for i, spec in enumerate(specs):
         spec = launcher.resolver.prepare(spec)
         payloads = launcher.run(spec)

@@ -40,8 +40,14 @@ def recv_plain(conn: Connection):
     return pickle.loads(conn.recv_bytes())
 
 
+LIVE: set[Ranks] = set()  # every Ranks not yet killed: what `kill_all` stops
+TEMP_DIRS: set[str] = set()  # other private temp dirs of this process that `kill_all` removes
+
+
 class Ranks:
-    """`world` forked processes, each running `target(rank, world, store_path, conn, *args)`."""
+    """`world` forked processes, each running `target(rank, world, store_path, conn, *args)`. Each
+    rank leads its own process group, so what it spawns dies with it (`kill`), and a Ctrl-C at the
+    terminal reaches the parent only (which then stops every rank at once)."""
 
     def __init__(self, world: int, target: Callable, args: tuple = (), name: str = "tpcheck-rank") -> None:
         ctx = mp.get_context("fork")
@@ -58,19 +64,50 @@ class Ranks:
             theirs.close()
             self.conns.append(mine)
             self.procs.append(p)
+        LIVE.add(self)
 
     def kill(self) -> None:
-        """Kill every rank still alive, reap them, close the pipes, remove the store."""
+        """Kill every rank and whatever it spawned (its process group), reap them, close the pipes,
+        remove the store."""
+        LIVE.discard(self)
+        self.signal_all()
         for p in self.procs:
-            if p.is_alive():
-                p.kill()
             p.join(timeout=5)
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
+    def signal_all(self) -> None:
+        """SIGKILL to every rank's process group at once (a group outlives its rank while the rank's
+        children live)."""
+        for p in self.procs:
+            if p.pid is None:
+                continue
+            if p.exitcode is None:
+                p.kill()  # also before the rank made its group (setpgid), which killpg would miss
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def kill_all() -> None:
+    """Stop every rank of this process now and remove their temp dirs, without waiting for anything
+    (a second Ctrl-C)."""
+    for ranks in list(LIVE):
+        ranks.signal_all()
+        shutil.rmtree(ranks.tmpdir, ignore_errors=True)
+    LIVE.clear()
+    for path in list(TEMP_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+    TEMP_DIRS.clear()
+
 
 def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args) -> None:
+    os.setpgid(0, 0)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the parent's handlers are not the rank's
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, _sigint)
     die_with_parent(parent_pid)
     # libgomp is not fork-safe: if the parent ran an OpenMP region (softmax, log_softmax, ...) before
     # forking, the rank's first parallel region hangs forever. One thread per rank avoids the pool.
@@ -85,6 +122,26 @@ def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args) -
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip torch's slow (and, with gloo, sometimes aborting) interpreter exit
+
+
+_SIGINT_SEEN = False
+
+
+def _sigint(signum, frame) -> None:
+    """A rank's SIGINT: KeyboardInterrupt, as by default, remembering that a signal raised it."""
+    global _SIGINT_SEEN
+    _SIGINT_SEEN = True
+    raise KeyboardInterrupt
+
+
+def interrupt_is_a_signal() -> bool:
+    """Whether a KeyboardInterrupt caught now may come from a real SIGINT (else user code raised it):
+    in a rank, only if one arrived; in the CLI, never (its SIGINT raises its own Interrupted); under
+    Python's default handler, it may."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is _sigint:
+        return _SIGINT_SEEN
+    return handler is signal.default_int_handler
 
 
 def die_with_parent(parent_pid: int) -> None:

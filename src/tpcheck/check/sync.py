@@ -37,14 +37,16 @@ class Rendezvous:
     def __init__(self, store: dist.Store | None, rank: int, world_size: int, timeout_s: float) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.rounds = 0  # checkpoints passed: proof of life for the launcher
+        self.waiting_at: str | None = None  # the checkpoint this rank waits at now (its heartbeat says so)
 
     @property
     def active(self) -> bool:
         return self.world_size > 1 and self.store is not None
 
-    def exchange(self, tag: str, value: str, *, wait: bool = True) -> list[str]:
+    def exchange(self, tag: str, value: str, *, wait: bool = True, label: str | None = None) -> list[str]:
         """Post `value`, wait for every rank's; raises RendezvousTimeout past the timeout. With
-        wait=False only post (a rank that is about to stop tells the others why)."""
+        wait=False only post (a rank that is about to stop tells the others why). `label` names the
+        checkpoint in this rank's heartbeat while it waits."""
         if not self.active:
             return [value]
         self.rounds += 1
@@ -53,10 +55,12 @@ class Rendezvous:
         if not wait:
             return []
         keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self.waiting_at = label or tag
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception:  # noqa: BLE001 - a store wait past its timeout: some rank is stuck
             raise RendezvousTimeout([r for r, k in enumerate(keys) if not self.store.check([k])]) from None
+        self.waiting_at = None
         return [self.store.get(k).decode() for k in keys]
 
     def setup_failed(self, message: str) -> None:
@@ -67,7 +71,7 @@ class Rendezvous:
         """After the TP module is built and loaded on this rank: wait until every rank got here, or
         stop (PeerFailed) if one reports its setup failed, before any collective is issued."""
         try:
-            said = self.exchange("setup", "ok")
+            said = self.exchange("setup", "ok", label="building the TP module")
         except RendezvousTimeout as e:
             raise CollectiveMismatch(f"hang detected: rank(s) {e.missing} did not finish building the TP module "
                                      f"within {self.timeout_s:g} s", checkpoint="building the TP module") from None

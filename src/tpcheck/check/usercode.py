@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable
 
 from tpcheck.check.case import Case, CaseSpec
+from tpcheck.check.spawn import interrupt_is_a_signal
 from tpcheck.errors import UsageError
 
 FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
@@ -88,6 +89,11 @@ def load_module(path: str):
     except SystemExit as e:
         del sys.modules[mod_name]
         raise UsageError(_exit_message(e, f"your case file {_short(path)}", path)) from None
+    except KeyboardInterrupt as e:
+        del sys.modules[mod_name]
+        if interrupt_is_a_signal():
+            raise
+        raise UsageError(_interrupt_message(e, f"your case file {_short(path)}", path)) from None
     except SyntaxError as e:
         del sys.modules[mod_name]
         raise UsageError(f"syntax error in your case file ({_short(e.filename or path)}:{e.lineno}): {e.msg}") from None
@@ -145,6 +151,10 @@ def user_case(spec: CaseSpec) -> Case:
             raise
         except SystemExit as e:
             raise UsageError(_exit_message(e, f"your {attr}(spec)", path)) from None
+        except KeyboardInterrupt as e:
+            if interrupt_is_a_signal():
+                raise
+            raise UsageError(_interrupt_message(e, f"your {attr}(spec)", path)) from None
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"in your {attr} ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
         if not isinstance(obj, Case):
@@ -213,6 +223,10 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
             raise
         except SystemExit as e:  # a case must not end the rank: reported like any other mistake in it
             raise UsageError(_exit_message(e, f"your {what}", path or _defined_in(fn))) from None
+        except KeyboardInterrupt as e:  # raised by the code, not by a Ctrl-C (that one stops the run)
+            if interrupt_is_a_signal():
+                raise
+            raise UsageError(_interrupt_message(e, f"your {what}", path or _defined_in(fn))) from None
         except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
             raise UsageError(f"in your {what} ({user_frame(e, path or _defined_in(fn))}): {type(e).__name__}: {e}") \
                 from None
@@ -271,6 +285,11 @@ _PARENT = os.getpid()  # the process that imported tpcheck (the CLI, the API's c
 def _exit_message(e: SystemExit, who: str, path: str | None) -> str:
     return (f"{who} called sys.exit({e.code!r}) ({user_frame(e, path)}): a case file must not exit the "
             "process (tpcheck would report nothing, or a false success); return, or raise an exception")
+
+
+def _interrupt_message(e: KeyboardInterrupt, who: str, path: str | None) -> str:
+    return (f"{who} raised KeyboardInterrupt ({user_frame(e, path)}) with no Ctrl-C: a case file must not "
+            "interrupt the run; raise an ordinary exception to report a problem")
 
 
 def _survives(fn: Callable[[], object], who: str) -> None:

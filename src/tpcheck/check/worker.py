@@ -1,8 +1,9 @@
 """The rank side of the pool: a forked process that joins the gloo group, then runs the cases the
 parent sends until told to stop (or until the parent is gone).
 
-Talks to the parent over one pipe with plain payloads (see spawn.py). A progress thread notes every
-collective entered and checkpoint passed, so the parent can tell a slow rank from a stuck one.
+Talks to the parent over one pipe with plain payloads (see spawn.py). A heartbeat thread sends where
+the rank is a few times a second (heartbeat.py), so the parent can tell a slow rank from a stuck one
+and, when a wait times out, name the rank that holds the others up.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from tpcheck.check.case import Case, CaseSpec
 from tpcheck.check.engine import run_case_on_rank
+from tpcheck.check.heartbeat import BEAT_S, BeatMaker, main_frame
 from tpcheck.check.ledger import CollectiveMismatch, CollectiveTap
 from tpcheck.check.result import RankPayload
 from tpcheck.check.spawn import join_gloo, recv_plain, send_plain
@@ -24,7 +26,6 @@ from tpcheck.check.sync import PeerFailed, Rendezvous
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 
-PROGRESS_EVERY_S = 0.25
 Build = Callable[[CaseSpec], Case]  # the resolver's build
 
 
@@ -39,11 +40,14 @@ class RankState:
     def __init__(self, rank: int, world: int, pg, rendezvous: Rendezvous) -> None:
         self.rank, self.world, self.pg, self.rendezvous = rank, world, pg, rendezvous
         self.tap = CollectiveTap(rank)
+        self.case = 0  # cases received, counted alike by the parent: beats carry it
+        self.beats = BeatMaker(rank)
 
     def run(self, spec: CaseSpec, resolve: Build) -> RankPayload:
         """Build and run one case on this rank; never raises: failures come back as data, with this
         rank's ledger so the parent can say where the ranks' collectives parted."""
         self.tap = tap = CollectiveTap(self.rank)
+        self.case += 1
         group = TPGroup(rank=self.rank, world_size=self.world, pg=self.pg, tap=tap)
         try:
             return run_case_on_rank(resolve(spec), group, self.rendezvous)
@@ -53,15 +57,18 @@ class RankState:
             return RankPayload(status="aborted", rank=self.rank, message=str(e))
         except CollectiveMismatch as e:
             return RankPayload(status="hang", rank=self.rank, message=str(e), waiting_in="checkpoint",
-                               checkpoint=e.checkpoint, last_collective=tap.last, ledger=tap.ledger)
+                               checkpoint=e.checkpoint, last_collective=tap.inside, ledger=tap.ledger)
+        except KeyboardInterrupt:  # SIGINT sent to this rank alone (the parent's own Ctrl-C kills ranks)
+            return RankPayload(status="error", rank=self.rank, traceback=traceback.format_exc(), ledger=tap.ledger,
+                               message=f"rank {self.rank} was interrupted (SIGINT) while running the case")
         except Exception as e:  # noqa: BLE001 - a rank's failure is a result, reported with its traceback
             hang = _is_timeout(e)
             return RankPayload(status="hang" if hang else "error", rank=self.rank, message=f"{type(e).__name__}: {e}",
-                               traceback=traceback.format_exc(), last_collective=tap.last, ledger=tap.ledger,
-                               waiting_in="collective" if hang else None)
+                               traceback=traceback.format_exc(), last_collective=tap.inside if hang else tap.last,
+                               ledger=tap.ledger, waiting_in="collective" if hang else None)
 
-    def progress(self) -> tuple:
-        return (len(self.tap.ledger), self.rendezvous.rounds, self.tap.last)
+    def beat(self):
+        return self.beats.beat(self.case, self.tap, self.rendezvous, main_frame())
 
 
 class _Channel:
@@ -84,16 +91,14 @@ class _Channel:
             return None
 
 
-def _progress(chan: _Channel, state: RankState) -> None:
-    """Tell the parent whenever this rank enters a collective or passes a checkpoint: proof of life
-    for the parent's stall deadline, and the last spot seen if the rank must be killed."""
-    last = None
+def _heartbeat(chan: _Channel, state: RankState) -> None:
+    """Tell the parent where this rank is, a few times a second (heartbeat.py)."""
     while True:
-        time.sleep(PROGRESS_EVERY_S)
-        now = state.progress()
-        if now != last:
-            last = now
-            chan.send(("progress", state.rank, now[2]))
+        time.sleep(BEAT_S)
+        try:
+            chan.send(state.beat())
+        except OSError:
+            return  # the parent is gone: the main thread notices too
 
 
 def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_s: float, resolve: Build) -> None:
@@ -102,7 +107,7 @@ def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_
     try:
         store = join_gloo(rank, world, store_path, timeout_s)
         state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, timeout_s))
-        threading.Thread(target=_progress, args=(chan, state), daemon=True).start()
+        threading.Thread(target=_heartbeat, args=(chan, state), daemon=True).start()
         while (spec := chan.next_task()) is not None:
             chan.send(state.run(spec, resolve))
         dist.destroy_process_group()

@@ -58,12 +58,17 @@ def render_html(report: dict) -> str:
 
 def _banner_text(report: dict) -> str:
     s = report.get("summary", {})
-    return f"{s.get('as_expected', 0)} of {s.get('cases', 0)} case(s) as expected"
+    text = f"{s.get('as_expected', 0)} of {s.get('cases', 0)} case(s) as expected"
+    stop = report.get("interrupted")
+    if stop:
+        text += (f" · interrupted by {stop['signal']} after {stop['cases_finished']} of {stop['cases_planned']} "
+                 "case(s): the rest never ran")
+    return text
 
 
 def _header(report: dict) -> str:
     s = report.get("summary", {})
-    good = s.get("as_expected") == s.get("cases")
+    good = s.get("as_expected") == s.get("cases") and not report.get("interrupted")
     env = report.get("environment", {})
     env_text = ", ".join(f"{k} {v}" for k, v in sorted(env.items()))
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s.get("verdicts", {}).items()))

@@ -14,8 +14,10 @@ from tpcheck.report.output import current_umask, written_directly
 SCHEMA = "tpcheck.report/1"
 
 
-def build_report(results: list[dict], *, exit_code: int, seed: dict | None = None) -> dict:
-    """The report of a run: its case results, their summary, and (for the seed's modes) the seed's JSON."""
+def build_report(results: list[dict], *, exit_code: int, seed: dict | None = None,
+                 interrupted: dict | None = None) -> dict:
+    """The report of a run: its case results, their summary, (for the seed's modes) the seed's JSON,
+    and for a run stopped by a signal `interrupted`: {signal, cases_finished, cases_planned}."""
     report = {
         "schema": SCHEMA,
         "tpcheck": __version__,
@@ -30,6 +32,8 @@ def build_report(results: list[dict], *, exit_code: int, seed: dict | None = Non
     }
     if seed is not None:
         report["seed"] = seed
+    if interrupted is not None:
+        report["interrupted"] = interrupted
     return report
 
 
