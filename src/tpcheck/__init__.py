@@ -4,7 +4,7 @@ from tpcheck.api import check, exit_code
 from tpcheck.check.case import Case, CaseSpec, Injection, RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
-from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
+from tpcheck.plan import AppliedOnRank, Fused, Placement, Plan, Replicate, Shard
 
 __all__ = ["Case", "CaseSpec", "RunSettings", "Injection", "check", "exit_code", "UsageError", "TPGroup", "Plan",
-           "Placement", "Replicate", "Shard", "Fused", "__version__"]
+           "Placement", "Replicate", "Shard", "Fused", "AppliedOnRank", "__version__"]

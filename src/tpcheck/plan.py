@@ -47,6 +47,12 @@ class Placement:
         knows better (then `copies` need not build index maps)."""
         return True
 
+    @property
+    def applied_on(self) -> int | None:
+        """The one rank whose copy the computation uses (its gradient and update live there), when every
+        rank holds the tensor but only one applies it; None for every ordinary placement."""
+        return None
+
 
 @dataclass(frozen=True)
 class Replicate(Placement):
@@ -85,6 +91,35 @@ class Shard(Placement):
 
     def __str__(self) -> str:
         return f"shard(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class AppliedOnRank(Placement):
+    """Every rank holds the whole tensor, one rank applies it: a row-parallel bias added on rank `rank`
+    only, before the all-reduce (TGI, nano-vllm), instead of on every rank after it. Weights are
+    replicas (compared bitwise across ranks); the gradient and the optimizer's update live on `rank`
+    only, and the other ranks' gradient must be absent or zero."""
+
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank != 0:  # the checker's float64 reference, which bounds the gradient, lives on rank 0
+            raise UsageError(f"AppliedOnRank({self.rank!r}): only rank 0 is supported (the pattern in the wild adds "
+                             "the bias on rank 0); apply the tensor on rank 0")
+
+    def shard(self, dense, rank, world):
+        return dense
+
+    @property
+    def replicated(self) -> bool:
+        return True
+
+    @property
+    def applied_on(self) -> int:
+        return self.rank
+
+    def __str__(self) -> str:
+        return f"applied on rank {self.rank}"
 
 
 @dataclass(frozen=True)
@@ -185,6 +220,27 @@ def validate(placement: Placement, shape: tuple[int, ...], world: int, what: str
         raise UsageError(f"{what}: placement {placement} leaves {missing} of {covered.numel()} elements on no rank")
 
 
+def as_placement(p, what: str) -> Placement:
+    """`p` as a tpcheck placement: one already, or torch.distributed.tensor's `Shard(dim)` / `Replicate()`
+    (the same layouts). Anything else is refused naming `what`."""
+    if isinstance(p, Placement):
+        return p
+    kind = type(p)
+    if kind.__module__.startswith("torch.distributed"):
+        if kind.__name__ == "Shard" and isinstance(getattr(p, "dim", None), int):
+            return Shard(p.dim)
+        if kind.__name__ == "Replicate":
+            return Replicate()
+        if kind.__name__ == "Partial":
+            held = "a parameter" if "params" in what else "a module output tpcheck compares"
+            raise UsageError(f"{what} is torch's Partial(): {held} is held on the ranks, not summed across them, so "
+                             "it has no partial placement; use Shard(dim) or Replicate() (tpcheck.plan or "
+                             "torch.distributed.tensor)")
+    raise UsageError(f"{what} is {p!r} ({kind.__module__}.{kind.__qualname__}), not a placement; use "
+                     "Shard(dim), Replicate() or Fused(...) from tpcheck (torch.distributed.tensor's Shard and "
+                     "Replicate are accepted too)")
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per dense parameter, its placement; optionally placements of named activations (module outputs)
@@ -195,6 +251,13 @@ class Plan:
     activations: dict[str, Placement] = field(default_factory=dict)
     # Renames from dense parameter names to TP parameter names, when they differ.
     tp_names: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for what in ("params", "activations"):
+            table = getattr(self, what)
+            if not isinstance(table, dict):
+                raise UsageError(f"Plan({what}=...) must be a dict of name -> placement, not {type(table).__name__}")
+            object.__setattr__(self, what, {name: as_placement(p, f"Plan {what}[{name!r}]") for name, p in table.items()})
 
     def tp_name(self, dense_name: str) -> str:
         return self.tp_names.get(dense_name, dense_name)

@@ -45,3 +45,50 @@ def test_megatron_mlp():
     bad = r["megatron_gated_mlp_contiguous_fc1/tp2/float32"]
     assert bad["verdict"] == "not equivalent"
     assert _first(bad) == ("weights", 0, "param:layer.linear_fc1.weight")
+
+
+def test_own_loader():
+    """The user's own loading is what is checked: a correct loader and the rank-0 bias layout are
+    equivalent; loader bugs fail at the weights stage of step 0, naming the loader."""
+    names = ["correct", "bias_on_rank0", "every_rank_loads_shard_0", "bias_broadcast_to_rank0_only"]
+    r = _run([(f"own_loader.py:{n}", w) for n in names for w in (2, 4)])
+    for w in (2, 4):
+        assert r[f"own_loader/tp{w}/float32"]["verdict"] == "equivalent"
+        assert r[f"own_loader_bias_on_rank0/tp{w}/float32"]["verdict"] == "equivalent"
+        for bug, signature, param in (("shard0", "rank0_shard", "fc1.weight"),
+                                      ("bias_rank0_only", "replicas_differ", "fc2.bias")):
+            bad = r[f"own_loader_{bug}/tp{w}/float32"]
+            assert bad["verdict"] == "not equivalent" and _first(bad) == ("weights", 0, f"param:{param}")
+            assert bad["diagnosis"]["signature"] == signature
+            assert "as loaded by your load_tp (" in bad["summary"] and "own_loader.py:" in bad["summary"]
+
+
+def test_bias_on_rank0_needs_its_placement():
+    """The same module with the bias planned Replicate(): refused, naming the rank and the placement."""
+    import dataclasses
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("own_loader_for_test", EX / "own_loader.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from tpcheck.check.usercode import register
+
+    case = dataclasses.replace(mod.bias_on_rank0, name="bias_on_rank0_replicate", plan=mod.PLAN)
+    (result,) = check([file_spec(register(case), 2)])
+    assert result["verdict"] == "invalid"
+    assert "no gradient on rank 1 of the TP side" in result["summary"] and "AppliedOnRank(0)" in result["summary"]
+
+
+def test_own_loader_without_a_plan():
+    """No plan written: inferred from what the loader put on each rank, printed as code; a loader that
+    forgot the rank offset is refused, naming the parameter and the shard it holds instead."""
+    r = _run([(f"own_loader.py:{n}", w) for n in ("no_plan", "no_plan_shard0") for w in (2, 4)])
+    for w in (2, 4):
+        ok = r[f"own_loader_no_plan/tp{w}/float32"]
+        assert ok["verdict"] == "equivalent", ok["summary"]
+        assert ok["inferred_plan"] == ("Plan(params={\n    'fc1.weight': Shard(0),\n    'fc1.bias': Shard(0),\n"
+                                       "    'fc2.weight': Shard(1),\n    'fc2.bias': Replicate(),\n})")
+        bad = r[f"own_loader_no_plan_shard0/tp{w}/float32"]
+        assert bad["verdict"] == "invalid"
+        assert "cannot infer a placement for parameter 'fc1.weight' [32, 16]: on rank 1" in bad["summary"]
+        assert "it holds rank 0's shard(dim=0)" in bad["summary"]

@@ -123,8 +123,11 @@ def test_users_own_collective_on_one_rank_is_named_at_its_line():
     r0 = {e["rank"]: e for e in h["ranks"]}[0]
     assert r0["state"] == "collective" and r0["call"] == "all_reduce"
     assert r0["at"].endswith(f"runtime.py:{_line('# ONE SIDED')} in forward"), r0
-    assert "torch.distributed.all_reduce called at" in result["summary"]
+    assert "in forward torch.distributed.all_reduce called at" in result["summary"]
     assert "checker:replicas" not in result["summary"]
+    # the user's own collectives are counted: the ledgers part at it
+    assert h["ledger_diff"] == ("collectives issued (rank 0: 1, rank 1: 0) first differ at #1: "
+                                "rank 0: forward all_reduce at 'torch.distributed'; rank 1: nothing")
 
 
 def test_sigint_to_one_rank_inside_a_case_is_reported_as_such():

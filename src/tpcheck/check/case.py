@@ -10,6 +10,7 @@ launcher is handed a resolver (`tpcheck.resolve`).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable
@@ -38,6 +39,33 @@ Interceptor = Callable[[str, str, str, torch.Tensor, Callable[[torch.Tensor], to
 
 def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
+
+
+def seeded_init(module: nn.Module, g: torch.Generator) -> None:
+    """The default `Case.init`: the module's own `reset_parameters(generator)` when it takes one (the
+    built-in blocks), else every parameter drawn from `g` in `named_parameters()` order -- matrices
+    N(0, 1/fan_in) (fan_in: the last dim), vectors named `*weight` (norm gains) 1 + N(0, 0.1^2), other
+    vectors (biases) N(0, 0.1^2). Random, not torch's zeros and ones, so that a bias added twice or a
+    gain applied on one rank shows."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        try:
+            takes_generator = len(inspect.signature(reset).parameters) >= 1
+        except (TypeError, ValueError):
+            takes_generator = False
+        if takes_generator:
+            reset(g)
+            return
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.dim() >= 2:
+                value = noise / math.sqrt(max(p.shape[-1], 1))
+            elif name.rsplit(".", 1)[-1] == "weight":
+                value = 1 + 0.1 * noise
+            else:
+                value = 0.1 * noise
+            p.copy_(value.to(p.dtype))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,16 +153,25 @@ class Injection:
 class Case:
     """What is checked: one dense module and its TP twin, how to feed them and how they relate.
 
-    build_dense(dtype) -> dense module; its parameters are initialised by `init(module, generator)`.
+    build_dense(dtype) -> dense module; its parameters are initialised by `init(module, generator)`
+        (default `seeded_init`: the module's `reset_parameters(generator)`, else seeded random values).
+    plan: how each dense parameter lives on the ranks; None with `load_tp`: inferred from what it loads
+        (check/inference.py).
     build_tp(group, dtype) -> TP module whose parameters are named as in the dense one (or renamed by
-        `plan.tp_names`); the engine fills them from the dense weights through `plan`.
-    make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target).
+        `plan.tp_names`); the engine fills them from the dense weights through `plan`, unless:
+    load_tp(tp_module, dense_state_dict, group): the user's own loading (a checkpoint loader), called
+        instead, with the dense weights as full float32 tensors; what it loads is checked bitwise
+        against the plan's shards at the weights stage and is not overwritten (each later step restarts
+        from the dense weights through `load_tp` again).
+    make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the target may be a tensor or
+        a dict/list/tuple of them (labels and a mask, say), handed to the loss as it is.
     loss(out, target) -> scalar for the dense side; tp_loss(out_local, target, group) for the TP side
         (defaults to `loss`, valid when the TP output is placed `Replicate`).
     input_placements: how each forward input reaches the TP module (default Replicate; Shard(0) for
         sequence parallelism). output_placement: how the TP output relates to the dense one;
         target_placement: which part of the target the TP loss sees.
-    grad_inputs: forward inputs whose gradients are checked (floating point only).
+    grad_inputs: forward inputs whose gradients are checked (each must get one); None (the default):
+        every floating-point input that gets a gradient on the dense side.
     expected_collectives: (phase, op, site) the TP module should issue per micro-batch (forward,
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
@@ -143,24 +180,40 @@ class Case:
     name: str
     build_dense: Callable[[torch.dtype], nn.Module]
     build_tp: Callable[[TPGroup, torch.dtype], nn.Module]
-    plan: Plan
+    plan: Plan | None
     make_batch: Callable[[torch.Generator, torch.dtype], Batch]
-    init: Callable[[nn.Module, torch.Generator], None] = lambda m, g: m.reset_parameters(g)
+    init: Callable[[nn.Module, torch.Generator], None] = seeded_init
+    load_tp: Callable[[nn.Module, dict[str, torch.Tensor], TPGroup], None] | None = None
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse_loss
     tp_loss: Callable[[torch.Tensor, torch.Tensor, TPGroup], torch.Tensor] | None = None
     input_placements: dict[str, Placement] = field(default_factory=dict)
     output_placement: Placement = Replicate()
     target_placement: Placement = Replicate()
-    grad_inputs: tuple[str, ...] = ("x",)
+    grad_inputs: tuple[str, ...] | None = None
     expected_collectives: tuple | None = None
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
 
     def __post_init__(self) -> None:
+        if self.plan is None and self.load_tp is None:
+            raise UsageError(f"Case {self.name!r} has no plan: give plan=Plan(...), or give load_tp (your own loading) "
+                             "and tpcheck infers the plan from what it loads")
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
+            if name == "plan" and self.plan is None:
+                continue
             if not isinstance(getattr(self, name), cls):
                 raise UsageError(f"Case {self.name!r}: {name} must be a tpcheck {cls.__name__}, not "
                                  f"{type(getattr(self, name)).__name__}")
+
+    def grad_input_names(self, inputs: dict) -> tuple[str, ...]:
+        """The forward inputs whose gradients are checked, for a batch's `inputs`."""
+        if self.grad_inputs is None:
+            return tuple(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        unknown = [k for k in self.grad_inputs if k not in inputs]
+        if unknown:
+            raise UsageError(f"grad_inputs names {unknown} but make_batch gives the forward inputs {sorted(inputs)}; "
+                             "list those whose gradients to check, or leave grad_inputs out (every floating input)")
+        return tuple(self.grad_inputs)
 
     def compute_tp_loss(self, out_local: torch.Tensor, target: torch.Tensor, group: TPGroup) -> torch.Tensor:
         if self.tp_loss is not None:

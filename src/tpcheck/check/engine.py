@@ -18,6 +18,8 @@ on the TP side's inputs, the optimizer steps, update and state against the repla
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 
 import torch
@@ -26,15 +28,17 @@ from torch import nn
 from tpcheck.check import capture
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
+from tpcheck.check.inference import infer_plan, plan_as_code
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
-from tpcheck.check.loading import cast, leaf, load_from_dense, maxdiff
+from tpcheck.check.loading import cast, check_names, leaf, load_from_dense, map_tensors, maxdiff
 from tpcheck.check.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.check.result import RankPayload
 from tpcheck.check.sync import Rendezvous
+from tpcheck.check.usercode import defined_at
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
-from tpcheck.plan import Replicate
+from tpcheck.plan import Placement, Replicate
 
 NONDETERMINISTIC = (
     "dropout makes this model nondeterministic: the dense model drew random numbers in its forward or "
@@ -72,6 +76,12 @@ class Engine:
             rendezvous.setup_failed(f"{type(e).__name__}: {e}" if not isinstance(e, UsageError) else str(e))
             raise
         rendezvous.setup_done()
+        self.inferred_plan = None
+        if case.plan is None:  # no plan written: inferred from what the user's loader put there
+            plan = infer_plan(self.tp, self.dense, rendezvous, group.rank, group.world_size)
+            plan.check_against(self.dense, group.world_size)
+            self.case = dataclasses.replace(case, plan=plan)
+            self.inferred_plan = plan_as_code(plan)
 
     def _build(self) -> None:
         case, group = self.case, self.group
@@ -84,11 +94,12 @@ class Engine:
             self.truth = self.dense
         else:
             self.truth = self._copy_of(self.dense, torch.float64) if group.rank == 0 else None
-        case.plan.check_against(self.dense, group.world_size)
+        if case.plan is not None:
+            case.plan.check_against(self.dense, group.world_size)
         if case.inject.intercept is not None:
             self.tap.interceptor = case.inject.intercept(group)
         self.tp = case.build_tp(group, self.dtype)
-        load_from_dense(self.tp, master, case.inject.load_plan or case.plan, group)  # from the float32 master
+        self._load_tp(self.tp, master, case.inject.load_plan or case.plan)  # from the float32 master
         if case.inject.tamper is not None:
             case.inject.tamper(self.tp, group)
         # what each optimizer steps: the modules' own parameters, or their float32 masters
@@ -103,6 +114,18 @@ class Engine:
         self.replay = Replay(self.tp_master.params, self.settings.make_optimizer)
         self.slack = AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth) \
             if self.settings.optimizer != "sgd" else None
+
+    def _load_tp(self, tp: nn.Module, dense: nn.Module, plan) -> None:
+        """The TP module's weights from the dense ones: the user's own `load_tp` when the case has one
+        (checked at the weights stage, never overwritten), else through the plan."""
+        if self.case.load_tp is None:
+            load_from_dense(tp, dense, plan, self.group)
+            return
+        if self.case.plan is not None:
+            check_names(tp, dense, self.case.plan)
+        state = {name: p.detach().float().clone() for name, p in dense.named_parameters()}
+        with torch.no_grad():
+            self.case.load_tp(tp, state, self.group)
 
     def _copy_of(self, src: nn.Module, dtype: torch.dtype) -> nn.Module:
         model = self.case.build_dense(dtype)
@@ -119,9 +142,12 @@ class Engine:
     def run(self) -> list[Check]:
         case = self.case
         tp_params = dict(self.tp.named_parameters())
+        loader = f"as loaded by your load_tp ({defined_at(case.load_tp)})" if case.load_tp is not None else None
         for name, p in self.dense.named_parameters():
-            self.cmp.compare("weights", 0, f"param:{name}", tp_params[case.plan.tp_name(name)].detach(), p.detach(),
-                             p.detach(), case.plan.params[name], exact=True)
+            check = self.cmp.compare("weights", 0, f"param:{name}", tp_params[case.plan.tp_name(name)].detach(),
+                                     p.detach(), p.detach(), case.plan.params[name], exact=True)
+            if loader:
+                check.reason = f"bitwise: the plan's shard, {loader}"
         self.sync("loading the weights")
         self.cmp.flush_replicas()
         for step in range(1, self.settings.steps + 1):
@@ -140,10 +166,11 @@ class Engine:
         for micro in range(self.settings.micro_batches):
             batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, torch.float32)
             self._forward_backward(step, batch)
-        if hasattr(self.tp, "finalize_grads"):
-            self.tp.finalize_grads()
-        else:
-            finalize_grads(self.tp, self.group)
+        with self.tap.tp_phase("optimizer"):
+            if hasattr(self.tp, "finalize_grads"):
+                self.tp.finalize_grads()
+            else:
+                finalize_grads(self.tp, self.group)
         self.sync(f"finalize_grads of step {step}")
         self._compare_params(step, "grads", dict(self.dense.named_parameters()), dict(self.tp.named_parameters()),
                              lambda p: p.grad)
@@ -153,13 +180,26 @@ class Engine:
         self.replay.run(self.tp_master.params)  # the dense rule on the TP side's own weights and grads
         self._truth_from_dense(self.dense_master.params.items(), self.opt_dense)
         for opt in self._optimizers():
-            opt.step()
+            with self.tap.tp_phase("optimizer") if opt is self.opt_tp else contextlib.nullcontext():
+                opt.step()
         self.dense_master.write_back()
         self.tp_master.write_back()
         self.sync(f"optimizer step {step}")
         self._compare_replay(step, self.tp_master.params)
         self._compare_params(step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p)
         self.cmp.flush_replicas()
+
+    def _not_applied_here(self, step: int, stage: str, name: str, tp_val, dense_val, owner: int) -> None:
+        """A tensor held on every rank but applied on `owner` only (AppliedOnRank): on the other ranks its
+        gradient must be absent or zero (else it was applied here too); its weight is not stepped by the
+        optimizer here, so it has nothing to compare after the step (each step restarts from the dense
+        weights)."""
+        if stage != "grads" or dense_val is None:
+            return
+        zeros = torch.zeros_like(dense_val)
+        mine = tp_val.detach() if tp_val is not None else zeros.to(self.dtype)
+        self.cmp.compare_local(stage, step, f"grad:{name}", mine, zeros.to(mine.dtype), _ALONE,
+                               f"bitwise: zero, the tensor is applied on rank {owner} only")
 
     def _compare_replay(self, step: int, tp_params: dict) -> None:
         """The TP optimizer's state and update against the replay's, bitwise, parameter by parameter: the
@@ -194,7 +234,7 @@ class Engine:
         lost: the previous step's update was compared with the dense rule element by element (the
         replay) and the weights with the dense ones; the TP optimizer's state and anything the TP module
         keeps besides its parameters (caches, buffers) are not touched."""
-        load_from_dense(self.tp, self.dense, self.case.plan, self.group)
+        self._load_tp(self.tp, self.dense, self.case.plan)
         if self.tp_master.masters:
             load_from_dense(self.tp_master, self.dense_master, self.case.plan, self.group)
 
@@ -221,9 +261,10 @@ class Engine:
     def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder):
         case = self.case
         handles = capture.attach(model, set(case.plan.activations), recorder) if self.settings.capture else []
-        kw = {k: leaf(cast(v, dtype), k in case.grad_inputs) for k, v in inputs.items()}
+        wanted = case.grad_input_names(inputs)
+        kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         out = model(**kw)
-        loss = case.loss(out, cast(target, dtype)) / self.settings.micro_batches
+        loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
         loss.backward()
         capture.detach_all(handles)
         return kw, out.detach(), loss.detach()
@@ -252,22 +293,32 @@ class Engine:
 
         names = set(case.plan.activations)
         handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
+        wanted = case.grad_input_names(inputs)
         kw_tp = {}
         for k, v in inputs.items():
             local = case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
                                                                     group.world_size)
-            kw_tp[k] = leaf(local, k in case.grad_inputs)
-        out_tp = self.tp(**kw_tp)
+            kw_tp[k] = leaf(local, k in wanted)
+        with self.tap.tp_phase("forward"):
+            out_tp = self.tp(**kw_tp)
         cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
-        target_local = case.target_placement.shard(cast(target, self.dtype), group.rank, group.world_size)
-        loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
+        target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank, group.world_size),
+                                   target)
+        with self.tap.tp_phase("forward"):
+            loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
         cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
-        loss_tp.backward()
+        with self.tap.tp_phase("backward"):
+            loss_tp.backward()
         capture.detach_all(handles)
         self.sync(f"forward and backward of step {step}")
-        for k in case.grad_inputs:
-            if kw_tp[k].grad is None:
-                raise UsageError(f"input {k!r} got no gradient on the TP side: is it used in forward?")
+        for k in wanted:
+            if kw_tp[k].grad is None or kw_d[k].grad is None:
+                if case.grad_inputs is None and kw_tp[k].grad is None and kw_d[k].grad is None:
+                    continue  # a floating input that no gradient reaches (a mask, say): nothing to check
+                side = "either side" if kw_tp[k].grad is None and kw_d[k].grad is None else \
+                    "the TP side only" if kw_tp[k].grad is None else "the dense side only"
+                raise UsageError(f"forward input {k!r} got no gradient on {side}: is it used in forward? "
+                                 "(grad_inputs lists the inputs whose gradients are checked)")
             cmp.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
                         case.input_placements.get(k, Replicate()))
         cmp.flush_replicas()
@@ -282,22 +333,50 @@ class Engine:
             tp_p = tp_params[plan.tp_name(name)]
             tp_val, dense_val = get(tp_p), get(p)
             truth_val = get(truth_params[name]) if truth_params else None
+            owner = plan.params[name].applied_on
+            if owner is not None and owner != group.rank:
+                self._not_applied_here(step, stage, name, tp_val, dense_val, owner)
+                continue
             if tp_val is None or dense_val is None:
                 if (tp_val is None) != (dense_val is None):
-                    who = "TP" if tp_val is None else "dense"
-                    raise UsageError(f"parameter {name!r} got no gradient on the {who} side only")
+                    if tp_val is None:
+                        hint = ("; if the TP module applies it on rank 0 only (a row-parallel bias added before the "
+                                "all-reduce), place it AppliedOnRank(0) in the plan" if group.rank != 0
+                                and plan.params[name].replicated else "; is it used in the TP forward?")
+                        raise UsageError(f"parameter {name!r} got no gradient on rank {group.rank} of the TP side, "
+                                         f"but does on the dense side{hint}")
+                    raise UsageError(f"parameter {name!r} got a gradient on rank {group.rank} of the TP side but none "
+                                     "on the dense side: is it used in the dense forward?")
                 continue
             tp_val, truth_val = tp_val.detach(), truth_val.detach() if truth_val is not None else None
             raw = tp_val
+            placement = _ALONE if owner is not None and stage != "weights" else plan.params[name]
             if stage == "optimizer" and self.slack is not None:
                 tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size,
                                                      plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
             label = "grad" if stage == "grads" else "param"
             check = self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
-                                     plan.params[name], dtype=dense_val.dtype)
+                                     placement, dtype=dense_val.dtype)
             if tp_val is not raw:
-                raw_error = maxdiff(raw, plan.params[name].shard(dense_val.detach(), group.rank, group.world_size))
+                raw_error = maxdiff(raw, placement.shard(dense_val.detach(), group.rank, group.world_size))
                 check.raw_error = raw_error if raw_error != check.error else None
+
+
+class _Alone(Placement):
+    """The whole tensor on this rank, compared here only (no replica check across ranks): the gradient
+    and update of a tensor applied on one rank (AppliedOnRank)."""
+
+    def shard(self, dense, rank, world):
+        return dense
+
+    def may_share(self, world: int) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return "this rank only"
+
+
+_ALONE = _Alone()
 
 
 def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> RankPayload:
@@ -306,7 +385,7 @@ def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> Rank
     engine = Engine(case, group, rendezvous)
     checks = engine.run()
     return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=engine.cmp.evidence,
-                       expected_collectives=case.expected_collectives,
+                       expected_collectives=case.expected_collectives, inferred_plan=engine.inferred_plan,
                        ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
 
 

@@ -244,6 +244,9 @@ def describe(e: dict) -> str:
         return f"rank {r} was computing at {e['at']} (there for {s:g} s, in no collective)"
     if e["state"] == "checkpoint":
         return f"rank {r} waited {s:g} s at the checker's checkpoint after {e['checkpoint']}"
+    if e.get("op") and e.get("site") == "torch.distributed":  # counted by ledger.count_user_collectives
+        return (f"rank {r} waited {s:g} s in {e['phase']} torch.distributed.{e['op']} called at {e['at']} (a "
+                "collective of the code under test, not through tpcheck's TPGroup)")
     if e.get("op"):
         return f"rank {r} waited {s:g} s in {e['phase']} {e['op']} at {e['site']!r} ({e['at']})"
     return (f"rank {r} waited {s:g} s in torch.distributed.{e['call']} called at {e['at']} "

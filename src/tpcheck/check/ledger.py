@@ -3,7 +3,11 @@ with what the case's block implies. A missing, extra or rank-asymmetric collecti
 when the numbers happen to agree (a redundant all-reduce is a cost; a missing one a latent bug)."""
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +75,7 @@ class CollectiveTap:
         self.ledger: list[LedgerEntry] = []
         self.last: tuple[str, str, str] | None = None  # (op, site, phase) of the last one entered
         self.inside: tuple[str, str, str] | None = None  # the one being performed now (kept if it raises)
+        self.phase: str | None = None  # the TP side's phase now (what the user's own collectives are counted in)
 
     def __call__(self, op: str, site: str, phase: str, x: torch.Tensor, perform) -> torch.Tensor:
         def recorded(t: torch.Tensor) -> torch.Tensor:
@@ -93,6 +98,16 @@ class CollectiveTap:
         out = fn(*args, **kwargs)
         self.inside = None
         return out
+
+    @contextlib.contextmanager
+    def tp_phase(self, phase: str):
+        """While the TP side runs `phase` (forward, backward, optimizer): direct torch.distributed calls of
+        the code under test are counted in it (`count_user_collectives`)."""
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
 
     def lines(self) -> list[str]:
         return [e.line() for e in self.ledger]
@@ -128,3 +143,44 @@ def ledger_diff(ledgers: dict[int, list[str]]) -> str:
             which = "; ".join(f"rank {r}: {a}" for r, a in at.items())
             return f"collectives issued ({counts}) first differ at #{i + 1}: {which}"
     return f"collectives issued ({counts}) agree"
+
+
+# ---------------------------------------------------------------------------- the user's own collectives
+
+USER_SITE = "torch.distributed"  # the site of a collective the code under test issued itself
+USER_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                    "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
+                    "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list")
+
+
+def count_user_collectives(current_tap: Callable[[], CollectiveTap | None]) -> None:
+    """Count, in the current case's ledger, the torch.distributed collectives the code under test calls
+    directly (a case file written with torch.distributed, not through a TPGroup), while the TP side
+    runs a phase: they are then compared across ranks like tpcheck's own (a collective issued on some
+    ranks only shows at the next checkpoint). Installed once in a rank process (it patches the
+    functions of torch.distributed and its distributed_c10d module); tpcheck's own collectives, made
+    inside the tap, are not counted twice. The site is always "torch.distributed": ranks may legitimately
+    issue one collective from different lines."""
+    import torch
+    import torch.distributed as dist
+
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    for name in USER_COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is None or getattr(original, "_tpcheck_counted", False):
+            continue
+
+        def counted(*args, __original=original, __name=name, **kwargs):
+            tap = current_tap()
+            if tap is not None and tap.inside is None and tap.phase is not None:
+                first = args[0] if args else None
+                nbytes = first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
+                tap.note(__name, USER_SITE, tap.phase, nbytes)
+                return tap.performing((__name, USER_SITE, tap.phase), __original, *args, **kwargs)
+            return __original(*args, **kwargs)
+
+        functools.update_wrapper(counted, original)
+        counted._tpcheck_counted = True
+        setattr(c10d, name, counted)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, counted)

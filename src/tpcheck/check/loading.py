@@ -15,24 +15,31 @@ def load_from_dense(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup)
     """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes. (A fault's
     `Injection.load_plan` stands for a TP implementation that loads its weights its own way: the engine
     passes it here, while the checks still use `Case.plan`.)"""
-    tp_params = dict(tp.named_parameters())
-    expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
-    unplanned = sorted(set(tp_params) - expected)
-    if unplanned:
-        raise UsageError(f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
-                         "name them like the dense ones or add plan.tp_names entries")
+    tp_params = check_names(tp, dense, plan)
     with torch.no_grad():
         for name, p in dense.named_parameters():
             tp_name = plan.tp_name(name)
-            if tp_name not in tp_params:
-                raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; "
-                                 f"TP parameters are {sorted(tp_params)}")
             local = plan.params[name].shard(p.detach(), group.rank, group.world_size)
             if tuple(local.shape) != tuple(tp_params[tp_name].shape):
                 raise UsageError(f"parameter {tp_name!r} on rank {group.rank}: the plan ({plan.params[name]}) gives a "
                                  f"shard of shape {list(local.shape)} but the TP module holds "
                                  f"{list(tp_params[tp_name].shape)}")
             tp_params[tp_name].copy_(local)
+
+
+def check_names(tp: nn.Module, dense: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
+    """The TP module's parameters by name, each the image of one dense parameter under `plan.tp_name`."""
+    tp_params = dict(tp.named_parameters())
+    expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
+    unplanned = sorted(set(tp_params) - expected)
+    if unplanned:
+        raise UsageError(f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
+                         "name them like the dense ones or add plan.tp_names entries")
+    missing = sorted(expected - set(tp_params))
+    if missing:
+        raise UsageError(f"TP module has no parameter(s) {missing} for the dense parameters of those names; "
+                         f"TP parameters are {sorted(tp_params)}")
+    return tp_params
 
 
 def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,3 +62,15 @@ def leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
+
+
+def map_tensors(fn, obj):
+    """`fn` applied to every tensor of a target that may be a tensor or a dict/list/tuple of them (labels
+    and masks beside each other); anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj

@@ -43,6 +43,7 @@ class RankPayload:
     waiting_in: str | None = None  # collective | checkpoint | compute | unresponsive (hangs)
     checkpoint: str | None = None
     where: dict | None = None  # the launcher's evidence of where the rank was (heartbeat.py)
+    inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
 
     def problem_json(self) -> dict:
@@ -69,6 +70,7 @@ class CaseResult:
     diagnosis: dict | None = None
     problems: list[dict] | None = None
     hang: dict | None = None
+    inferred_plan: str | None = None
 
     @property
     def name(self) -> str:
@@ -83,7 +85,7 @@ class CaseResult:
                "dtype": self.spec.dtype, "expected": self.expected, "seconds": self.seconds,
                "verdict": self.verdict, "as_expected": self.as_expected, "summary": self.summary,
                "first_divergence": self.first_divergence}
-        for key in ("checks", "ledger", "diagnosis", "problems", "hang"):
+        for key in ("checks", "ledger", "diagnosis", "problems", "hang", "inferred_plan"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.checks is not None:
@@ -119,7 +121,8 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
                           spec.micro_batches)
     result = CaseResult(spec=spec, verdict=verdict, as_expected=False, summary="",
                         seconds=seconds, checks=checks, ledger=ledger,
-                        self_test=self_test(checks, controls, [p.evidence for p in payloads]))
+                        self_test=self_test(checks, controls, [p.evidence for p in payloads]),
+                        inferred_plan=payloads[0].inferred_plan)
     result.as_expected = verdict == result.expected
     if result.self_test["failures"]:
         result.verdict, result.as_expected = "error", False
@@ -170,15 +173,29 @@ def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) ->
 
 
 def _fill_bounds(checks: list[dict]) -> list[dict]:
-    """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor (same seq)."""
-    rank0 = {(c["seq"], c["control"]): c for c in checks if c["rank"] == 0 and c["stage"] != "replicas"}
+    """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor: the same
+    (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch). Keyed
+    by tensor, not by position, so a rank that compares fewer tensors (AppliedOnRank) still matches."""
+    def keyed(rank_checks):
+        seen: dict[tuple, int] = {}
+        for c in rank_checks:
+            key = (c["stage"], c["step"], c["name"], c["control"])
+            seen[key] = seen.get(key, -1) + 1
+            yield (*key, seen[key]), c
+
+    rank0 = dict(keyed(c for c in checks if c["rank"] == 0 and c["stage"] != "replicas"))
+    by_rank: dict[int, list[dict]] = {}
     for c in checks:
-        if c["bound"] is None:
-            ref = rank0.get((c["seq"], c["control"]))
-            if ref is None or ref["name"] != c["name"] or ref["bound"] is None:
-                raise RuntimeError(f"no bound from rank 0 for {c['name']} (seq {c['seq']})")
-            c.update(bound=ref["bound"], reason=ref["reason"], kind=ref["kind"], ref_error=ref["ref_error"],
-                     floor=ref["floor"])
+        if c["stage"] != "replicas":
+            by_rank.setdefault(c["rank"], []).append(c)
+    for rank_checks in by_rank.values():
+        for key, c in keyed(rank_checks):
+            if c["bound"] is None:
+                ref = rank0.get(key)
+                if ref is None or ref["bound"] is None:
+                    raise RuntimeError(f"no bound from rank 0 for {c['name']} ({c['stage']}, step {c['step']})")
+                c.update(bound=ref["bound"], reason=ref["reason"], kind=ref["kind"], ref_error=ref["ref_error"],
+                         floor=ref["floor"])
     return checks
 
 
@@ -187,7 +204,7 @@ def _first(failed: list[dict]) -> dict:
     ranks = sorted({c["rank"] for c in failed if c["name"] == first["name"] and c["step"] == first["step"]
                     and c["stage"] == first["stage"]})
     out = {"stage": first["stage"], "step": first["step"], "name": first["name"], "ranks": ranks,
-           "error": first["error"], "bound": first["bound"], "kind": first["kind"]}
+           "error": first["error"], "bound": first["bound"], "kind": first["kind"], "reason": first.get("reason")}
     if first.get("raw_error") is not None:
         out["raw_error"] = first["raw_error"]
     return out
@@ -199,7 +216,13 @@ def _summary(result: CaseResult, failed: list[dict]) -> str:
     f, d = result.first_divergence, result.diagnosis
     return (f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
             f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
-            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}")
+            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{_loaded_by(f)}")
+
+
+def _loaded_by(first: dict) -> str:
+    """A failed weights check of a case that loads its own weights names the loader."""
+    reason = first.get("reason") or ""
+    return f" ({reason.split(', ', 1)[1]})" if first["stage"] == "weights" and "load_tp" in reason else ""
 
 
 def exit_code(results: Sequence[dict]) -> int:

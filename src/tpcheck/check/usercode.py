@@ -29,7 +29,7 @@ from tpcheck.errors import UsageError
 FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
 # Case fields a CaseSpec may override for a user case (set by the CLI/plugin only for values given).
 OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches", "master_weights")
-USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "loss", "tp_loss")
+USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "load_tp", "loss", "tp_loss")
 
 _REGISTERED: dict[str, Case] = {}
 _MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)
@@ -77,6 +77,11 @@ def load_module(path: str):
     """Import the case file by path under a unique module name (cached: forked ranks inherit it)."""
     if path in _MODULES:
         return _MODULES[path]
+    # the file's own folder and the working directory are importable, as pytest and `python -m` make them:
+    # a case file imports the user's package next to it
+    for folder in (os.getcwd(), os.path.dirname(path)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     mod_name = "tpcheck_case_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if os.getpid() == _PARENT:  # a forked rank inherits the module; only the process that reports probes
@@ -122,7 +127,7 @@ def pick(module, path: str, name: str | None):
         raise UsageError(f"case file {_short(path)} defines no tpcheck.Case and no `def case(spec)` function; "
                          "see docs/case-files.md")
     if name is None:
-        if len(found) > 1:
+        if len(found) > 1:  # expand_target gives each its :NAME first
             raise UsageError(f"case file {_short(path)} defines several cases {sorted(found)}; pick one with "
                              f"{_short(path)}:NAME")
         return next(iter(found.items()))
@@ -169,6 +174,17 @@ def apply_overrides(case: Case, spec: CaseSpec) -> Case:
     if unknown:
         raise UsageError(f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}")
     return dataclasses.replace(case, name=spec.name, run=dataclasses.replace(case.run, **fields))
+
+
+def expand_target(target: str) -> list[str]:
+    """A case file given without :NAME that defines several cases stands for all of them, in file order."""
+    if target.startswith(REGISTERED_PREFIX):
+        return [target]
+    path, name = parse_target(target)
+    if name is not None:
+        return [target]
+    found = available(load_module(path))
+    return [target] if len(found) <= 1 else [f"{target}:{attr}" for attr in found]
 
 
 def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpec:
@@ -232,10 +248,11 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
                 from None
         problem = _RETURNS[what](out) if what in _RETURNS else None
         if problem:
-            raise UsageError(f"your {what} ({_where(fn)}) returned {_describe(out)}; expected {problem}")
+            raise UsageError(f"your {what} ({defined_at(fn)}) returned {_describe(out)}; expected {problem}")
         return out
 
     guarded._tpcheck_guarded = True
+    guarded.__wrapped__ = fn  # inspect.unwrap finds the user's function (its file:line)
     return guarded
 
 
@@ -270,7 +287,7 @@ def _describe(out) -> str:
     return f"a {kind.__name__}" if kind.__module__ == "builtins" else f"a {kind.__module__.split('.')[0]}.{kind.__name__}"
 
 
-def _where(fn) -> str:
+def defined_at(fn) -> str:
     """"file.py:LINE" where the user's callable is defined."""
     target = inspect.unwrap(fn)
     try:

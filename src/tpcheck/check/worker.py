@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tpcheck.check.case import Case, CaseSpec
 from tpcheck.check.engine import run_case_on_rank
 from tpcheck.check.heartbeat import BEAT_S, BeatMaker, main_frame
-from tpcheck.check.ledger import CollectiveMismatch, CollectiveTap
+from tpcheck.check.ledger import CollectiveMismatch, CollectiveTap, count_user_collectives
 from tpcheck.check.result import RankPayload
 from tpcheck.check.spawn import join_gloo, recv_plain, send_plain
 from tpcheck.check.sync import PeerFailed, Rendezvous
@@ -107,6 +107,7 @@ def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_
     try:
         store = join_gloo(rank, world, store_path, timeout_s)
         state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, timeout_s))
+        count_user_collectives(lambda: state.tap)
         threading.Thread(target=_heartbeat, args=(chan, state), daemon=True).start()
         while (spec := chan.next_task()) is not None:
             chan.send(state.run(spec, resolve))

@@ -1,0 +1,106 @@
+"""A plan nobody wrote: each TP parameter's placement inferred from the values the user's loader put there.
+
+With `Case(plan=None, load_tp=...)`, after the user's loader ran, every rank tries, for each dense
+parameter, the placements its shape admits (in this order: replicate, a contiguous shard of each dim,
+a fused weight of 2 or 3 equal parts along each dim) and keeps those whose shard of the dense tensor
+equals the TP tensor bitwise. The ranks then agree through the rendezvous store: a parameter's
+placement is the first candidate every rank matched. Random weights make an accidental match
+impossible (a shard is many independent values); a parameter no candidate explains on some rank is
+reported naming it, the shapes and what was tried -- usually a loader bug, or a layout to write down.
+
+The inferred plan is then used like a written one (the weights stage still checks every parameter),
+and is printed as code (`tpcheck verify --print-plan`) to paste into the case file.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from tpcheck.check.sync import Rendezvous
+from tpcheck.errors import UsageError
+from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
+
+
+def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
+    """The placements tried for a dense tensor of `shape` at `world` ranks, in order of preference."""
+    out: list[Placement] = [Replicate()]
+    out += [Shard(d) for d in range(len(shape)) if shape[d] % world == 0 and world > 1]
+    for parts in (2, 3):
+        for d in range(len(shape)):
+            n = shape[d]
+            if world > 1 and n % parts == 0 and (n // parts) % world == 0:
+                out.append(Fused(d, (n // parts,) * parts))
+    return out
+
+
+def matches(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> list[int]:
+    """Indices (into `candidates`) of the placements whose shard of `dense` is `local`, bitwise."""
+    found = []
+    for i, placement in enumerate(candidates(tuple(dense.shape), world)):
+        shard = placement.shard(dense, rank, world)
+        if shard.shape == local.shape and torch.equal(shard.to(local.dtype), local):
+            found.append(i)
+    return found
+
+
+def looks_like(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> str | None:
+    """When no placement explains `local` on `rank`: another rank's shard that it equals, in words."""
+    for placement in candidates(tuple(dense.shape), world):
+        for other in range(world):
+            if other == rank:
+                continue
+            shard = placement.shard(dense, other, world)
+            if shard.shape == local.shape and torch.equal(shard.to(local.dtype), local):
+                return f"it holds rank {other}'s {placement}: a loader that forgot the rank offset?"
+    return None
+
+
+def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: int, world: int,
+               tp_names: dict[str, str] | None = None) -> Plan:
+    """The plan every rank agrees on, from the loaded TP module and the dense one (same parameter names,
+    or `tp_names`). Raises UsageError naming the first parameter no placement explains."""
+    tp_names = tp_names or {}
+    tp_params = dict(tp.named_parameters())
+    mine: dict[str, list[int]] = {}
+    for name, p in dense.named_parameters():
+        tp_name = tp_names.get(name, name)
+        if tp_name not in tp_params:
+            raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; TP parameters "
+                             f"are {sorted(tp_params)} (name them alike, or map them with Plan(tp_names=...))")
+        found = matches(p.detach(), tp_params[tp_name].detach(), rank, world)
+        mine[name] = {"matches": found,
+                      "hint": None if found else looks_like(p.detach(), tp_params[tp_name].detach(), rank, world)}
+    said = [json.loads(text) for text in rendezvous.exchange("plan", json.dumps(mine), label="inferring the plan")]
+    params: dict[str, Placement] = {}
+    for name, p in dense.named_parameters():
+        tried = candidates(tuple(p.shape), world)
+        common = set(range(len(tried)))
+        for r, theirs in enumerate(said):
+            common &= set(theirs[name]["matches"])
+            if not common:
+                hint = f" ({theirs[name]['hint']})" if theirs[name]["hint"] else ""
+                raise UsageError(
+                    f"cannot infer a placement for parameter {name!r} {list(p.shape)}: on rank {r} its values are "
+                    f"none of {', '.join(map(str, tried))} of the dense tensor{hint}, or not the same one as on "
+                    "the ranks before; check what your load_tp puts there, or write the plan "
+                    "(Plan(params={...}), docs/case-files.md)")
+        params[name] = tried[min(common)]
+    return Plan(params=params, tp_names=dict(tp_names))
+
+
+def plan_as_code(plan: Plan) -> str:
+    """The plan as Python to paste into a case file."""
+    def code(p: Placement) -> str:
+        if isinstance(p, Replicate):
+            return "Replicate()"
+        if isinstance(p, Shard):
+            return f"Shard({p.dim})"
+        if isinstance(p, Fused):
+            return f"Fused({p.dim}, {tuple(p.units)!r})"
+        return repr(p)
+
+    lines = [f"    {name!r}: {code(p)}," for name, p in plan.params.items()]
+    names = f", tp_names={plan.tp_names!r}" if plan.tp_names else ""
+    return "Plan(params={\n" + "\n".join(lines) + "\n}" + names + ")"
