@@ -29,49 +29,95 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
 MAX_LR = 10.0  # the seed MLP's dense reference overflows to Inf/NaN at lr 30 with SGD
 
 
+DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "f16": "float16", "half": "float16", "fp64": "float64", "f64": "float64", "double": "float64"}
+EXAMPLES = {
+    None: """examples:
+  tpcheck run --world-size 2 4                       # the built-in MLP block, float32, 3 AdamW steps
+  tpcheck verify my_case.py --world-size 2 4         # your own TP code (docs/case-files.md)
+  tpcheck run --block layer --dtype bf16 --fault all # every catalogue fault that applies, in bfloat16
+  tpcheck faults                                     # the fault catalogue""",
+    "run": """examples:
+  tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
+  tpcheck run --block layer --sp --fault all --json r.json --html r.html
+  tpcheck run --mode all --world-size 2              # the seed's modes, its JSON on stdout""",
+    "verify": """examples:
+  tpcheck verify my_case.py                          # every case in the file, world size 2
+  tpcheck verify my_case.py:buggy --world-size 2 4   # one case, two world sizes
+  tpcheck verify a.py b.py --dtype bf16 --steps 5 --json r.json""",
+    "new": """examples:
+  tpcheck new my_case.py && tpcheck verify my_case.py --world-size 2 4""",
+    "faults": """examples:
+  tpcheck faults
+  tpcheck faults --json | python -m json.tool""",
+    "report": """examples:
+  tpcheck report r.json --html r.html""",
+}
+
+
+def dtype_name(text: str) -> str:
+    """A --dtype value, aliases (bf16, fp32, half, ...) spelled out."""
+    return DTYPE_ALIASES.get(text.lower(), text)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from tpcheck._version import __version__
+
     parser = argparse.ArgumentParser(prog="tpcheck", description="Prove a tensor-parallel implementation "
-                                     "computes what its dense model computes; say where and why when not.")
+                                     "computes what its dense model computes; say where and why when not.",
+                                     epilog=EXAMPLES[None], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tpcheck {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="check built-in blocks (a matrix of blocks x world sizes x dtypes x faults)")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, epilog=EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    run = command("run", "check built-in blocks (a matrix of blocks x world sizes x dtypes x faults)")
     run.add_argument("--mode", choices=MODES, help="the seed's modes on the seed fixture (prints the seed's JSON); "
                      "'all' runs inspect and the three run modes in one launch")
     run.add_argument("--block", nargs="+", default=["mlp"], help="blocks to check (default: mlp)")
     run.add_argument("--preset", default=None, help="model shapes: seed, tiny, llama3-8b-layer (default: seed)")
     run.add_argument("--world-size", type=int, nargs="+", default=None, help="TP world sizes (default: 2)")
-    run.add_argument("--dtype", nargs="+", default=["float32"],
-                     help="float32, bfloat16, float16, float64 (default: float32)")
+    run.add_argument("--dtype", nargs="+", default=["float32"], type=dtype_name,
+                     help="float32, bfloat16, float16, float64, or bf16, fp16, fp32, fp64 (default: float32)")
     run.add_argument("--sp", action="store_true", help="sequence parallelism")
     run.add_argument("--fault", nargs="+", default=[], help="inject catalogue faults ('all' for every one)")
     run.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3; 1 for --mode)")
-    run.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
-    run.add_argument("--lr", type=float, default=None)
+    run.add_argument("--optimizer", choices=("sgd", "adamw"), default=None, help="default adamw (sgd for --mode)")
+    run.add_argument("--lr", type=float, default=None, help="learning rate, up to 10 (default 1e-3 AdamW, 0.05 SGD)")
     run.add_argument("--micro-batches", type=int, default=2,
                      help="gradient accumulation: micro-batches per step (default 2)")
     _add_precision_arg(run)
-    run.add_argument("--seed", type=int, default=31)
+    run.add_argument("--seed", type=int, default=31, help="seed of the weights and batches (default 31)")
     _add_output_args(run)
     run.set_defaults(func=cmd_run)
 
-    verify = sub.add_parser("verify", help="check your own TP code: a case file (docs/case-files.md)")
-    verify.add_argument("target", nargs="+", help="path/to/case.py or path/to/case.py:NAME")
-    verify.add_argument("--world-size", type=int, nargs="+", default=None, help="TP world sizes (default: 2)")
-    verify.add_argument("--dtype", nargs="+", default=None, help="override the case's dtype(s)")
+    verify = command("verify", "check your own TP code: a case file (docs/case-files.md)")
+    verify.add_argument("target", nargs="*", help="path/to/case.py or path/to/case.py:NAME")
+    # str: `--world-size 2 4 case.py` takes the case file too; cmd_verify hands it back to the targets
+    verify.add_argument("--world-size", nargs="+", default=None, metavar="WORLD_SIZE", help="TP world sizes (default: 2)")
+    verify.add_argument("--dtype", nargs="+", default=None, type=dtype_name,
+                        help="override the case's dtype(s): float32, bfloat16 (bf16), float16 (fp16), float64")
     verify.add_argument("--steps", type=int, default=None, help="override the case's optimizer steps")
-    verify.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
-    verify.add_argument("--lr", type=float, default=None)
+    verify.add_argument("--optimizer", choices=("sgd", "adamw"), default=None, help="override the case's optimizer")
+    verify.add_argument("--lr", type=float, default=None, help="override the case's learning rate (up to 10)")
     verify.add_argument("--micro-batches", type=int, default=None, help="override the case's micro-batches per step")
     _add_precision_arg(verify)
-    verify.add_argument("--seed", type=int, default=None)
+    verify.add_argument("--seed", type=int, default=None, help="override the case's seed of weights and batches")
+    verify.add_argument("--print-plan", action="store_true",
+                        help="print, on stdout, the plan inferred for each case without one (Case(plan=None, load_tp=...))")
     _add_output_args(verify)
     verify.set_defaults(func=cmd_verify)
 
-    faults = sub.add_parser("faults", help="list the fault catalogue")
-    faults.add_argument("--json", action="store_true")
+    new = command("new", "write a commented case file to start from (it verifies as written)")
+    new.add_argument("path", metavar="CASE.py", help="where to write it (never over an existing file)")
+    new.set_defaults(func=cmd_new)
+
+    faults = command("faults", "list the fault catalogue")
+    faults.add_argument("--json", action="store_true", help="as JSON")
     faults.set_defaults(func=cmd_faults)
 
-    report = sub.add_parser("report", help="print the summary of a JSON report and render it as HTML")
+    report = command("report", "print the summary of a JSON report and render it as HTML")
     report.add_argument("result", metavar="RESULT.json", help="a report written by `tpcheck run --json`")
     report.add_argument("--html", dest="html_path", metavar="PATH", help="write the HTML report here")
     report.set_defaults(func=cmd_report)
@@ -241,15 +287,23 @@ def write_stdout(text: str) -> str | None:
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped reading (`tpcheck faults | head`): not an error
+        _stdout_to_devnull()
+        return None
     except OSError as e:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):  # no file descriptor behind sys.stdout: nothing left to flush at exit
-            pass
+        _stdout_to_devnull()
         return f"stdout: cannot write: {e.strerror or e}"
     return None
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at /dev/null: what is still buffered cannot fail again at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout: nothing left to flush at exit
+        pass
 
 
 def render_output(flag: str, report: dict) -> str:
@@ -341,17 +395,59 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
     return specs
 
 
+def split_world_sizes_from_targets(args: argparse.Namespace) -> None:
+    """`--world-size 2 4 case.py` puts the case file among the world sizes (argparse cannot tell): the
+    integers are world sizes, the rest targets. At least one target is required."""
+    sizes, moved = [], []
+    for value in args.world_size or []:
+        if value.lstrip("+-").isdigit():
+            sizes.append(value)
+        elif value.endswith(".py") or ".py:" in value:
+            moved.append(value)
+        else:
+            raise UsageError(f"--world-size {value}: a world size is a whole number (e.g. --world-size 2 4)")
+    args.world_size = [int(v) for v in sizes] or None
+    args.target = [*args.target, *moved]
+    if not args.target:
+        raise UsageError("verify needs a case file: tpcheck verify path/to/case.py[:NAME] (docs/case-files.md)")
+
+
+def target_spec(target: str, world_size: int, dtype: str | None, given: dict, broken: dict):
+    """The spec of one case-file target; for a target that cannot be loaded, a spec that fails again
+    (with the same message) when the launcher validates it: one invalid case, the other targets still run."""
+    from tpcheck.check.case import CaseSpec
+    from tpcheck.check.usercode import FILE_PREFIX, file_spec
+
+    try:
+        return file_spec(target, world_size, dtype=dtype, **given)
+    except UsageError as e:
+        spec = CaseSpec(block=FILE_PREFIX + target, world_size=world_size, dtype=dtype or "float32",
+                        label=f"{target}/tp{world_size}")
+        broken[spec] = e
+        return spec
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Case files: the world size is the launcher's; flags given override the Case's own values."""
     from tpcheck.check.launch import under_torchrun
-    from tpcheck.check.usercode import file_spec
+    from tpcheck.check.usercode import expand_target
 
     check_common_flags(args)
+    split_world_sizes_from_targets(args)
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
     given = {"steps": args.steps, "optimizer": args.optimizer, "lr": args.lr,
              "micro_batches": args.micro_batches, "seed": args.seed, "master_weights": args.master_weights}
-    specs = [file_spec(t, ws, dtype=d, **given)
-             for t, ws, d in itertools.product(args.target, world_sizes, args.dtype or [None])]
+    targets = []
+    for t in args.target:  # a file with several cases: all of them; a broken file: one invalid case
+        try:
+            targets += expand_target(t)
+        except UsageError:
+            targets.append(t)
+    broken: dict = {}
+    specs = [target_spec(t, ws, d, given, broken)
+             for t, ws, d in itertools.product(targets, world_sizes, args.dtype or [None])]
+    if len(broken) == len(specs):
+        raise next(iter(broken.values()))  # nothing to run: the first problem, exit 2
     return execute(specs, args)
 
 
@@ -368,8 +464,15 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
 
     timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     if not under_torchrun():  # bad input fails fast, before any rank is forked
+        problems = []
         for spec in specs:
-            RESOLVER.validate(RESOLVER.prepare(spec))
+            try:
+                RESOLVER.validate(RESOLVER.prepare(spec))
+            except UsageError as e:
+                problems.append(e)
+        if problems and len(problems) == len(specs):
+            raise problems[0]  # nothing to run: the first problem, exit 2
+        # otherwise each bad case is one "invalid" result (the launcher validates it again), the rest run
     launcher = torchrun_launcher(timeout) if under_torchrun() else pool_launcher(timeout)
     try:
         progress = None if args.quiet or len(specs) < 2 else progress_printer()
@@ -404,6 +507,12 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
                 for r in results:
                     if r["verdict"] in ("invalid", "error"):
                         print(f"tpcheck: error: {r['name']}: {r['summary']}", file=sys.stderr)
+            if getattr(args, "print_plan", False):
+                text = "".join(f"# {r['name']}\n{r['inferred_plan']}\n" if r.get("inferred_plan")
+                               else f"# {r['name']}: no plan inferred (written in the case file, or {r['verdict']})\n"
+                               for r in results)
+                if problem := write_stdout(text):
+                    failed.append(problem)
             if interrupted:
                 print(f"tpcheck: interrupted by {interrupted['signal']} after {len(results)} of {len(specs)} "
                       "case(s): every rank was stopped; the reports hold the cases that finished", file=sys.stderr)
@@ -451,6 +560,28 @@ def cmd_report(args: argparse.Namespace) -> int:
                          "`tpcheck run --json`")
     print_summary(report["cases"], sys.stderr)
     return exit_after_outputs(write_outputs(report, {"--html": args.html_path}, quiet=False), 0)
+
+
+# ------------------------------------------------------------------------------ new
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    """Write the shipped case-file template to a new file."""
+    from importlib import resources
+
+    path = args.path
+    if not path.endswith(".py"):
+        raise UsageError(f"{path!r}: a case file is a Python file; give a name ending in .py")
+    text = resources.files("tpcheck").joinpath("templates/case.py").read_text().replace("THIS_FILE", path)
+    try:
+        with open(path, "x") as f:
+            f.write(text)
+    except FileExistsError:
+        raise UsageError(f"{path} exists; tpcheck new never overwrites a file: give a new name") from None
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror or e}") from None
+    print(f"wrote {path}; check it with: tpcheck verify {path} --world-size 2 4", file=sys.stderr)
+    return 0
 
 
 # ------------------------------------------------------------------------------ faults

@@ -10,7 +10,11 @@ forked copies of this process, look it up by id (`CaseSpec(block="registered:ID"
 
 A check that does not go as expected fails the test with the verdict and the diagnosis (first
 divergent tensor, stage, step, ranks, cause); a mistake in the case (or the user's code raising)
-fails it with the message naming the user's file and line.
+fails it with the message naming the user's file and line. A test of a planted bug says what it
+expects: `tpcheck.verify(buggy, expect="not equivalent")` passes only if the bug is caught.
+
+Settings (pytest.ini / pyproject's [tool.pytest.ini_options], or per call): `tpcheck_timeout` (seconds
+any collective may wait, default 20) and `tpcheck_world_sizes` (default "2").
 """
 from __future__ import annotations
 
@@ -18,20 +22,29 @@ import dataclasses
 
 import pytest
 
+EXPECTS = ("equivalent", "not equivalent", "hang")
+
 
 class TPCheckFixture:
-    def __init__(self, timeout_s: float = 20.0) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float = 20.0, world_sizes: tuple[int, ...] = (2,)) -> None:
+        self.timeout_s, self.world_sizes = timeout_s, tuple(world_sizes)
 
-    def verify(self, case, world_sizes=(2,), **fields) -> list[dict]:
+    def verify(self, case, world_sizes=None, *, expect: str | None = None, timeout_s: float | None = None,
+               **fields) -> list[dict]:
         """Check `case` (a tpcheck.Case, "path.py[:NAME]", a CaseSpec or a built-in block name) at each
-        world size; raise AssertionError with the diagnosis unless every check went as expected.
-        `fields` for a Case or case file: dtype, steps, optimizer, lr, seed, micro_batches (override the
-        Case's own); for a built-in block: any CaseSpec field."""
+        world size (default: the `tpcheck_world_sizes` setting); raise AssertionError with the diagnosis
+        unless every case got the verdict expected -- `expect` ("equivalent", "not equivalent" for a
+        planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `fields` for a Case or
+        case file: dtype, steps, optimizer, lr, seed, micro_batches (override the Case's own); for a
+        built-in block: any CaseSpec field."""
+        __tracebackhide__ = True  # a failure shows the test's line and the diagnosis, not this function
         from tpcheck.api import check
         from tpcheck.check.case import Case, CaseSpec
         from tpcheck.check.usercode import file_spec, register
 
+        if expect is not None and expect not in EXPECTS:
+            raise ValueError(f"expect={expect!r}: give one of {list(EXPECTS)}")
+        world_sizes = self.world_sizes if world_sizes is None else tuple(world_sizes)
         if isinstance(case, Case) or (isinstance(case, str) and (case.endswith(".py") or ".py:" in case)):
             target = register(case) if isinstance(case, Case) else case
             specs = [file_spec(target, w, **fields) for w in world_sizes]
@@ -39,7 +52,9 @@ class TPCheckFixture:
             base = dataclasses.replace(case, **fields) if isinstance(case, CaseSpec) else CaseSpec(block=str(case),
                                                                                                    **fields)
             specs = [dataclasses.replace(base, world_size=w) for w in world_sizes]
-        results = check(specs, timeout_s=self.timeout_s)
+        if expect is not None:
+            specs = [dataclasses.replace(s, expected=expect) for s in specs]
+        results = check(specs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         bad = [r for r in results if not r["as_expected"]]
         if bad:
             raise AssertionError("tpcheck: " + "\n".join(describe(r) for r in bad))
@@ -57,6 +72,18 @@ def describe(result: dict) -> str:
     return "\n".join(lines)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addini("tpcheck_timeout", "tpcheck fixture: seconds any collective may wait (default 20)", default="20")
+    parser.addini("tpcheck_world_sizes", "tpcheck fixture: world sizes checked by default (default: 2)", default="2")
+
+
 @pytest.fixture
-def tpcheck() -> TPCheckFixture:
-    return TPCheckFixture()
+def tpcheck(request) -> TPCheckFixture:
+    ini = request.config.getini
+    try:
+        timeout = float(ini("tpcheck_timeout"))
+        worlds = tuple(int(w) for w in str(ini("tpcheck_world_sizes")).replace(",", " ").split())
+    except ValueError as e:
+        raise pytest.UsageError(f"tpcheck_timeout / tpcheck_world_sizes in the pytest settings: {e} (e.g. "
+                                "tpcheck_timeout = 60, tpcheck_world_sizes = 2 4)") from None
+    return TPCheckFixture(timeout_s=timeout, world_sizes=worlds or (2,))

@@ -17,14 +17,29 @@ def test_correct(tpcheck):
 
 def test_buggy(tpcheck):
     tpcheck.verify(buggy, world_sizes=[2], steps=1)
+
+def test_buggy_is_caught(tpcheck):
+    results = tpcheck.verify(buggy, world_sizes=[2], expect="not equivalent", steps=1)
+    assert [r["verdict"] for r in results] == ["not equivalent"]
+
+def test_world_sizes_from_the_ini(tpcheck):
+    results = tpcheck.verify(correct, steps=1)
+    assert [r["world_size"] for r in results] == [1, 2]
+
+def test_correct_expected_to_be_caught_fails(tpcheck):
+    tpcheck.verify(correct, world_sizes=[2], expect="not equivalent", steps=1, timeout_s=30)
 '''
+INI = "[pytest]\ntpcheck_world_sizes = 1 2\ntpcheck_timeout = 30\n"
 
 
 def test_case_object_in_test_module_pass_and_readable_failure(pytester):
     from paths import REPO
 
     pytester.makepyfile(test_inner=TEST_MODULE.format(examples=str(REPO / "examples")))
+    pytester.makeini(INI)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=240)
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=3, failed=2)
     result.stdout.fnmatch_lines(["*inline_buggy/tp2/float32: not equivalent*",
                                  "*first: output (forward, step 1) on rank(s) [[]0, 1[]]*"])
+    result.stdout.fnmatch_lines(["*inline_correct/tp2/float32: equivalent (expected not equivalent)*"])
+    assert "__tracebackhide__" not in result.stdout.str()  # the fixture's own source is not dumped

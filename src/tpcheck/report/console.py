@@ -26,8 +26,9 @@ VERDICT_STYLE = {"equivalent": "green", "not equivalent": "red", "hang": "magent
 
 def make_console(out: TextIO) -> Console:
     console = Console(file=out, force_terminal=None, highlight=False, soft_wrap=False)
-    if not console.is_terminal:
+    if not console.is_terminal:  # a pipe or a file: tables laid out at a fixed width, text lines never wrapped
         console.width = PLAIN_WIDTH
+        console.soft_wrap = True
     return console
 
 
