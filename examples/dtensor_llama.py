@@ -13,7 +13,8 @@ sequence first (PrepareModuleInput).
 Planted bug (`buggy`): the attention reshapes q/k/v with the *global* head count,
 `view(s, b, HEADS, -1)`, instead of `view(s, b, -1, head_dim)`. Dense, the two are the same; under TP
 each rank holds DIM/tp columns, so the view silently makes HEADS heads of head_dim/tp channels and
-attention mixes the wrong channels. No shape error, no hang: tpcheck flags the forward output of step 1.
+attention mixes the wrong channels. No shape error, no hang: tpcheck flags the output of
+layers.0.attention.wo (the module after the reshape) in the forward of step 1.
 """
 import torch
 import torch.nn.functional as F

@@ -25,6 +25,17 @@ def test_derived_plan_follows_the_styles():
     assert plan["layers.0.ffn_norm.weight"] == Replicate()
 
 
+def test_module_outputs_are_placed_as_their_styles_lay_them_out():
+    from dtensor_llama import Llama, tp_plan
+    from tpcheck.adapters.dtensor import derive_plan
+
+    plain, sp = derive_plan(Llama(), tp_plan(sp=False)).activations, derive_plan(Llama(), tp_plan(sp=True)).activations
+    assert plain["layers.0.attention.wq"] == Shard(-1)  # ColwiseParallel: the local output, last dim sharded
+    assert plain["layers.0.attention.wo"] == Replicate()  # RowwiseParallel: reduced
+    assert sp["layers.0.attention.wo"] == Shard(0)  # RowwiseParallel(output_layouts=Shard(0)): reduce-scattered
+    assert sp["layers.0.ffn_norm"] == Shard(0)  # SequenceParallel on the sequence dim
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mb", [1, 2])
 def test_llama_plan_world_4_and_collective_counts(mb):

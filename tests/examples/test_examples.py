@@ -33,7 +33,8 @@ def test_dtensor_llama():
     assert r["dtensor_llama/tp2/float32"]["verdict"] == "equivalent"
     assert r["dtensor_llama_sp/tp2/float32"]["verdict"] == "equivalent"
     bad = r["dtensor_llama_global_heads/tp2/float32"]
-    assert bad["verdict"] == "not equivalent" and _first(bad) == ("forward", 1, "output")
+    # per-module checks of a DTensor plan: the module after the wrong reshape is named, not only the output
+    assert bad["verdict"] == "not equivalent" and _first(bad) == ("forward", 1, "act:layers.0.attention.wo")
 
 
 def test_megatron_mlp():

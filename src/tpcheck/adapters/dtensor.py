@@ -13,6 +13,11 @@ parameter's own placement (a replicated norm weight's partial grad under sequenc
 all-reduced there). AdamW and SGD are elementwise, so stepping the local shards is exactly what a
 DTensor optimizer computes.
 
+Per-module checks: the output of every module the plan parallelizes is compared with the dense
+module's, placed as the style lays it out (ColwiseParallel: sharded on the last dim; RowwiseParallel:
+replicated, or its `output_layouts`; SequenceParallel: sharded on the sequence dim), so a plan bug
+names its module, not only the model's output.
+
 The tpcheck plan is derived from the DTensor placements: `Shard(d)` -> `Shard(d)`, `Replicate` ->
 `Replicate`. It is derived once without a process group, from torch's documented style rules
 (Colwise: Linear weight/bias Shard(0), Embedding weight Shard(1); Rowwise: Linear weight Shard(1),
@@ -74,9 +79,33 @@ def _matches(pattern: str, name: str) -> bool:
     return len(a) == len(b) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(a, b))
 
 
+def _output_placement(style) -> Placement | None:
+    """How the output of a module under `style` lies on this rank, as tpcheck compares it: the style's
+    output layout (ColwiseParallel: Shard(-1); RowwiseParallel: Replicate unless told; SequenceParallel:
+    Shard(sequence dim)). None for a style whose output tpcheck does not know, or a Partial one."""
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if isinstance(style, SequenceParallel):
+        layout = style.sequence_sharding
+    elif isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        layout = style.output_layouts
+    else:
+        return None
+    layout = layout[0] if isinstance(layout, tuple) else layout
+    if isinstance(layout, DShard):
+        return Shard(layout.dim)
+    if isinstance(layout, DReplicate):
+        return Replicate()
+    return None
+
+
 def derive_plan(dense: nn.Module, tp_plan: dict, placements: dict[str, Placement] | None = None) -> Plan:
-    """{dense parameter: tpcheck placement} for `parallelize_module(dense, mesh, tp_plan)`."""
+    """{dense parameter: tpcheck placement} for `parallelize_module(dense, mesh, tp_plan)`, and the
+    output placement of every module the plan parallelizes (its per-module check)."""
     params: dict[str, Placement] = {n: Replicate() for n, _ in dense.named_parameters()}
+    activations: dict[str, Placement] = {}
     for pattern, style in tp_plan.items():
         hits = [(n, m) for n, m in dense.named_modules() if _matches(pattern, n)]
         if not hits:
@@ -85,8 +114,10 @@ def derive_plan(dense: nn.Module, tp_plan: dict, placements: dict[str, Placement
         for name, module in hits:
             for pname, placement in _style_placements(style, module).items():
                 params[f"{name}.{pname}" if name else pname] = placement
+            if name and (out := _output_placement(style)) is not None:
+                activations[name] = out
     params.update(placements or {})
-    return Plan(params=params)
+    return Plan(params=params, activations=activations)
 
 
 def from_dtensor_placements(placements, ndim: int, name: str) -> Placement:
@@ -129,6 +160,10 @@ class LocalShards(nn.Module):
                 local = p
             self.shards[name.replace(".", "__")] = nn.Parameter(local.detach().clone())
         self.comm = None  # an open counting mode from a step's first forward to the end of its backward
+
+    def capture_modules(self):
+        """The parallelized module's submodules, under the dense names: their outputs are checked."""
+        return self.parallel.named_modules()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for key, p in self.shards.items():

@@ -15,9 +15,11 @@ Sink = Callable[[str, str, torch.Tensor], None]
 
 
 def attach(model: nn.Module, names: set[str], sink: Sink) -> list:
-    """Hook the modules of `model` named in `names`; returns handles (call .remove() on each)."""
+    """Hook the modules of `model` named in `names`; returns handles (call .remove() on each). A model
+    that runs modules outside its own tree (an adapter's wrapper) lists them in `capture_modules()`."""
     handles = []
-    for name, module in model.named_modules():
+    modules = model.capture_modules() if hasattr(model, "capture_modules") else model.named_modules()
+    for name, module in modules:
         if name in names:
             handles.append(module.register_forward_hook(_hook(name, sink)))
     return handles
@@ -28,6 +30,8 @@ def _hook(name: str, sink: Sink):
         out = output[0] if isinstance(output, tuple) else output
         if not isinstance(out, torch.Tensor):
             return
+        if hasattr(out, "to_local"):  # a DTensor output (use_local_output=False): this rank's part
+            out = out.to_local()
         sink("forward", name, out.detach())
         if out.requires_grad:
             out.register_hook(lambda grad: sink("backward", name, grad.detach()))
