@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -42,6 +43,15 @@ def _marked(mark: str) -> list[int]:
             continue
         out.append(int(d))
     return out
+
+
+def _none_left(mark: str) -> bool:
+    """True once no process carries the mark; a process SIGKILLed just before its parent exited may
+    take a moment to go (bounded wait, for the kernel, not a timing assertion)."""
+    deadline = time.monotonic() + WAIT_S
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _marked(mark) == []
 
 
 def _start(tmp_path, *targets, world=2):
@@ -85,7 +95,7 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, sig):
     assert shown.returncode == 0 and "1 of 1 case(s) as expected" in shown.stderr  # the partial report is valid
     assert f"interrupted by {sig.name} after 1 of 2 case(s)" in (tmp_path / "report.html").read_text()
     assert os.listdir(tmp) == []  # no pool store, no compile cache
-    assert _marked(mark) == []  # no rank left
+    assert _none_left(mark)  # no rank left
 
 
 def test_a_second_ctrl_c_exits_at_once_and_leaves_nothing(tmp_path):
@@ -97,14 +107,14 @@ def test_a_second_ctrl_c_exits_at_once_and_leaves_nothing(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert os.listdir(tmp) == []
-    assert _marked(mark) == []
+    assert _none_left(mark)
 
 
 def test_processes_spawned_by_the_code_under_test_die_with_its_rank(tmp_path):
     proc, tmp, mark = _start(tmp_path, "spawns")
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err
-    assert _marked(mark) == []
+    assert _none_left(mark)
     assert os.listdir(tmp) == []  # torch's torchinductor_<user> cache went to a private dir, removed
 
 

@@ -69,13 +69,13 @@ class Ranks:
     def kill(self) -> None:
         """Kill every rank and whatever it spawned (its process group), reap them, close the pipes,
         remove the store."""
-        LIVE.discard(self)
         self.signal_all()
         for p in self.procs:
             p.join(timeout=5)
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        LIVE.discard(self)  # last: a second Ctrl-C during the joins still finds this one (kill_all)
 
     def signal_all(self) -> None:
         """SIGKILL to every rank's process group at once (a group outlives its rank while the rank's
@@ -94,8 +94,12 @@ class Ranks:
 def kill_all() -> None:
     """Stop every rank of this process now and remove their temp dirs, without waiting for anything
     (a second Ctrl-C)."""
-    for ranks in list(LIVE):
+    doomed = list(LIVE)
+    for ranks in doomed:
         ranks.signal_all()
+    for ranks in doomed:  # SIGKILL is not instant: reap what has died (briefly), so that none outlives us
+        for p in ranks.procs:
+            p.join(timeout=0.2)
         shutil.rmtree(ranks.tmpdir, ignore_errors=True)
     LIVE.clear()
     for path in list(TEMP_DIRS):
