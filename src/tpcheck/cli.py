@@ -2,8 +2,9 @@
 
 0  every case went as expected (correct implementations equivalent, injected faults caught)
 1  some case did not (a TP implementation differs from its dense twin, or a fault was missed)
-2  bad input or a rank that raised/died (the message names the value and the fix), or an output (--json,
-   --html, stdout) that could not be written after the run (the others are still written)
+2  bad input (the message names the value and the fix), or an output (--json, --html, stdout) that
+   could not be written after the run (the others are still written)
+3  no verdict: a rank raised or died, or the checker failed its own control (the message says which)
 130, 143, 129  interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP: every rank is stopped at once, the
    cases that finished are reported (marked `interrupted`), temp dirs are removed; a second signal
    exits at once

@@ -8,6 +8,7 @@ from __future__ import annotations
 EXIT_EQUIVALENT = 0
 EXIT_NOT_EQUIVALENT = 1
 EXIT_USAGE = 2
+EXIT_ERROR = 3  # a rank raised or died, or the checker failed its self-test: no verdict
 
 
 class UsageError(ValueError):

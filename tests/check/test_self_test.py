@@ -1,7 +1,7 @@
 """The self-test can fail where it matters: on every rank, at every stage and step, a control (a copy of
 the reference with one element moved by a known amount) goes through the same compare -> bound ->
 merge -> verdict path as the real tensors. Broken checkers (mutants of that path) turn a buggy case's
-run into verdict "error" (exit 2) saying the checker failed its control; the real checker does not."""
+run into verdict "error" (exit 3) saying the checker failed its control; the real checker does not."""
 import dataclasses
 
 import pytest
@@ -63,7 +63,7 @@ def test_a_broken_checker_ends_in_error_not_a_verdict(monkeypatch, mutant):
         assert r["verdict"] == "error", (mutant.__name__, r["summary"])
         assert r["summary"].startswith("the checker failed its control"), r["summary"]
         assert r["self_test"]["failures"]
-    assert exit_code(results) == 2
+    assert exit_code(results) == 3
 
 
 def test_the_real_checker_passes_its_controls_on_every_rank_stage_and_step():

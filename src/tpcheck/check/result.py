@@ -20,7 +20,7 @@ from tpcheck.check.compare import Check
 from tpcheck.check.diagnose import diagnose
 from tpcheck.check.failures import failure_fields
 from tpcheck.check.ledger import LedgerEntry, check_ledger
-from tpcheck.errors import EXIT_EQUIVALENT, EXIT_NOT_EQUIVALENT, EXIT_USAGE
+from tpcheck.errors import EXIT_EQUIVALENT, EXIT_ERROR, EXIT_NOT_EQUIVALENT, EXIT_USAGE
 
 PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint", "where")
 
@@ -226,10 +226,13 @@ def _loaded_by(first: dict) -> str:
 
 
 def exit_code(results: Sequence[dict]) -> int:
-    """The one exit-code rule: 2 if any case was invalid or errored, else 1 if any case did not go as
-    expected, else 0."""
-    if any(r["verdict"] in ("invalid", "error") for r in results):
+    """The one exit-code rule: 2 if any case was invalid (bad input: the user's to fix first), else 3 if
+    any errored (a rank raised or died, or the checker failed its control), else 1 if any case did not
+    go as expected, else 0."""
+    if any(r["verdict"] == "invalid" for r in results):
         return EXIT_USAGE
+    if any(r["verdict"] == "error" for r in results):
+        return EXIT_ERROR
     if not all(r["as_expected"] for r in results):
         return EXIT_NOT_EQUIVALENT
     return EXIT_EQUIVALENT
