@@ -70,9 +70,7 @@ class RankPool:
     def run(self, spec: CaseSpec) -> list[RankPayload]:
         """Run one case on every rank; returns one payload per rank (synthesised for dead or killed ranks)."""
         self.cases += 1
-        watch = Watch(self.world, self.cases, self.timeout_s)
-        if self.stall_s is not None:
-            watch.stall_limit = lambda: self.stall_s
+        watch = Watch(self.world, self.cases, self.timeout_s, stall_s=self.stall_s)
         for conn in self.conns:
             try:
                 send_plain(conn, spec)
