@@ -258,10 +258,9 @@ class Engine:
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
 
-    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder):
+    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted):
         case = self.case
         handles = capture.attach(model, set(case.plan.activations), recorder) if self.settings.capture else []
-        wanted = case.grad_input_names(inputs)
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         out = model(**kw)
         loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
@@ -272,9 +271,10 @@ class Engine:
     def _forward_backward(self, step: int, batch) -> None:
         case, group, cmp = self.case, self.group, self.cmp
         inputs, target = batch
+        wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
         rec_d, rec_t = capture.Recorder(), capture.Recorder()
         rng = torch.random.get_rng_state()
-        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d)
+        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted)
         if not torch.equal(rng, torch.random.get_rng_state()):
             raise UsageError(NONDETERMINISTIC)
         if self.truth is self.dense:
@@ -282,7 +282,7 @@ class Engine:
         elif self.truth is None:
             kw_t, out_t, loss_t = {k: _NoGrad for k in kw_d}, None, None
         else:
-            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t)
+            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted)
 
         def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
             d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None
@@ -293,7 +293,6 @@ class Engine:
 
         names = set(case.plan.activations)
         handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
-        wanted = case.grad_input_names(inputs)
         kw_tp = {}
         for k, v in inputs.items():
             local = case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
@@ -301,6 +300,8 @@ class Engine:
             kw_tp[k] = leaf(local, k in wanted)
         with self.tap.tp_phase("forward"):
             out_tp = self.tp(**kw_tp)
+        # compared before the loss sees it: a loss may work in place on its input (Megatron's
+        # vocab-parallel cross-entropy subtracts the max from the logits)
         cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
         target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank, group.world_size),
                                    target)

@@ -21,6 +21,8 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 
+from tpcheck.check.usercode import short_path
+
 BEAT_S = 0.25            # a rank's heartbeat period
 STALE_S = 2.0            # no beat for this long: the rank is not responding
 STALL_EXTRA_S = 4.0      # no rank waits and no stack moves for timeout + this: a hang
@@ -64,16 +66,13 @@ class Beat:
     ledger: list = field(default_factory=list)
 
 
-def _short(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
-
-
 def _is_library(path: str) -> bool:
     return path.startswith(_TORCH_DIR) or path.startswith(_STDLIB) or path.startswith("<")
+
+
+def _where(f: tuple[str, int, str]) -> str:
+    """A frame (file, line, function) as "file:line in function", the file relative to the cwd."""
+    return f"{short_path(f[0])}:{f[1]} in {f[2]}"
 
 
 def spot_of(frame, tapped: tuple | None, checkpoint: str | None) -> Spot:
@@ -84,9 +83,9 @@ def spot_of(frame, tapped: tuple | None, checkpoint: str | None) -> Spot:
         frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
     mine = [f for f in frames if not _is_library(f[0])]
-    stack = [f"{_short(p)}:{n} in {fn}" for p, n, fn in mine[:STACK_FRAMES]]
+    stack = [_where(f) for f in mine[:STACK_FRAMES]]
     placed = [f for f in mine if not f[0].endswith(_PLUMBING)] or mine or frames
-    at = f"{_short(placed[0][0])}:{placed[0][1]} in {placed[0][2]}" if placed else "?"
+    at = _where(placed[0]) if placed else "?"
     in_c10d = next((i for i, f in enumerate(frames) if f[0].endswith(_COLLECTIVE_FILES)), None)
     if checkpoint is not None and any(f[0].endswith(_SYNC_FILE) for f in frames):
         return Spot("checkpoint", at, None, stack)
@@ -97,8 +96,7 @@ def spot_of(frame, tapped: tuple | None, checkpoint: str | None) -> Spot:
             first += 1
         callers = [f for f in frames[first + 1:] if not _is_library(f[0]) and not f[0].endswith(_PLUMBING)]
         call = next((f[2] for f in frames[in_c10d:first + 1] if f[2] != "wrapper"), frames[in_c10d][2])
-        where = f"{_short(callers[0][0])}:{callers[0][1]} in {callers[0][2]}" if callers else at
-        return Spot("collective", where, call, stack)
+        return Spot("collective", _where(callers[0]) if callers else at, call, stack)
     if tapped is not None:
         return Spot("collective", at, tapped[0], stack)
     return Spot("compute", at, None, stack)
@@ -109,7 +107,6 @@ class BeatMaker:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.case = -1
         self._tap = None
         self._sent = 0
         self._key, self._since = None, time.monotonic()
@@ -123,12 +120,11 @@ class BeatMaker:
         checkpoint = getattr(rendezvous, "waiting_at", None)
         spot = spot_of(frame, tapped, checkpoint)
         label = checkpoint if spot.state == "checkpoint" else (tapped if spot.state == "collective" else None)
-        key = (case, spot.state, spot.at, spot.call, label, len(tap.ledger) if tap is not None else 0,
-               getattr(rendezvous, "rounds", 0))
+        progress = (len(tap.ledger) if tap is not None else 0, getattr(rendezvous, "rounds", 0))
+        key = (case, spot.state, spot.at, spot.call, label, progress)
         now = time.monotonic()
         if key != self._key:
             self._key, self._since = key, now
-        progress = (len(tap.ledger) if tap is not None else 0, getattr(rendezvous, "rounds", 0))
         return Beat(self.rank, case, progress, spot, label, now - self._since, new)
 
 

@@ -66,12 +66,12 @@ class Ranks:
             self.procs.append(p)
         LIVE.add(self)
 
-    def kill(self) -> None:
-        """Kill every rank and whatever it spawned (its process group), reap them, close the pipes,
-        remove the store."""
+    def kill(self, join_s: float = 5.0) -> None:
+        """Kill every rank and whatever it spawned (its process group), reap them (waiting at most
+        `join_s` for each), close the pipes, remove the store."""
         self.signal_all()
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=join_s)
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -94,14 +94,8 @@ class Ranks:
 def kill_all() -> None:
     """Stop every rank of this process now and remove their temp dirs, without waiting for anything
     (a second Ctrl-C)."""
-    doomed = list(LIVE)
-    for ranks in doomed:
-        ranks.signal_all()
-    for ranks in doomed:  # SIGKILL is not instant: reap what has died (briefly), so that none outlives us
-        for p in ranks.procs:
-            p.join(timeout=0.2)
-        shutil.rmtree(ranks.tmpdir, ignore_errors=True)
-    LIVE.clear()
+    for ranks in list(LIVE):  # SIGKILL is not instant: reap briefly, so that no rank outlives us
+        ranks.kill(join_s=0.2)
     for path in list(TEMP_DIRS):
         shutil.rmtree(path, ignore_errors=True)
     TEMP_DIRS.clear()

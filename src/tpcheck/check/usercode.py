@@ -86,22 +86,22 @@ def load_module(path: str):
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if os.getpid() == _PARENT:  # a forked rank inherits the module; only the process that reports probes
         _survives(lambda: spec.loader.exec_module(importlib.util.module_from_spec(spec)),
-                  f"importing your case file {_short(path)}")
+                  f"importing your case file {short_path(path)}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     try:
         spec.loader.exec_module(module)
     except SystemExit as e:
         del sys.modules[mod_name]
-        raise UsageError(_exit_message(e, f"your case file {_short(path)}", path)) from None
+        raise UsageError(_exit_message(e, f"your case file {short_path(path)}", path)) from None
     except KeyboardInterrupt as e:
         del sys.modules[mod_name]
         if interrupt_is_a_signal():
             raise
-        raise UsageError(_interrupt_message(e, f"your case file {_short(path)}", path)) from None
+        raise UsageError(_interrupt_message(e, f"your case file {short_path(path)}", path)) from None
     except SyntaxError as e:
         del sys.modules[mod_name]
-        raise UsageError(f"syntax error in your case file ({_short(e.filename or path)}:{e.lineno}): {e.msg}") from None
+        raise UsageError(f"syntax error in your case file ({short_path(e.filename or path)}:{e.lineno}): {e.msg}") from None
     except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported at its line
         del sys.modules[mod_name]
         raise UsageError(f"importing your case file failed ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
@@ -124,17 +124,17 @@ def available(module) -> dict[str, object]:
 def pick(module, path: str, name: str | None):
     found = available(module)
     if not found:
-        raise UsageError(f"case file {_short(path)} defines no tpcheck.Case and no `def case(spec)` function; "
+        raise UsageError(f"case file {short_path(path)} defines no tpcheck.Case and no `def case(spec)` function; "
                          "see docs/case-files.md")
     if name is None:
         if len(found) > 1:  # expand_target gives each its :NAME first
-            raise UsageError(f"case file {_short(path)} defines several cases {sorted(found)}; pick one with "
-                             f"{_short(path)}:NAME")
+            raise UsageError(f"case file {short_path(path)} defines several cases {sorted(found)}; pick one with "
+                             f"{short_path(path)}:NAME")
         return next(iter(found.items()))
     for key in (name, f"case_{name}"):
         if key in found:
             return key, found[key]
-    raise UsageError(f"case file {_short(path)} has no case {name!r}; available: {sorted(found)}")
+    raise UsageError(f"case file {short_path(path)} has no case {name!r}; available: {sorted(found)}")
 
 
 def user_case(spec: CaseSpec) -> Case:
@@ -149,7 +149,7 @@ def user_case(spec: CaseSpec) -> Case:
     attr, obj = pick(load_module(path), path, name)
     if not isinstance(obj, Case):
         if os.getpid() == _PARENT:
-            _survives(lambda: obj(spec), f"your {attr}(spec) in {_short(path)}")
+            _survives(lambda: obj(spec), f"your {attr}(spec) in {short_path(path)}")
         try:
             obj = obj(spec)
         except UsageError:
@@ -163,7 +163,7 @@ def user_case(spec: CaseSpec) -> Case:
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"in your {attr} ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
         if not isinstance(obj, Case):
-            raise UsageError(f"your {attr}(spec) in {_short(path)} returned {type(obj).__name__}, not a tpcheck.Case")
+            raise UsageError(f"your {attr}(spec) in {short_path(path)} returned {type(obj).__name__}, not a tpcheck.Case")
     return guard_user_case(obj, path)
 
 
@@ -215,8 +215,8 @@ def user_frame(exc: BaseException, path: str | None) -> str:
         mine = [f for f in frames if not os.path.abspath(f.filename).startswith(pkg)
                 and "site-packages" not in f.filename and "/lib/python" not in f.filename]
     if not mine:
-        return _short(path) if path else "?"
-    return f"{_short(mine[-1].filename)}:{mine[-1].lineno}"
+        return short_path(path) if path else "?"
+    return f"{short_path(mine[-1].filename)}:{mine[-1].lineno}"
 
 
 def guard_user_case(case: Case, path: str | None) -> Case:
@@ -291,7 +291,7 @@ def defined_at(fn) -> str:
     """"file.py:LINE" where the user's callable is defined."""
     target = inspect.unwrap(fn)
     try:
-        return f"{_short(os.path.abspath(inspect.getsourcefile(target)))}:{inspect.getsourcelines(target)[1]}"
+        return f"{short_path(os.path.abspath(inspect.getsourcefile(target)))}:{inspect.getsourcelines(target)[1]}"
     except (TypeError, OSError):
         return getattr(target, "__qualname__", repr(target))
 
@@ -350,7 +350,7 @@ def _defined_in(fn) -> str | None:
         return None
 
 
-def _short(path: str | None) -> str:
+def short_path(path: str | None) -> str:
     if not path:
         return "?"
     rel = os.path.relpath(path)
