@@ -1,5 +1,5 @@
 """DTensor adapter: the plan derived from a parallelize_module plan, the torchtitan-style Llama plan at
-world 4, and DTensor's collectives counted per phase (CommDebugMode) into the ledger."""
+world 4, and DTensor's collectives counted per phase (the functional collectives DTensor calls) into the ledger."""
 import sys
 from collections import Counter
 

@@ -25,14 +25,15 @@ bias Replicate, Embedding weight Shard(0); everything else replicated), and on e
 DTensor placements are checked against it (a custom ParallelStyle that places differently is an error
 naming the parameter; pass `placements=` for it).
 
-Collectives: DTensor's collectives do not pass through a TPGroup, so a dispatch mode (`_counting_mode`,
-what torch's CommDebugMode counts) counts them, per phase, into the case's ledger (site "dtensor"): forward = during the
+Collectives: DTensor's collectives do not pass through a TPGroup, so the functional collectives it
+calls are counted (`_CollectiveCount`), per phase, into the case's ledger (site "dtensor"): forward = during the
 module's forward; backward = from the output's gradient to the end of the backward pass. The checker
 compares the ledgers of all ranks like any other, and reports them.
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections import Counter
 from collections.abc import Callable
 
@@ -140,9 +141,10 @@ class LocalShards(nn.Module):
     """The engine's view of a parallelized module: plain local parameters under the dense names.
 
     The parallelized module is held outside the module tree (its DTensor parameters stay hidden);
-    `forward` feeds it DTensors made from the local shards."""
+    `forward` feeds it DTensors made from the local shards. With a plan, each DTensor's placement is
+    checked against it; without one (a plan inferred from the values), any placement is taken."""
 
-    def __init__(self, parallel: nn.Module, mesh, group: TPGroup, plan: Plan) -> None:
+    def __init__(self, parallel: nn.Module, mesh, group: TPGroup, plan: Plan | None) -> None:
         super().__init__()
         object.__setattr__(self, "parallel", parallel)
         self.mesh, self.group = mesh, group
@@ -150,8 +152,8 @@ class LocalShards(nn.Module):
         self.shards = nn.ParameterDict()
         for name, p in parallel.named_parameters():
             if hasattr(p, "to_local"):
-                seen = from_dtensor_placements(p.placements, p.dim(), name)
-                if str(seen) != str(plan.params[name]):
+                seen = from_dtensor_placements(p.placements, p.dim(), name) if plan is not None else None
+                if plan is not None and str(seen) != str(plan.params[name]):
                     raise UsageError(f"parameter {name!r}: the DTensor plan placed it {seen}, the derived plan says "
                                      f"{plan.params[name]}; pass placements={{{name!r}: {seen!r}}} to dtensor_case")
                 self.specs[name] = (p.placements, p.shape, p.stride())
@@ -185,13 +187,17 @@ class LocalShards(nn.Module):
             self.comm = _counting_mode()
             self.comm.__enter__()
         before = _counts(self.comm)
-        out = torch.func.functional_call(self.parallel, self._params(), args=(), kwargs=inputs)
+        out = self.call(self._params(), inputs)
         if hasattr(out, "to_local"):
             out = out.to_local()
         self._record("forward", before)
         if out.requires_grad:
             out.register_hook(self._on_backward_start)
         return out
+
+    def call(self, params: dict[str, torch.Tensor], inputs: dict):
+        """The parallelized module's forward with `params` (DTensors made from the local shards)."""
+        return torch.func.functional_call(self.parallel, params, args=(), kwargs=inputs)
 
     def _on_backward_start(self, grad):
         start = _counts(self.comm)
@@ -217,45 +223,63 @@ class LocalShards(nn.Module):
         self._close()
 
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
-_COLLECTIVES = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
-                ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("gather", "gather"), ("scatter", "scatter"),
-                ("reduce", "reduce"))
+# DTensor's collectives, at the Python layer it issues them through (placements and redistribution
+# call `funcol.<name>(...)`, looked up on the module at call time): {function: the ledger's op}.
+_FUNCOL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_gather_single": "all_gather",
+           "all_gather_tensor": "all_gather", "all_gather_inplace": "all_gather",
+           "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_single": "reduce_scatter",
+           "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+           "all_to_all_single": "all_to_all", "broadcast": "broadcast", "permute_tensor": "all_to_all"}
+_ACTIVE: list[Counter] = []  # the open counters (innermost last); counted only while one is open
+_DEPTH = [0]  # a funcol function calling another counts once
 
 
-def _collective(func) -> str | None:
-    """The ledger's name of a c10d / functional-collective op, or None for any other op."""
-    packet = getattr(func, "_overloadpacket", None)
-    if packet is None or getattr(packet, "_qualified_op_name", "").split("::")[0] not in _COLLECTIVE_NAMESPACES:
-        return None
-    flat = packet.__name__.replace("_", "")
-    return next((name for key, name in _COLLECTIVES if key in flat), None)
+def _install_funcol_counting() -> None:
+    """Wrap the functional collectives DTensor calls, once per process. A wrapped function costs one
+    list lookup when no counter is open, so only the TP side's phases pay for it."""
+    import torch.distributed._functional_collectives as funcol
+
+    for fname, op in _FUNCOL.items():
+        original = getattr(funcol, fname, None)
+        if original is None or getattr(original, "_tpcheck_counted", False):
+            continue
+
+        def counted(*args, __original=original, __op=op, **kwargs):
+            if _ACTIVE and _DEPTH[0] == 0:
+                _ACTIVE[-1][__op] += 1
+            _DEPTH[0] += 1
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                _DEPTH[0] -= 1
+
+        functools.update_wrapper(counted, original)
+        counted._tpcheck_counted = True
+        setattr(funcol, fname, counted)
 
 
-def _counting_mode():
-    """A dispatch mode that counts the collectives DTensor issues (it lets DTensor desugar first, as
-    torch's CommDebugMode does). Not CommDebugMode itself: in torch 2.13 its module tracker registers a
-    forward hook per module call and leaks those of a module called twice in one forward, so a second
-    forward under it fails with IndexError in `_fw_set_module_hook`."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _CollectiveCount:
+    """Counts, while open, the collectives DTensor issues (`counts`: {op: n}). Not torch's
+    CommDebugMode, nor any dispatch mode: a Python dispatch mode sees every op of the TP forward and
+    backward and made a HuggingFace check ~1.6x slower; and in torch 2.13 CommDebugMode's module
+    tracker leaks the hooks of a module called twice in one forward (IndexError in
+    `_fw_set_module_hook`)."""
 
-    class CollectiveCount(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.counts: Counter = Counter()
+    def __init__(self) -> None:
+        _install_funcol_counting()
+        self.counts: Counter = Counter()
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if isinstance(func, torch._ops.HigherOrderOperator):
-                return func(*args, **(kwargs or {}))
-            if any(t is DTensor or (isinstance(t, type) and issubclass(t, DTensor)) for t in types):
-                return NotImplemented
-            out = func(*args, **(kwargs or {}))
-            if (name := _collective(func)) is not None:
-                self.counts[name] += 1
-            return out
+    def __enter__(self):
+        _ACTIVE.append(self.counts)
+        return self
 
-    return CollectiveCount()
+    def __exit__(self, *exc) -> None:
+        if self.counts in _ACTIVE:
+            _ACTIVE.remove(self.counts)
+
+
+def _counting_mode() -> _CollectiveCount:
+    return _CollectiveCount()
 
 
 def _counts(comm) -> Counter:
