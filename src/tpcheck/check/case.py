@@ -174,6 +174,11 @@ class Case:
         every floating-point input that gets a gradient on the dense side.
     expected_collectives: (phase, op, site) the TP module should issue per micro-batch (forward,
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
+    activations: placements of module outputs to check, for a case whose plan is inferred (plan=None);
+        a written plan carries its own (`Plan.activations`).
+    no_grad_forward: also run each step's first micro-batch without autograd (torch.no_grad) on both
+        sides and compare that output ("output:no_grad"): for TP code that takes another path when no
+        gradient is needed (HuggingFace's local-matmul inference path).
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
@@ -191,6 +196,8 @@ class Case:
     target_placement: Placement = Replicate()
     grad_inputs: tuple[str, ...] | None = None
     expected_collectives: tuple | None = None
+    activations: dict[str, Placement] = field(default_factory=dict)
+    no_grad_forward: bool = False
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
 
@@ -198,6 +205,9 @@ class Case:
         if self.plan is None and self.load_tp is None:
             raise UsageError(f"Case {self.name!r} has no plan: give plan=Plan(...), or give load_tp (your own loading) "
                              "and tpcheck infers the plan from what it loads")
+        if self.plan is not None and self.activations:
+            raise UsageError(f"Case {self.name!r}: activations are given twice; with a written plan, put them in "
+                             "Plan(activations=...)")
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
             if name == "plan" and self.plan is None:
                 continue

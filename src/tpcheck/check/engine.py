@@ -79,8 +79,9 @@ class Engine:
         self.inferred_plan = None
         if case.plan is None:  # no plan written: inferred from what the user's loader put there
             plan = infer_plan(self.tp, self.dense, rendezvous, group.rank, group.world_size)
+            plan = dataclasses.replace(plan, activations=dict(case.activations))
             plan.check_against(self.dense, group.world_size)
-            self.case = dataclasses.replace(case, plan=plan)
+            self.case = dataclasses.replace(case, plan=plan, activations={})
             self.inferred_plan = plan_as_code(plan)
 
     def _build(self) -> None:
@@ -165,6 +166,8 @@ class Engine:
         self._truth_from_dense(self.dense.named_parameters())
         for micro in range(self.settings.micro_batches):
             batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, torch.float32)
+            if micro == 0 and self.case.no_grad_forward:
+                self._no_grad_forward(step, batch[0])
             self._forward_backward(step, batch)
         with self.tap.tp_phase("optimizer"):
             if hasattr(self.tp, "finalize_grads"):
@@ -268,6 +271,28 @@ class Engine:
         capture.detach_all(handles)
         return kw, out.detach(), loss.detach()
 
+    def _tp_inputs(self, inputs: dict, wanted: tuple = ()) -> dict:
+        """The TP side's forward inputs: each placed as `input_placements` says (Replicate by default)."""
+        case, group = self.case, self.group
+        return {k: leaf(case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
+                                                                          group.world_size), k in wanted)
+                for k, v in inputs.items()}
+
+    def _no_grad_forward(self, step: int, inputs: dict) -> None:
+        """The forward without autograd on every side, its output compared ("output:no_grad"): TP code may
+        take another path when no gradient is needed (local matmuls and a plain all-reduce instead of
+        DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""
+        with torch.no_grad():
+            out_d = self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()})
+            if self.truth is self.dense:
+                out_t = out_d
+            else:
+                out_t = self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}) \
+                    if self.truth is not None else None
+            with self.tap.tp_phase("forward"):
+                out_tp = self.tp(**self._tp_inputs(inputs))
+        self.cmp.compare("forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement)
+
     def _forward_backward(self, step: int, batch) -> None:
         case, group, cmp = self.case, self.group, self.cmp
         inputs, target = batch
@@ -293,11 +318,7 @@ class Engine:
 
         names = set(case.plan.activations)
         handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
-        kw_tp = {}
-        for k, v in inputs.items():
-            local = case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
-                                                                    group.world_size)
-            kw_tp[k] = leaf(local, k in wanted)
+        kw_tp = self._tp_inputs(inputs, wanted)
         with self.tap.tp_phase("forward"):
             out_tp = self.tp(**kw_tp)
         # compared before the loss sees it: a loss may work in place on its input (Megatron's

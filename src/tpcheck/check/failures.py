@@ -13,9 +13,12 @@ right there).
 """
 from __future__ import annotations
 
+import re
+
 from tpcheck.check.case import CaseSpec
 from tpcheck.check.heartbeat import culprits, describe
 from tpcheck.check.ledger import ledger_diff
+from tpcheck.check.usercode import short_path
 
 # status -> (priority, verdict); lower priority wins
 STATUS = {"usage": (0, "invalid"), "crash": (1, "error"), "error": (2, "error"), "hang": (3, "hang"),
@@ -48,8 +51,29 @@ def _kind(p) -> str:
     return p.status if p.status in STATUS else "error"
 
 
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+_NOT_UNDER_TEST = ("/torch/", "/tpcheck/", "/multiprocessing/", "/threading.py", "/contextlib.py", "/functools.py")
+
+
+def raised_in(tb: str) -> str | None:
+    """The innermost frame of a traceback in the code under test (not torch's, not tpcheck's, not the
+    standard library's plumbing): 'file.py:LINE in func: source', or None."""
+    lines = tb.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.match(lines[i])
+        if m and not any(part in m["path"] for part in _NOT_UNDER_TEST):
+            source = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            path = m["path"].split("site-packages/", 1)[-1] if "site-packages/" in m["path"] else short_path(m["path"])
+            where = f"{path}:{m['line']} in {m['func']}"
+            return f"{where}: {source}" if source else where
+    return None
+
+
 def error_summary(p) -> str:
     text = f"error: rank {p.rank}: {p.message}"
+    where = raised_in(p.traceback) if p.traceback else None
+    if where and where.split(":", 1)[0] not in p.message:
+        text += f" (raised at {where})"
     if p.traceback:
         tail = p.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
         text += "\n" + "\n".join("       " + line for line in tail)
