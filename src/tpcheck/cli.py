@@ -37,6 +37,7 @@ EXAMPLES = {
   tpcheck run --world-size 2 4                       # the built-in MLP block, float32, 3 AdamW steps
   tpcheck verify my_case.py --world-size 2 4         # your own TP code (docs/case-files.md)
   tpcheck run --block layer --dtype bf16 --fault all # every catalogue fault that applies, in bfloat16
+  tpcheck hf llama mistral --world-size 2 4          # HuggingFace transformers' own TP plans
   tpcheck faults                                     # the fault catalogue""",
     "run": """examples:
   tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
@@ -46,6 +47,12 @@ EXAMPLES = {
   tpcheck verify my_case.py                          # every case in the file, world size 2
   tpcheck verify my_case.py:buggy --world-size 2 4   # one case, two world sizes
   tpcheck verify a.py b.py --dtype bf16 --steps 5 --json r.json""",
+    "hf": """examples:
+  tpcheck hf llama qwen3 --world-size 2 4            # two architectures, transformers' own plans
+  tpcheck hf --all --json sweep.json --html sweep.html   # every architecture with a TP plan
+  tpcheck hf qwen3 --micro-batches 1                 # one micro-batch (no gradient accumulation)
+  tpcheck hf qwen3 --rule 'model.layers.*.self_attn.q_norm=replicate'   # override a plan rule
+  tpcheck hf --list                                  # the architectures with a TP plan""",
     "new": """examples:
   tpcheck new my_case.py && tpcheck verify my_case.py --world-size 2 4""",
     "faults": """examples:
@@ -109,6 +116,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print, on stdout, the plan inferred for each case without one (Case(plan=None, load_tp=...))")
     _add_output_args(verify)
     verify.set_defaults(func=cmd_verify)
+
+    hf = command("hf", "check HuggingFace transformers' own TP plans, architecture by architecture "
+                       "(pip install 'tpcheck[transformers]')")
+    hf.add_argument("architecture", nargs="*", help="model types (llama, qwen3, mixtral, ...); see --list")
+    hf.add_argument("--all", dest="all_architectures", action="store_true",
+                    help="every architecture whose config declares a TP plan")
+    hf.add_argument("--list", dest="list_architectures", action="store_true",
+                    help="print the architectures with a TP plan and exit")
+    hf.add_argument("--world-size", type=int, nargs="+", default=[2], help="TP world sizes (default: 2)")
+    hf.add_argument("--dtype", nargs="+", default=["float32"], type=dtype_name,
+                    help="float32, bfloat16 (bf16), float16 (fp16), float64 (default: float32)")
+    hf.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2)")
+    hf.add_argument("--micro-batches", type=int, default=2,
+                    help="gradient accumulation: micro-batches per step (default 2)")
+    hf.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="default adamw")
+    hf.add_argument("--lr", type=float, default=None, help="learning rate, up to 10 (default 1e-3)")
+    _add_precision_arg(hf)
+    hf.add_argument("--seed", type=int, default=31, help="seed of the weights and batches (default 31)")
+    hf.add_argument("--rule", action="append", metavar="PATTERN=STYLE",
+                    help="override one rule of transformers' plan (repeatable), e.g. "
+                         "'model.layers.*.mlp.down_proj=rowwise'")
+    hf.add_argument("--full", action="store_true",
+                    help="keep every check of every case in the JSON (default: the failed ones, and counts)")
+    _add_output_args(hf)
+    hf.set_defaults(func=cmd_hf)
 
     new = command("new", "write a commented case file to start from (it verifies as written)")
     new.add_argument("path", metavar="CASE.py", help="where to write it (never over an existing file)")
@@ -452,9 +484,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return execute(specs, args)
 
 
-def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None, seed_world_size: int = 2) -> int:
+def cmd_hf(args: argparse.Namespace) -> int:
+    """HuggingFace architectures: skipped ones are rows of the sweep, the others cases."""
+    from tpcheck import hf
+
+    if args.list_architectures:
+        names = hf.select([], True)
+        problem = write_stdout("".join(f"{n}\n" for n in names))
+        return exit_after_outputs([problem] if problem else [], 0)
+    check_common_flags(args)
+    names = hf.select(args.architecture, args.all_architectures)
+    rules = hf.parse_rules(args.rule)
+    settings = {"steps": hf.SWEEP_STEPS if args.steps is None else args.steps, "micro_batches": args.micro_batches,
+                "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
+                "master_weights": True if args.master_weights is None else args.master_weights}
+    specs, skipped = hf.plan_sweep(names, args.world_size, args.dtype, rules, **settings)
+    if not specs:
+        raise UsageError("nothing to check: " + "; ".join(f"{r['architecture']} (tp{r['world_size']}) skipped: "
+                                                          f"{r['reason']}" for r in skipped[:5]))
+
+    def finish(report: dict) -> None:
+        report["sweep"] = hf.sweep_section(report["cases"], skipped, args.world_size, rules)
+        if not args.full:
+            report["cases"] = [hf.compact(r) for r in report["cases"]]
+        if not args.quiet:
+            for row in skipped:
+                print(f"tpcheck: {row['architecture']} (tp{row['world_size']}) skipped: {row['reason']}",
+                      file=sys.stderr)
+            print(f"tpcheck hf: {report['sweep']['summary']}", file=sys.stderr)
+
+    return execute(specs, args, finish_report=finish)
+
+
+def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None, seed_world_size: int = 2,
+            finish_report=None) -> int:
     """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit code.
-    seed_mode: the seed's JSON for that mode goes to stdout (inspect: for `seed_world_size` ranks)."""
+    seed_mode: the seed's JSON for that mode goes to stdout (inspect: for `seed_world_size` ranks).
+    finish_report(report): adds to the report before it is written (the HF sweep's table)."""
     from tpcheck.check.launch import DEFAULT_TIMEOUT_S, under_torchrun
     from tpcheck.check.result import exit_code
     from tpcheck.check.session import run_specs
@@ -497,6 +563,8 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
 
                 seed = seed_payload(seed_mode, results, seed_world_size)
             report = build_report(results, exit_code=code, seed=seed, interrupted=interrupted)
+            if finish_report is not None:
+                finish_report(report)
             failed = []  # outputs that could not be written: said at the end, exit 2
             stdout_problem = write_stdout(json.dumps(report["seed"], indent=2) + "\n") if seed else None
             if stdout_problem:

@@ -1,7 +1,8 @@
 """CaseSpec -> Case: the one place that knows every kind of case.
 
-A spec names a built-in block (`tpcheck.blocks.BLOCKS`), a user's case file ("file:PATH[:NAME]") or a
-Case registered in this process ("registered:ID"), optionally with a catalogue fault
+A spec names a built-in block (`tpcheck.blocks.BLOCKS`), a user's case file ("file:PATH[:NAME]"), a
+Case registered in this process ("registered:ID") or a HuggingFace architecture with transformers' own
+TP plan ("hf:MODEL_TYPE", `tpcheck.adapters.transformers`), optionally with a catalogue fault
 (`tpcheck.faults`). `RESOLVER` is handed to the launcher: the checker (`tpcheck.check`) runs whatever
 Case it is given and imports neither the blocks nor the faults.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from tpcheck.blocks import BLOCKS, config_for
 from tpcheck.check.case import Case, CaseSpec
 from tpcheck.check.launch import DEFAULT_TIMEOUT_S, Launcher, TorchrunLauncher
-from tpcheck.check.usercode import build_user_case, is_user_block
+from tpcheck.check.usercode import HF_PREFIX, build_user_case, is_user_block
 from tpcheck.errors import UsageError
 from tpcheck.faults import CATALOGUE, apply_fault, check_applies
 
@@ -25,6 +26,18 @@ class DefaultResolver:
 
     def validate(self, spec: CaseSpec) -> None:
         spec.validate()
+        if spec.block.startswith(HF_PREFIX):
+            if spec.fault:
+                raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; override a "
+                                 "rule of the HuggingFace plan instead (tpcheck hf --rule)")
+            from tpcheck.adapters import transformers as hf
+
+            model_type = spec.block[len(HF_PREFIX):]
+            try:
+                hf.prepare(model_type, spec.world_size, dict(dict(spec.overrides).get("tp_plan", ())) or None)
+            except hf.Skip as e:
+                raise UsageError(f"{model_type} (tp{spec.world_size}) cannot be checked: {e}") from None
+            return
         if is_user_block(spec.block):
             if spec.fault:
                 raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; plant the "
@@ -36,6 +49,10 @@ class DefaultResolver:
             check_applies(spec)
 
     def build(self, spec: CaseSpec) -> Case:
+        if spec.block.startswith(HF_PREFIX):
+            from tpcheck.adapters.transformers import hf_case
+
+            return hf_case(spec)
         if is_user_block(spec.block):
             return build_user_case(spec)
         spec = self.prepare(spec)

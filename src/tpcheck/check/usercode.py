@@ -27,6 +27,7 @@ from tpcheck.check.spawn import interrupt_is_a_signal
 from tpcheck.errors import UsageError
 
 FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
+HF_PREFIX = "hf:"  # a HuggingFace architecture with transformers' own plan (tpcheck.adapters.transformers)
 # Case fields a CaseSpec may override for a user case (set by the CLI/plugin only for values given).
 OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches", "master_weights")
 USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "load_tp", "loss", "tp_loss")

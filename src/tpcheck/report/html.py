@@ -26,7 +26,7 @@ table{border-collapse:collapse;margin:6px 0 12px}th,td{border:1px solid #ddd;pad
 .good{background:#e3f4e1;color:#14532d}.bad{background:#fde2e1;color:#7f1d1d}
 .v{padding:1px 7px;border-radius:9px;font-size:13px;white-space:nowrap}
 .v-equivalent{background:#d7f0d2;color:#14532d}.v-not-equivalent{background:#fbd5d3;color:#7f1d1d}
-.v-hang{background:#eddcf7;color:#4c1d95}.v-error,.v-invalid{background:#fde68a;color:#713f12}
+.v-hang{background:#eddcf7;color:#4c1d95}.v-error,.v-invalid{background:#fde68a;color:#713f12}.v-skipped{background:#e5e7eb;color:#374151}
 td.off{background:#fbd5d3;font-weight:700}
 .ok{color:#15803d;font-weight:600;white-space:nowrap}.unexpected{color:#b91c1c;font-weight:700;white-space:nowrap}
 img{max-width:100%;height:auto;border:1px solid #eee}
@@ -44,7 +44,7 @@ def esc(value: object) -> str:
 def render_html(report: dict) -> str:
     """The whole page for a report built by tpcheck.report.schema.build_report."""
     cases = report.get("cases", [])
-    parts = [_header(report), _summary_table(cases), _heatmap(cases)]
+    parts = [_header(report), _sweep(report.get("sweep")), _summary_table(cases), _heatmap(cases)]
     parts += [_case_section(i, case) for i, case in enumerate(cases)]
     title = f"tpcheck report: {_banner_text(report)}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -76,6 +76,22 @@ def _header(report: dict) -> str:
             f"{esc(env_text)} · schema {esc(report.get('schema', '?'))}</div>"
             f'<div class="banner {"good" if good else "bad"}" id=banner>{esc(_banner_text(report))} · '
             f"verdicts: {esc(verdicts)} · exit code {esc(s.get('exit_code', '?'))}</div>")
+
+
+def _sweep(sweep: dict | None) -> str:
+    """`tpcheck hf`'s table: one row per architecture x world size x dtype, skipped ones with their reason."""
+    if not sweep:
+        return ""
+    rows = "".join(
+        f"<tr><td>{esc(r['architecture'])}</td><td class=num>{esc(r['world_size'])}</td><td>{esc(r['dtype'])}</td>"
+        f"<td>{_verdict(r['verdict'])}</td><td>{esc(r['first_divergence'])}</td><td>{esc(r['signature'])}</td>"
+        f"<td class=num>{r['seconds']:.2f}</td><td>{esc(r['reason'])}</td></tr>"
+        for r in sweep["rows"])
+    rules = ", ".join(f"{k} = {v}" for k, v in sweep.get("rules", {}).items()) or "none"
+    return (f"<h2>HuggingFace transformers {esc(sweep['transformers'])}: the TP plans</h2>"
+            f"<p id=sweep-summary>{esc(sweep['summary'])} · plan rules overridden: {esc(rules)}</p>"
+            "<table id=sweep><tr><th>architecture</th><th>TP</th><th>dtype</th><th>verdict</th>"
+            "<th>first divergence</th><th>signature</th><th>seconds</th><th>reason</th></tr>" + rows + "</table>")
 
 
 def _verdict(v: str) -> str:

@@ -1,0 +1,246 @@
+"""HuggingFace transformers' own TP plans (tpcheck.adapters.transformers, `tpcheck hf`).
+
+Needs the extra `tpcheck[transformers]` (transformers==5.24.0, installed by .ci/run): skipped with the
+reason without it, or with another version (the findings pinned here are that version's).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers", reason="the extra tpcheck[transformers] is not installed")
+from tpcheck.adapters import transformers as hf  # noqa: E402
+from tpcheck.check.session import run_specs  # noqa: E402
+from tpcheck.resolve import launcher  # noqa: E402
+
+pytestmark = pytest.mark.skipif(transformers.__version__ != hf.PINNED,
+                                reason=f"findings pinned for transformers {hf.PINNED}, "
+                                       f"found {transformers.__version__}")
+
+from torch.distributed.tensor import Replicate as DReplicate  # noqa: E402
+from torch.distributed.tensor import Shard as DShard  # noqa: E402
+from transformers.distributed.tensor_parallel import (  # noqa: E402
+    ALL_PARALLEL_STYLES,
+    RowwiseParallel,
+    TensorParallelLayer,
+)
+
+# ------------------------------------------------------------------ styles registered before the ranks fork
+
+
+class ReduceGradOnArrival(TensorParallelLayer):
+    """The fix for transformers' `replicated_with_grad_allreduce` (docs/findings/
+    hf-replicated-grad-allreduce-accumulation.md): each micro-batch's partial gradient is all-reduced as it
+    arrives (a tensor hook, before accumulation), not the accumulated `.grad` after every backward."""
+
+    def install_forward(self, module, mesh):
+        original, hooked = module.forward, {}
+
+        def reduce(grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=mesh.get_group())
+            return grad
+
+        def tp_forward(*args, **kwargs):
+            if torch.is_grad_enabled():
+                for name, p in module.named_parameters(recurse=False):
+                    if p.requires_grad and hooked.get(name) is not p:
+                        p.register_hook(reduce)
+                        hooked[name] = p
+            return original(*args, **kwargs)
+
+        module.forward = tp_forward
+        return module
+
+
+class RowwiseNoGradReduceSkipped(RowwiseParallel):
+    """A planted bug in the no-grad path only: the local inference path forgets its all-reduce (the
+    grad-enabled DTensor path is untouched)."""
+
+    def transform_output_post_forward(self, module, output, mesh):
+        if not output.requires_grad and not hasattr(output, "to_local"):
+            return output  # partial sums returned as if reduced
+        return super().transform_output_post_forward(module, output, mesh)
+
+
+ALL_PARALLEL_STYLES.register("test_reduce_grad_on_arrival", ReduceGradOnArrival())
+ALL_PARALLEL_STYLES.register("test_rowwise_nograd_unreduced",
+                             RowwiseNoGradReduceSkipped(input_layouts=DShard(-1), output_layouts=DReplicate()))
+
+
+def run(*specs):
+    with launcher(60) as pool:
+        return {r["name"]: r for r in run_specs(list(specs), pool)}
+
+
+def names(result: dict, prefix: str) -> set[str]:
+    return {c["name"] for c in result["checks"] if c["name"].startswith(prefix)}
+
+
+# ------------------------------------------------------------------ the reduction, in this process
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "deepseek_v3", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_small_config_keeps_every_divisibility(model_type, world):
+    prep = hf.prepare(model_type, world)
+    cfg = prep.config
+    assert cfg.num_attention_heads % world == 0 and cfg.num_key_value_heads % world == 0
+    assert cfg.num_key_value_heads >= world and cfg.vocab_size % world == 0
+    assert cfg.intermediate_size % (2 * world) == 0 and cfg.num_hidden_layers >= 2
+    meta = hf.build_lm(model_type, cfg, torch.float32, device="meta")
+    assert sum(p.numel() for p in meta.parameters()) < hf.MAX_PARAMS
+    modules = dict(meta.named_modules())
+    linear_rules = {n for n, style in prep.tp_plan.items() if n in modules and style.startswith(("colwise", "rowwise"))}
+    assert linear_rules and linear_rules <= set(prep.activations)  # every planned linear's output is checked
+    assert "model.layers.0" in prep.activations and "model.layers.1" in prep.activations
+
+
+def test_mha_stays_mha_and_mla_rope_head_dim_is_kept():
+    v2 = hf.prepare("deepseek_v2", 2).config
+    assert v2.num_attention_heads == v2.num_key_value_heads  # MLA: k and v have every head
+    v3 = hf.prepare("deepseek_v3", 2).config
+    assert v3.head_dim == v3.qk_rope_head_dim
+
+
+def test_unbuildable_architectures_are_skipped_with_a_reason():
+    with pytest.raises(hf.Skip, match="no causal-LM class"):
+        hf.prepare("qwen2_vl_text", 2)
+    with pytest.raises(hf.Skip, match="parameters"):
+        hf.prepare("phi4_multimodal", 2)
+
+
+# ------------------------------------------------------------------ checks on ranks
+
+
+def test_plain_architectures_are_equivalent_on_every_path():
+    """llama, mistral, qwen2, gemma2, phi3, mixtral at world 2: logits, loss, per-module outputs and their
+    grads, every grad, AdamW state and weights, 2 micro-batches, and the no-grad forward."""
+    archs = ["llama", "mistral", "qwen2", "gemma2", "phi3", "mixtral"]
+    results = run(*(hf.hf_spec(a, 2, steps=2) for a in archs))
+    for name, r in results.items():
+        assert r["verdict"] == "equivalent", (name, r["summary"])
+        assert {"output", "output:no_grad"} <= names(r, "output")
+        assert {"act:model.layers.0", "act:model.layers.1"} <= names(r, "act:")
+        assert names(r, "update:") and names(r, "state:") and names(r, "grad:model.")
+        assert r["inferred_plan"] and "Shard(0)" in r["inferred_plan"] and "Shard(1)" in r["inferred_plan"]
+    llama = results["hf:llama/tp2/float32"]
+    assert "act:model.layers.0.self_attn.q_proj" in names(llama, "act:")  # colwise: this rank's slice
+    assert "act:model.layers.0.mlp.down_proj" in names(llama, "act:")  # rowwise: whole
+
+
+@pytest.mark.slow
+def test_world_4_and_bfloat16():
+    results = run(hf.hf_spec("llama", 4, steps=2), hf.hf_spec("mixtral", 4, steps=2),
+                  hf.hf_spec("qwen2", 2, "bfloat16", steps=2))
+    for name, r in results.items():
+        assert r["verdict"] == "equivalent", (name, r["summary"])
+
+
+def test_replicated_with_grad_allreduce_counts_early_micro_batches_world_times():
+    """The finding (docs/findings/hf-replicated-grad-allreduce-accumulation.md): Qwen3's q_norm/k_norm
+    under `replicated_with_grad_allreduce` all-reduce the accumulated grad after every micro-batch. One
+    micro-batch: equivalent; two: the q_norm grad is wrong; the style that reduces each micro-batch's
+    grad as it arrives (the fix, as a rule override): equivalent with two."""
+    fixed = {"model.layers.*.self_attn.q_norm": "test_reduce_grad_on_arrival",
+             "model.layers.*.self_attn.k_norm": "test_reduce_grad_on_arrival"}
+    one = hf.hf_spec("qwen3", 2, steps=1, micro_batches=1, label="one")
+    two = hf.hf_spec("qwen3", 2, steps=1, micro_batches=2, label="two")
+    mended = hf.hf_spec("qwen3", 2, rules=fixed, steps=1, micro_batches=2, label="mended")
+    results = run(one, two, mended)
+    assert results["one"]["verdict"] == "equivalent", results["one"]["summary"]
+    assert results["mended"]["verdict"] == "equivalent", results["mended"]["summary"]
+    bad = results["two"]
+    assert bad["verdict"] == "not equivalent"
+    first = bad["first_divergence"]
+    assert (first["stage"], first["step"]) == ("grads", 1)
+    assert first["name"] == "grad:model.layers.0.self_attn.q_norm.weight"
+    failed = {c["name"] for c in bad["checks"] if not c["passed"]}
+    assert all("q_norm" in n or "k_norm" in n for n in failed if n.startswith("grad:")), failed
+    assert not any(n.startswith(("act:", "output")) for n in failed)  # the forward is right
+
+
+def test_a_plan_rule_that_double_reduces_a_grad_is_caught_at_that_parameter():
+    rules = {"model.layers.*.input_layernorm": "replicated_with_grad_allreduce"}
+    r = run(hf.hf_spec("llama", 2, rules=rules, steps=1, micro_batches=1))["hf:llama/tp2/float32/rules"]
+    assert r["verdict"] == "not equivalent"
+    assert r["first_divergence"]["name"] == "grad:model.layers.0.input_layernorm.weight"
+
+
+def test_a_bug_in_the_no_grad_path_only_is_caught_by_the_no_grad_forward():
+    rules = {"model.layers.*.mlp.down_proj": "test_rowwise_nograd_unreduced"}
+    r = run(hf.hf_spec("llama", 2, rules=rules, steps=1, micro_batches=1))["hf:llama/tp2/float32/rules"]
+    assert r["verdict"] == "not equivalent"
+    failed = {c["name"] for c in r["checks"] if not c["passed"]}
+    assert failed == {"output:no_grad"}, failed  # the training path is right
+    assert r["first_divergence"]["name"] == "output:no_grad"
+
+
+def test_a_model_whose_tp_forward_raises_is_an_error_naming_the_exception():
+    """Doge's plan shards q/k/v by head but its dynamic mask (dt_proj, rowwise) keeps every head: the TP
+    forward raises a shape error (docs/findings/hf-doge-dynamic-mask.md). Llama4's MoE adds in place to
+    a rowwise output, a DTensor view: the grad-enabled forward raises
+    (docs/findings/hf-llama4-text-training-path.md). Inkling normalizes its vocab-parallel embedding's
+    partial lookup inside the sharded module: DTensor refuses to reduce it."""
+    results = run(*(hf.hf_spec(a, 2, steps=1, micro_batches=1) for a in ("doge", "llama4_text", "inkling_text")))
+    doge, llama4 = results["hf:doge/tp2/float32"], results["hf:llama4_text/tp2/float32"]
+    assert doge["verdict"] == "error" and "must match the size of tensor b" in doge["summary"]
+    assert llama4["verdict"] == "error" and "is a view and is being modified inplace" in llama4["summary"]
+    inkling = results["hf:inkling_text/tp2/float32"]  # docs/findings/hf-inkling-embedding-norm.md
+    assert inkling["verdict"] == "error" and "AssertionError" in inkling["summary"]
+    assert "raised at transformers/models/inkling/modeling_inkling.py" in inkling["summary"]
+
+
+# ------------------------------------------------------------------ the command
+
+
+def tpcheck(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tpcheck", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_cli_sweep_report(tmp_path):
+    import jsonschema
+
+    from tpcheck.report.schema import load_schema
+
+    out = tpcheck("hf", "llama", "qwen3", "qwen2_vl_text", "--steps", "1", "--json", str(tmp_path / "r.json"),
+                  "--html", str(tmp_path / "r.html"))
+    assert out.returncode == 1, out.stderr  # qwen3 is not equivalent
+    report = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(report, load_schema())
+    rows = {r["architecture"]: r for r in report["sweep"]["rows"]}
+    assert rows["llama"]["verdict"] == "equivalent" and rows["qwen3"]["verdict"] == "not equivalent"
+    assert rows["qwen3"]["first_divergence"].startswith("grad:model.layers.0.self_attn.q_norm.weight")
+    assert rows["qwen2_vl_text"]["verdict"] == "skipped" and "causal-LM" in rows["qwen2_vl_text"]["reason"]
+    assert report["sweep"]["counts"] == {"equivalent": 1, "not equivalent": 1, "skipped": 1}
+    llama = next(c for c in report["cases"] if c["name"] == "hf:llama/tp2/float32")
+    assert llama["checks"] == [] and llama["checks_omitted"]["passed"] > 500
+    assert "qwen2_vl_text (tp2) skipped" in out.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert "id=sweep" in page and "qwen2_vl_text" in page
+
+
+@pytest.mark.parametrize("args, message", [
+    (["lama"], "unknown architecture 'lama' (did you mean"),
+    (["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped"),
+    ([], "name architectures"),
+    (["llama", "--rule", "nonsense"], "write PATTERN=STYLE"),
+    (["llama", "--rule", "model.layers.*.mlp.nothing=colwise"], "match nothing"),
+])
+def test_cli_bad_input_exits_2_with_a_message(args, message):
+    out = tpcheck("hf", *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_list():
+    out = tpcheck("hf", "--list")
+    assert out.returncode == 0
+    listed = out.stdout.split()
+    assert {"llama", "mixtral", "qwen3", "gemma2"} <= set(listed) and len(listed) >= 150
