@@ -493,6 +493,9 @@ def cmd_hf(args: argparse.Namespace) -> int:
         problem = write_stdout("".join(f"{n}\n" for n in names))
         return exit_after_outputs([problem] if problem else [], 0)
     check_common_flags(args)
+    if any(w < 2 for w in args.world_size):
+        raise UsageError(f"--world-size {' '.join(map(str, args.world_size))}: transformers shards nothing on one "
+                         "rank; give 2 or more")
     names = hf.select(args.architecture, args.all_architectures)
     rules = hf.parse_rules(args.rule)
     settings = {"steps": hf.SWEEP_STEPS if args.steps is None else args.steps, "micro_batches": args.micro_batches,

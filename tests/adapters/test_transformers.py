@@ -224,6 +224,9 @@ def test_cli_sweep_report(tmp_path):
     assert "qwen2_vl_text (tp2) skipped" in out.stderr
     page = (tmp_path / "r.html").read_text()
     assert "id=sweep" in page and "qwen2_vl_text" in page
+    again = tpcheck("report", str(tmp_path / "r.json"), "--html", str(tmp_path / "again.html"))
+    assert again.returncode == 0, again.stderr  # the report's own validator accepts the sweep
+    assert "id=sweep" in (tmp_path / "again.html").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -231,6 +234,7 @@ def test_cli_sweep_report(tmp_path):
     (["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped"),
     ([], "name architectures"),
     (["llama", "--rule", "nonsense"], "write PATTERN=STYLE"),
+    (["llama", "--world-size", "1"], "transformers shards nothing on one rank"),
     (["llama", "--rule", "model.layers.*.mlp.nothing=colwise"], "match nothing"),
 ])
 def test_cli_bad_input_exits_2_with_a_message(args, message):

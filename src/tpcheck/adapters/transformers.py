@@ -137,6 +137,7 @@ _PATTERNS = (
     (re.compile(r"vocab_size"), VOCAB),                      # vocab_size_per_layer_input, unpadded_vocab_size
     (re.compile(r"size_per_layer_input$"), 8),
     (re.compile(r"^num_layers$|^n_layers?$"), 2),
+    (re.compile(r"^(mamba|ssm)_(n|num)_heads$"), "kv"),      # SSM heads: must divide expand x hidden
 )
 
 
@@ -226,8 +227,10 @@ def small_config(model_type: str, world: int):
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else "")[:300]
+    """The message's first line (with the next one when the first only introduces it: '...:')."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    first = " ".join(text[:2]) if len(text) > 1 and text[0].endswith(":") else (text[0] if text else "")
+    return first[:300]
 
 
 # ------------------------------------------------------------------------------ models
@@ -294,7 +297,6 @@ class TransformersTP(LocalShards):
         self.model_type, self.cfg, self.dtype_, self.group, self.rules = model_type, cfg, dtype, group, rules
         object.__setattr__(self, "parallel", None)
         self.specs, self.shards, self.comm, self.mesh = {}, nn.ParameterDict(), None, None
-        self.replicated: set[str] = set()
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         if self.parallel is None:
@@ -329,9 +331,6 @@ class TransformersTP(LocalShards):
         if names != set(state):
             raise UsageError(f"{self.model_type}: the sharded model's parameters differ from the dense model's: "
                              f"only TP {sorted(names - set(state))[:5]}, only dense {sorted(set(state) - names)[:5]}")
-
-    def call(self, params: dict[str, torch.Tensor], inputs: dict):
-        return torch.func.functional_call(self.parallel, params, args=(), kwargs=inputs)
 
 
 # ------------------------------------------------------------------------------ activations

@@ -10,7 +10,8 @@ model's own error against float64, which sets each check's bound (the parent fil
 the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with master weights each side's
 optimizer steps float32 masters (check/optimizer.py: `Masters`).
 
-Order of a step: for each micro-batch, dense and float64 forward/backward (capturing the activations
+Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_forward`, by a forward of
+every side without autograd, its output compared), dense and float64 forward/backward (capturing the activations
 named in `plan.activations`), then the TP forward/backward, whose captured tensors are compared as they
 are produced (local comparisons only, no collective inside the model's forward), then a ledger sync and
 the checker's own collectives (replica comparisons); then grads, the replay of the dense optimizer rule
