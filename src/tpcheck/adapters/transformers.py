@@ -138,6 +138,7 @@ _PATTERNS = (
     (re.compile(r"size_per_layer_input$"), 8),
     (re.compile(r"^num_layers$|^n_layers?$"), 2),
     (re.compile(r"^(mamba|ssm)_(n|num)_heads$"), "kv"),      # SSM heads: must divide expand x hidden
+    (re.compile(r"^(mamba_)?n_groups$"), "kv"),               # SSM groups: must divide the SSM heads
 )
 
 
