@@ -30,13 +30,9 @@ class DefaultResolver:
             if spec.fault:
                 raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; override a "
                                  "rule of the HuggingFace plan instead (tpcheck hf --rule)")
-            from tpcheck.adapters import transformers as hf
+            from tpcheck.adapters.transformers import prepare_spec
 
-            model_type = spec.block[len(HF_PREFIX):]
-            try:
-                hf.prepare(model_type, spec.world_size, dict(dict(spec.overrides).get("tp_plan", ())) or None)
-            except hf.Skip as e:
-                raise UsageError(f"{model_type} (tp{spec.world_size}) cannot be checked: {e}") from None
+            prepare_spec(spec)
             return
         if is_user_block(spec.block):
             if spec.fault:

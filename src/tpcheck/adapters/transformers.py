@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck.adapters.dtensor import LocalShards
-from tpcheck.check.case import Case, CaseSpec, RunSettings
+from tpcheck.check.case import Case, CaseSpec
 from tpcheck.check.usercode import HF_PREFIX
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -71,10 +71,6 @@ def available() -> bool:
 
 def version() -> str | None:
     return transformers.__version__ if available() else None
-
-
-def is_hf_block(block: str) -> bool:
-    return block.startswith(HF_PREFIX)
 
 
 class Skip(Exception):
@@ -456,31 +452,34 @@ def _float64_problem(model_type: str, cfg, meta: nn.Module) -> str | None:
     return fails(real, torch.float64, "cpu") if fails(real, torch.float32, "cpu") is None else None
 
 
+def prepare_spec(spec: CaseSpec) -> tuple[Prepared, dict[str, str] | None]:
+    """(`prepare` of the spec's architecture, the plan rules it overrides) for `spec.block` =
+    "hf:<model_type>" (rules in `spec.overrides["tp_plan"]`); Skip becomes bad input naming it."""
+    model_type = spec.block[len(HF_PREFIX):]
+    rules = dict(dict(spec.overrides).get("tp_plan", ())) or None
+    try:
+        return prepare(model_type, spec.world_size, rules), rules
+    except Skip as e:
+        raise UsageError(f"{model_type} (tp{spec.world_size}) cannot be checked: {e}") from None
+
+
 def hf_case(spec: CaseSpec) -> Case:
     """The Case of `spec.block` = "hf:<model_type>" (rules overriding the plan in `spec.overrides`)."""
-    model_type = spec.block[len(HF_PREFIX):]
-    rules = dict(dict(spec.overrides).get("tp_plan", ()))
-    try:
-        prep = prepare(model_type, spec.world_size, rules or None)
-    except Skip as e:
-        raise UsageError(f"{model_type}: skipped: {e}") from None
-    cfg = prep.config
+    prep, rules = prepare_spec(spec)
+    model_type, cfg = prep.model_type, prep.config
 
     def build_dense(dtype: torch.dtype) -> nn.Module:
         return CausalLMLogits(build_lm(model_type, cfg, dtype))
 
     def build_tp(group: TPGroup, dtype: torch.dtype) -> nn.Module:
-        return TransformersTP(model_type, cfg, dtype, group, rules or None)
+        return TransformersTP(model_type, cfg, dtype, group, rules)
 
     def load_tp(tp: TransformersTP, state: dict, group: TPGroup) -> None:
         tp.load(state)
 
-    settings = RunSettings(dtype=spec.dtype, steps=spec.steps, micro_batches=spec.micro_batches,
-                           optimizer=spec.optimizer, lr=spec.lr, seed=spec.seed, capture=spec.capture,
-                           master_weights=spec.master_weights)
     return Case(name=spec.name, build_dense=build_dense, build_tp=build_tp, plan=None, load_tp=load_tp,
                 make_batch=_make_batch, loss=lm_loss, grad_inputs=(), output_placement=prep.output,
-                activations=prep.activations, no_grad_forward=True, run=settings)
+                activations=prep.activations, no_grad_forward=True, run=spec.run_settings())
 
 
 def hf_spec(model_type: str, world_size: int, dtype: str = "float32", rules: dict | None = None, **fields) -> CaseSpec:
