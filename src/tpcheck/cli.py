@@ -42,6 +42,7 @@ EXAMPLES = {
     "run": """examples:
   tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
   tpcheck run --block layer --sp --fault all --json r.json --html r.html
+  tpcheck run --block layer lm --preset tiny --dropout 0.1 --attention-dropout 0.1 --world-size 2 4
   tpcheck run --mode all --world-size 2              # the seed's modes, its JSON on stdout""",
     "verify": """examples:
   tpcheck verify my_case.py                          # every case in the file, world size 2
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gradient accumulation: micro-batches per step (default 2)")
     _add_precision_arg(run)
     run.add_argument("--seed", type=int, default=31, help="seed of the weights and batches (default 31)")
+    run.add_argument("--dropout", type=float, default=None, metavar="P",
+                     help="hidden dropout of the blocks (after the embedding, on each block's output); default 0")
+    run.add_argument("--attention-dropout", type=float, default=None, metavar="P",
+                     help="dropout of the attention probabilities; default 0")
     _add_output_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -416,7 +421,7 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
         spec = CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, dtype=dtype,
                         steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw", lr=args.lr,
                         micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed,
-                        master_weights=args.master_weights is not False)
+                        master_weights=args.master_weights is not False, overrides=dropout_overrides(args))
         if fault is None:
             specs.append(spec)
         elif CATALOGUE[fault].applies(block, ws, spec.optimizer, dtype, spec.micro_batches, spec.master_weights):
@@ -426,6 +431,13 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
     if not specs:
         raise UsageError("no case to run: the faults given apply to none of the blocks and world sizes given")
     return specs
+
+
+def dropout_overrides(args: argparse.Namespace) -> tuple:
+    """The blocks' dropout probabilities given on the command line, as config overrides."""
+    return tuple((name, value) for name, value in (("dropout", args.dropout),
+                                                    ("attention_dropout", args.attention_dropout))
+                 if value is not None)
 
 
 def split_world_sizes_from_targets(args: argparse.Namespace) -> None:

@@ -50,3 +50,38 @@ def test_llama_plan_world_4_and_collective_counts(mb):
     # layer); the forward all-reduce is the SP loss's own (tpcheck's collective, not DTensor's).
     assert counts["forward"] == Counter(all_gather=4 * mb, reduce_scatter=4 * mb, all_reduce=mb)
     assert counts["backward"] == Counter(all_gather=4 * mb, reduce_scatter=4 * mb, all_reduce=4 * mb)
+
+
+def test_dropout_in_a_dtensor_plan_replicated_region_passes_sequence_shards_are_not_forked():
+    """A DTensor plan with hidden dropout after each block: without SP the dropout acts on the reduced,
+    replicated output (every rank the same mask): equivalent. Under SP it acts on the local sequence shard
+    that RowwiseParallel(output_layouts=Shard(0)) hands back, drawing from the default generator, seeded
+    the same on every rank: the shards' masks are copies, `rng_not_forked` at that dropout."""
+    from torch import nn
+
+    import dtensor_llama as L
+    from tpcheck import CaseSpec
+    from tpcheck.check.usercode import register
+
+    class Block(L.Block):
+        def __init__(self, dtype=None):
+            super().__init__(dtype)
+            self.drop = nn.Dropout(0.2)
+
+        def forward(self, x):
+            h = x + self.drop(self.attention(self.attention_norm(x)))
+            return h + self.drop(self.feed_forward(self.ffn_norm(h)))
+
+    class Model(L.Llama):
+        def __init__(self, dtype=None):
+            super().__init__(dtype)
+            self.layers = nn.ModuleList(Block(dtype) for _ in range(L.LAYERS))
+
+    specs = [CaseSpec(block=register(L._case(name, sp=sp, build_dense=Model)), world_size=2, steps=1)
+             for name, sp in (("dtensor_dropout", False), ("dtensor_dropout_sp", True))]
+    plain, sp = check(specs)
+    assert plain["verdict"] == "equivalent", plain["summary"]
+    assert {c["placement"] for c in plain["checks"] if c["kind"] == "rng"} == {"replicate"}
+    assert sp["verdict"] == "not equivalent"
+    assert sp["first_divergence"]["name"] == "rng:layers.0.drop" and sp["diagnosis"]["signature"] == "rng_not_forked"
+    assert all(c["passed"] for c in sp["checks"] if c["kind"] != "rng")  # the replayed values all agree

@@ -244,7 +244,24 @@ def test_record_fields():
     assert d["sentence"].endswith(CAUSES["scaled_by_world"])
     assert set(CAUSES) == {"partial_sum", "scaled_by_world", "scaled_by_1/world", "scaled", "offset",
                            "rank0_shard", "permuted", "replicas_differ", "nan_inf", "near_bound", "mismatch", "not_applied",
-                           "decay", "scaled_by_micro_batches"}
+                           "decay", "scaled_by_micro_batches", "rng_not_forked", "rng_diverged",
+                           "dropout_mismatch"}
+
+
+@pytest.mark.parametrize("rule,problem,signature", [("differ", None, "rng_not_forked"), ("same", None, "rng_diverged"),
+                                                    ("same", "the TP side drops with p=0.2", "dropout_mismatch"),
+                                                    (None, "a mask where the dense side drew none",
+                                                     "dropout_mismatch")])
+def test_an_rng_check_is_named_by_the_rule_it_broke(rule, problem, signature):
+    f = {"stage": "forward", "step": 1, "name": "rng:layers.0.attention.attn_dropout", "ranks": [0, 1],
+         "kind": "rng"}
+    info = {"rule": rule, "ranks": [1], "problem": problem}
+    ev = [{"forward|1|rng:layers.0.attention.attn_dropout": {"tp": np.array([1.0]), "ref": np.zeros(1),
+                                                               "dense": np.zeros(1), "rng": info}}] * 2
+    d = diagnose(f, ev, 2)
+    assert d["signature"] == signature and d["cause"] == CAUSES[signature]
+    assert d["location"] == "layers.0.attention.attn_dropout"
+    assert d["evidence"]["with_ranks"] == [1] and d["evidence"].get("problem") == problem
 
 
 # --- checker mutants: near misses that must not be misnamed -------------------------------------------

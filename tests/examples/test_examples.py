@@ -93,3 +93,23 @@ def test_own_loader_without_a_plan():
         assert bad["verdict"] == "invalid"
         assert "cannot infer a placement for parameter 'fc1.weight' [32, 16]: on rank 1" in bad["summary"]
         assert "it holds rank 0's shard(dim=0)" in bad["summary"]
+
+
+def test_own_dropout():
+    """A user's TP block with dropout: the correct cases (nn.Dropout, a bernoulli mask, SDPA's dropout_p)
+    are equivalent at world 2 and 4; the RNG placement bugs are caught at their module with their
+    signature, while every value compared still agrees."""
+    names = ["correct", "bernoulli", "attention", "seeded_by_rank", "not_forked", "attention_not_forked"]
+    r = _run([(f"own_dropout.py:{n}", w) for n in names for w in (2, 4)])
+    for w in (2, 4):
+        for good in ("own_dropout", "own_dropout_bernoulli", "own_dropout_attention"):
+            assert r[f"{good}/tp{w}/float32"]["verdict"] == "equivalent", r[f"{good}/tp{w}/float32"]["summary"]
+        for bug, signature, where in (("seeded_by_rank", "rng_diverged", "rng:drop_out"),
+                                      ("not_forked", "rng_not_forked", "rng:drop_hidden"),
+                                      ("attention_not_forked", "rng_not_forked", "rng:(model): sdpa #1")):
+            bad = r[f"own_dropout_{bug}/tp{w}/float32"]
+            assert bad["verdict"] == "not equivalent"
+            assert _first(bad) == ("forward", 1, where) and bad["diagnosis"]["signature"] == signature
+            assert all(c["passed"] for c in bad["checks"] if c["kind"] != "rng")  # the values agree
+    # the correct block also runs its forward without autograd (no_grad_forward), masks replayed there too
+    assert any(c["name"] == "output:no_grad" for c in r["own_dropout/tp2/float32"]["checks"])

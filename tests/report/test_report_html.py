@@ -116,3 +116,22 @@ def test_matplotlib_is_imported_only_for_html():
             "from tpcheck.report import plots\nassert 'matplotlib' in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_page_shows_the_rng_placement_checks(tmp_path):
+    """A run with dropout and the `rng_diverged` fault: the JSON report validates, and the page lists every
+    random draw with its mask placement, its rule and how many of its checks failed."""
+    json_path, html_path = tmp_path / "r.json", tmp_path / "r.html"
+    proc = tpcheck("run", "--block", "layer", "--preset", "tiny", "--steps", "1", "--dropout", "0.1",
+                   "--attention-dropout", "0.1", "--fault", "rng_diverged", "--json", str(json_path), "--html",
+                   str(html_path), "-q")
+    assert proc.returncode == 0, proc.stderr
+    page = html_path.read_text()
+    assert page.count("<h4>Random masks (RNG placement)</h4>") == 2  # the correct case and the faulty one
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>[^<]+</td><td class=num>(\d+)</td>"
+                      r"<td class='num( off)?'>(\d+)</td></tr>", page)
+    assert ("attention.attn_dropout", "shard(dim=1)", "4", "", "0") in rows  # 1 step x 2 micro-batches x 2 ranks
+    assert ("mlp.dropout", "replicate", "4", "", "0") in rows
+    assert ("attention.dropout", "replicate", "4", " off", "4") in rows  # the planted rank-seeded dropout
+    assert "rng_diverged" in page
+    assert tpcheck("report", str(json_path)).returncode == 0  # the report with RNG checks validates

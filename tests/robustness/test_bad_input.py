@@ -38,6 +38,9 @@ BAD_ARGS = [  # (argv after "run", words the message must contain)
     (["--timeout", "nan"], ["--timeout nan"]),
     (["--seed", str(2**70)], ["seed", "range"]),
     (["--mode", "equivalence", "--world-size", "1", "2"], ["--mode takes one --world-size"]),
+    (["--dropout", "1.5"], ["dropout must be a probability in [0, 1)", "1.5"]),
+    (["--attention-dropout=-0.1"], ["attention_dropout must be a probability", "-0.1"]),
+    (["--mode", "equivalence", "--dropout", "0.1"], ["ignores --dropout"]),
 ]
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
-from tpcheck.plan import Placement, Plan, Replicate
+from tpcheck.plan import Placement, Plan, Replicate, as_placement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "adamw")
@@ -176,6 +176,9 @@ class Case:
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
     activations: placements of module outputs to check, for a case whose plan is inferred (plan=None);
         a written plan carries its own (`Plan.activations`).
+    dropout: placements of random masks whose part on each rank tpcheck cannot tell from the shapes, by
+        the draw's label (an `nn.Dropout` module's name, else "module: dropout #n"); see
+        check/dropout.py: every mask is drawn once in the dense layout and each rank gets its part.
     no_grad_forward: also run each step's first micro-batch without autograd (torch.no_grad) on both
         sides and compare that output ("output:no_grad"): for TP code that takes another path when no
         gradient is needed (HuggingFace's local-matmul inference path).
@@ -197,6 +200,7 @@ class Case:
     grad_inputs: tuple[str, ...] | None = None
     expected_collectives: tuple | None = None
     activations: dict[str, Placement] = field(default_factory=dict)
+    dropout: dict[str, Placement] = field(default_factory=dict)
     no_grad_forward: bool = False
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
@@ -208,6 +212,11 @@ class Case:
         if self.plan is not None and self.activations:
             raise UsageError(f"Case {self.name!r}: activations are given twice; with a written plan, put them in "
                              "Plan(activations=...)")
+        if not isinstance(self.dropout, dict):
+            raise UsageError(f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
+                             f"{type(self.dropout).__name__}")
+        object.__setattr__(self, "dropout", {label: as_placement(p, f"Case {self.name!r} dropout[{label!r}]")
+                                             for label, p in self.dropout.items()})
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
             if name == "plan" and self.plan is None:
                 continue

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -117,6 +118,25 @@ class Comparator:
         self._keep_evidence(check, tp_local, ref_local, ref_local, weights)
         self._control(check, ref_local, ref_local, bound, placement)
         return check
+
+    def record_rng(self, step: int, name: str, seq: int, error: int, reason: str, placement: str, info: dict,
+                   control: bool = False) -> Check:
+        """An RNG placement check (check/dropout.py): `error` counts the ranks whose draw breaks the rule
+        against this rank's (bound 0); `info` (the rule, those ranks, a mismatch with the dense side's
+        draw) is kept as evidence for the diagnosis."""
+        check = Check(stage="forward", step=step, name=name, rank=self.group.rank, error=float(error),
+                      diff_vs_dense=float(error), bound=0.0, kind="rng", reason=reason, passed=error <= 0,
+                      placement=placement, seq=seq, control=control)
+        self.checks.append(check)
+        zero = np.zeros(1)
+        self.evidence[f"forward|{step}|{name}"] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
+                                                   "placement": placement, "eps": 0.0, "rng": info}
+        return check
+
+    def next_seq(self) -> int:
+        """A position in execution order for a check recorded later (an RNG check, known after the exchange)."""
+        self.seq += 1
+        return self.seq
 
     def _record(self, stage: str, step: int, name: str, error: float, bound: tolerance.Bound, placement: Placement,
                 control: bool = False) -> Check:

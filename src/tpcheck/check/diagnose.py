@@ -23,6 +23,12 @@ order. Each signature is a test on numbers, not on the fault's name:
   nan_inf           NaN/Inf appears on the TP side while the reference is finite
   near_bound        every rank within 1e-3 relative of the reference and the error within 2x the bound:
                     rounding, not a collective bug
+  rng_not_forked    (an RNG check) ranks holding different shards of a mask drew the same mask from the
+                    same generator state: the sharded region's draws were not forked per rank
+  rng_diverged      (an RNG check) replicas drew different masks, or from different states: a replicated
+                    region drew from a rank-seeded generator
+  dropout_mismatch  (an RNG check) the TP side's random draw does not match the dense side's (another
+                    count, kind, probability or shape)
   mismatch          none of the above
 """
 from __future__ import annotations
@@ -58,8 +64,18 @@ CAUSES = {
                    "gradient, a load) was not applied there",
     "near_bound": "a rounding-level difference just over the bound (every rank within 1e-3 relative): "
                   "a tolerance question more likely than a TP bug",
+    "rng_not_forked": "ranks that hold different shards drew the same dropout mask from the same generator state: "
+                      "the sharded region's random draws are not forked per rank (Megatron's "
+                      "get_cuda_rng_tracker().fork(); tpcheck.parallel.RNGTracker), so the shards' masks are copies "
+                      "of one another",
+    "rng_diverged": "replicas drew different dropout masks (or from different generator states): a replicated "
+                    "region drew from a generator seeded by rank, so the replicas drift apart",
+    "dropout_mismatch": "the TP side's random draw does not match the dense side's (another number of draws, kind, "
+                        "probability or shape)",
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
+
+RNG_SIGNATURES = {"differ": "rng_not_forked", "same": "rng_diverged"}
 
 
 def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int = 1) -> dict:
@@ -68,6 +84,8 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
     if first["stage"] == "replicas":
         key = next((k for k in _keys(evidence) if k.endswith(f"|{first['step']}|{first['name']}")), key)
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
+    if first.get("kind") == "rng":
+        return _rng_diagnosis(first, ev)
     signature, details = ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
     c = Classifier(rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)),
                    micro_batches=micro_batches)
@@ -86,6 +104,20 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
             "stage": first["stage"], "step": first["step"], "ranks": first["ranks"], "evidence": details,
             "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
                         f"{CAUSES[signature]}"}
+
+
+def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
+    """An RNG placement check diverges first: the rule it broke names the signature."""
+    info = next((e["rng"] for r, e in sorted(ev.items()) if r in first["ranks"] and "rng" in e), {})
+    signature = "dropout_mismatch" if info.get("problem") or info.get("rule") not in RNG_SIGNATURES \
+        else RNG_SIGNATURES[info["rule"]]
+    details = {"rule": info.get("rule"), "with_ranks": info.get("ranks", [])}
+    if info.get("problem"):
+        details["problem"] = info["problem"]
+    location = first["name"].split(":", 1)[-1]
+    return {"signature": signature, "cause": CAUSES[signature], "location": location, "tensor": first["name"],
+            "stage": first["stage"], "step": first["step"], "ranks": first["ranks"], "evidence": details,
+            "sentence": f"the random masks at {location} (step {first['step']}) diverge first: {CAUSES[signature]}"}
 
 
 def _keys(evidence: list[dict]):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from tpcheck.check import capture
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
+from tpcheck.check.dropout import REASONS, MaskBook, violations
 from tpcheck.check.inference import infer_plan, plan_as_code
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
 from tpcheck.check.loading import cast, check_names, leaf, load_from_dense, map_tensors, maxdiff
@@ -42,10 +44,11 @@ from tpcheck.parallel.layers import finalize_grads
 from tpcheck.plan import Placement, Replicate
 
 NONDETERMINISTIC = (
-    "dropout makes this model nondeterministic: the dense model drew random numbers in its forward or "
-    "backward (F.dropout, nn.Dropout, attention dropout), so its masks and the TP model's differ and no "
-    "tensor can be compared element by element; disable dropout for the check (p=0), see "
-    "docs/case-files.md#dropout")
+    "the dense model drew random numbers in its forward or backward other than through the calls tpcheck "
+    "replays (F.dropout and nn.Dropout, F.scaled_dot_product_attention's dropout_p, torch.bernoulli and "
+    "Tensor.bernoulli_): a mask drawn with torch.rand/rand_like, say. Its masks and the TP model's would differ "
+    "and no tensor could be compared element by element; draw the mask with torch.bernoulli or F.dropout, or "
+    "disable the randomness for the check, see docs/case-files.md#dropout")
 
 
 def _in_float64(value):
@@ -88,6 +91,12 @@ class Engine:
     def _build(self) -> None:
         case, group = self.case, self.group
         self.gen = torch.Generator().manual_seed(self.settings.seed)
+        # the dense side's dropout masks (check/dropout.py): its own generator, the same on every rank
+        self.mask_gen = torch.Generator().manual_seed(self.settings.seed + 1)
+        # whether the model draws random masks: known after the first dense forward, which always runs under
+        # the mask book; without draws the later forwards skip its interception (~10% of a tiny check), and a
+        # draw after all is still refused by the dense side's RNG check (NONDETERMINISTIC)
+        self.draws_random: bool | None = None
         self.first_batch = case.make_batch(self.gen, torch.float32)  # drawn before the weights, as the seed
         master = case.build_dense(torch.float32)
         case.init(master, self.gen)
@@ -169,7 +178,7 @@ class Engine:
             batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, torch.float32)
             if micro == 0 and self.case.no_grad_forward:
                 self._no_grad_forward(step, batch[0])
-            self._forward_backward(step, batch)
+            self._forward_backward(step, micro, batch)
         with self.tap.tp_phase("optimizer"):
             if hasattr(self.tp, "finalize_grads"):
                 self.tp.finalize_grads()
@@ -262,11 +271,12 @@ class Engine:
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
 
-    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted):
+    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks):
         case = self.case
         handles = capture.attach(model, set(case.plan.activations), recorder) if self.settings.capture else []
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
-        out = model(**kw)
+        with masks:
+            out = model(**kw)
         loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
         loss.backward()
         capture.detach_all(handles)
@@ -283,32 +293,121 @@ class Engine:
         """The forward without autograd on every side, its output compared ("output:no_grad"): TP code may
         take another path when no gradient is needed (local matmuls and a plain all-reduce instead of
         DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""
+        book = MaskBook(self.mask_gen, self.case.dropout)
         with torch.no_grad():
-            out_d = self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()})
+            rng = torch.random.get_rng_state()
+            with self._masks(book.draw, self.dense):
+                out_d = self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()})
+            self._drew(book, rng)
             if self.truth is self.dense:
                 out_t = out_d
+            elif self.truth is not None:
+                with self._masks(book.replay, self.truth):
+                    out_t = self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()})
             else:
-                out_t = self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}) \
-                    if self.truth is not None else None
-            with self.tap.tp_phase("forward"):
+                out_t = None
+            with self.tap.tp_phase("forward"), self._training_rng(step, -1), self._tp_masks(book):
                 out_tp = self.tp(**self._tp_inputs(inputs))
         self.cmp.compare("forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement)
+        self._check_draws(step, book, "the forward without autograd")
 
-    def _forward_backward(self, step: int, batch) -> None:
+    @contextlib.contextmanager
+    def _training_rng(self, step: int, micro: int):
+        """The default generator as a training script leaves it for the TP side: seeded the same on every
+        rank (what a replicated region draws from), whatever the checker drew before; restored after."""
+        saved = torch.random.get_rng_state()
+        torch.random.default_generator.manual_seed((self.settings.seed + 7919 * step + 104729 * (micro + 2)) % 2**63)
+        try:
+            yield
+        finally:
+            torch.random.set_rng_state(saved)
+
+    def _tp_masks(self, book: MaskBook):
+        if self.draws_random is False:
+            return contextlib.nullcontext()
+        return book.tp(self.tp, self.group.rank, self.group.world_size, self.cmp.next_seq)
+
+    def _masks(self, role, model: nn.Module):
+        """The dense side's draws (`book.draw`) or the truth's replay, unless the model draws nothing."""
+        return contextlib.nullcontext() if self.draws_random is False else role(model)
+
+    def _drew(self, book: MaskBook, rng_before: torch.Tensor) -> None:
+        """After a dense forward: random draws other than the replayed ones are refused; the first forward
+        tells whether the model draws at all."""
+        if not torch.equal(rng_before, torch.random.get_rng_state()):
+            raise UsageError(NONDETERMINISTIC)
+        if self.draws_random is None:
+            self.draws_random = bool(book.draws)
+
+    def _check_draws(self, step: int, book: MaskBook, where: str) -> None:
+        """The RNG placement checks of one forward's random draws (check/dropout.py): every rank's draws are
+        exchanged through the rendezvous store (not a collective) and each of this rank's is held to its
+        region's rule against the others'; a draw that did not match the dense side's fails as it is. Only
+        where the dense side drew (the same on every rank, so every rank exchanges or none does)."""
+        if not book.draws:
+            for d in book.tp_draws:
+                self.cmp.record_rng(step, f"rng:{d.label}", d.seq, 1, d.problem or "", d.placement,
+                                    {"rule": d.rule, "ranks": [], "problem": d.problem})
+            return
+        said = self.rendezvous.exchange("rng", json.dumps([d.as_json() for d in book.tp_draws]), label=where)
+        everyone = [json.loads(text) for text in said]
+        me = self.group.rank
+        for k, d in enumerate(book.tp_draws):
+            short = [r for r, theirs in enumerate(everyone) if len(theirs) <= k]
+            problem = d.problem or (f"rank(s) {short} drew fewer random masks in this forward than rank {me}"
+                                    if short else None)
+            if problem or d.rule is None:
+                self.cmp.record_rng(step, f"rng:{d.label}", d.seq, 1 if problem else 0, problem or
+                                    "one rank: no RNG placement to check", d.placement,
+                                    {"rule": d.rule, "ranks": short, "problem": problem})
+                continue
+            states, masks = [t[k][2] for t in everyone], [t[k][3] for t in everyone]
+            bad = violations(d.rule, states, masks, me)
+            self.cmp.record_rng(step, f"rng:{d.label}", d.seq, len(bad), REASONS[d.rule], d.placement,
+                                {"rule": d.rule, "ranks": bad, "problem": None})
+            self._rng_control(step, d, states, masks)
+        if len(book.tp_draws) < len(book.draws):  # masks the dense side applied and the TP side never drew
+            missed = book.draws[len(book.tp_draws)]
+            problem = (f"the dense side drew {len(book.draws)} random mask(s) in this forward, the TP side "
+                       f"{len(book.tp_draws)} on rank {me}: none where the dense side drew at {missed.label}")
+            self.cmp.record_rng(step, f"rng:{missed.label}", self.cmp.next_seq(), 1, problem, "?",
+                                {"rule": None, "ranks": [], "problem": problem})
+
+    def _rng_control(self, step: int, d, states: list, masks: list) -> None:
+        """The self-test of the RNG rule, once per step: the exchanged draws with one rank's planted to break
+        the rule (a copy of this rank's draw on a sharded region, another state on a replicated one) go
+        through `violations` and are recorded like the real check; it must fail."""
+        key = ("forward", step, "rng")
+        if key in self.cmp.controlled:
+            return
+        self.cmp.controlled.add(key)
+        me, other = self.group.rank, (self.group.rank + 1) % len(states)
+        states, masks = list(states), list(masks)
+        if d.rule == "differ":
+            states[other], masks[other] = states[me], masks[me]
+        else:
+            states[other] = states[other] + "~"
+        bad = violations(d.rule, states, masks, me)
+        self.cmp.record_rng(step, f"control:rng:{d.label}", d.seq, len(bad), REASONS[d.rule], d.placement,
+                            {"rule": d.rule, "ranks": bad, "problem": None}, control=True)
+
+    def _forward_backward(self, step: int, micro: int, batch) -> None:
         case, group, cmp = self.case, self.group, self.cmp
         inputs, target = batch
         wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
         rec_d, rec_t = capture.Recorder(), capture.Recorder()
+        book = MaskBook(self.mask_gen, case.dropout)
         rng = torch.random.get_rng_state()
-        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted)
-        if not torch.equal(rng, torch.random.get_rng_state()):
-            raise UsageError(NONDETERMINISTIC)
+        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted,
+                                                   self._masks(book.draw, self.dense))
+        self._drew(book, rng)
         if self.truth is self.dense:
             (kw_t, out_t, loss_t), rec_t = (kw_d, out_d, loss_d), rec_d
         elif self.truth is None:
             kw_t, out_t, loss_t = {k: _NoGrad for k in kw_d}, None, None
         else:
-            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted)
+            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
+                                                       self._masks(book.replay, self.truth))
 
         def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
             d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None
@@ -320,20 +419,22 @@ class Engine:
         names = set(case.plan.activations)
         handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
         kw_tp = self._tp_inputs(inputs, wanted)
-        with self.tap.tp_phase("forward"):
-            out_tp = self.tp(**kw_tp)
-        # compared before the loss sees it: a loss may work in place on its input (Megatron's
-        # vocab-parallel cross-entropy subtracts the max from the logits)
-        cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
-        target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank, group.world_size),
-                                   target)
-        with self.tap.tp_phase("forward"):
-            loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
-        cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
-        with self.tap.tp_phase("backward"):
-            loss_tp.backward()
+        with self._training_rng(step, micro):
+            with self.tap.tp_phase("forward"), self._tp_masks(book):
+                out_tp = self.tp(**kw_tp)
+            # compared before the loss sees it: a loss may work in place on its input (Megatron's
+            # vocab-parallel cross-entropy subtracts the max from the logits)
+            cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
+            target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank,
+                                                                             group.world_size), target)
+            with self.tap.tp_phase("forward"):
+                loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
+            cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
+            with self.tap.tp_phase("backward"):
+                loss_tp.backward()
         capture.detach_all(handles)
         self.sync(f"forward and backward of step {step}")
+        self._check_draws(step, book, f"the random draws of step {step}")
         for k in wanted:
             if kw_tp[k].grad is None or kw_d[k].grad is None:
                 if case.grad_inputs is None and kw_tp[k].grad is None and kw_d[k].grad is None:

@@ -14,6 +14,7 @@ from tpcheck.errors import UsageError
 from tpcheck.faults import injectors as inj
 
 MLP_BLOCKS = ("mlp", "layer", "lm")
+DROPOUT = (("dropout", 0.1), ("attention_dropout", 0.1))  # the config of a block with dropout
 ALL_BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy")
 
 
@@ -49,7 +50,8 @@ class Fault:
         micro-batches where it names a number and, for a fault caught as a hang, that expected verdict
         (any fault is otherwise expected "not equivalent"; idempotent)."""
         sp = spec.sequence_parallel if self.sequence_parallel is None else self.sequence_parallel
-        missing = tuple(o for o in self.overrides if o not in spec.overrides)
+        given = {key for key, _ in spec.overrides}  # a value the spec sets wins (e.g. its own dropout)
+        missing = tuple(o for o in self.overrides if o[0] not in given)
         expected = "hang" if self.expected_signature == "hang" else spec.expected
         micro = spec.micro_batches if self.micro_batches is None else self.micro_batches
         return dataclasses.replace(spec, fault=self.name, sequence_parallel=sp, overrides=spec.overrides + missing,
@@ -173,6 +175,17 @@ def _entries() -> list[Fault]:
               "post-accumulate-grad hooks on the sequence-parallel norm weights", "grads", "mismatch",
               i.reduce_grads_every_microbatch, blocks=("mlp", "attention", "layer", "lm"), sequence_parallel=True,
               min_micro_batches=2),
+        Fault("rng_not_forked",
+              "The sharded region's dropout draws from a generator seeded the same on every rank (the model-"
+              "parallel RNG not forked per rank): the masks of different shards are copies, correlated dropout.",
+              "the model-parallel RNG tracker of the attention-probability dropout (and, under SP, of the "
+              "hidden dropout)", "forward", "rng_not_forked", i.rng_not_forked,
+              blocks=("attention", "layer", "lm"), overrides=DROPOUT),
+        Fault("rng_diverged",
+              "The replicated region's dropout (after the row-parallel all-reduce) draws from a generator "
+              "seeded by rank: the replicas draw different masks and drift apart.",
+              "the hidden dropout after the row-parallel output", "forward", "rng_diverged", i.rng_diverged,
+              blocks=("mlp", "attention", "layer", "lm"), overrides=DROPOUT, sequence_parallel=False),
         Fault("collective_on_some_ranks",
               "A collective is issued on some ranks only (a rank-dependent branch): the others wait forever.",
               "forward all-reduce of the down projection skipped on ranks > 0", "hang", "hang",

@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from tpcheck.check.case import Case, CaseSpec
+from tpcheck.models.parallel import DEFAULT_RNG_SEED
 from tpcheck.parallel.collectives import (
     all_reduce_grad_,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 from tpcheck.parallel.group import TPGroup
+from tpcheck.parallel.random import ParallelDropout, RNGTracker
 from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
 
@@ -446,5 +448,31 @@ def reduce_grads_every_microbatch(case: Case, spec: CaseSpec) -> Case:
             if getattr(p, "partial_grad", False):
                 p.register_post_accumulate_grad_hook(lambda param, site=name: all_reduce_grad_(param, group, site))
         module.finalize_grads = lambda: None
+
+    return injected(case, tamper=tamper)
+
+
+def rng_not_forked(case: Case, spec: CaseSpec) -> Case:
+    """The sharded regions' model-parallel generator seeded the same on every rank: the dropout masks of
+    different shards (a rank's attention heads; the sequence shards under SP) are then copies."""
+
+    def tamper(tp, group: TPGroup) -> None:
+        for module in tp.modules():
+            if isinstance(module, ParallelDropout):
+                module.tracker.seed(DEFAULT_RNG_SEED, by_rank=False)
+
+    return injected(case, tamper=tamper)
+
+
+def rng_diverged(case: Case, spec: CaseSpec) -> Case:
+    """The replicated region's dropout (after the row-parallel all-reduce) drawn from the rank-seeded
+    model-parallel generator: the replicas draw different masks and drift apart."""
+
+    def tamper(tp, group: TPGroup) -> None:
+        tracker = RNGTracker(group, DEFAULT_RNG_SEED)
+        for module in list(tp.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is torch.nn.Dropout:
+                    setattr(module, name, ParallelDropout(child.p, tracker))
 
     return injected(case, tamper=tamper)

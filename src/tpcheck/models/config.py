@@ -13,6 +13,9 @@ GATE_UP_LAYOUTS = ("stacked", "concat")
 class ModelConfig:
     """Shapes of a block or tiny LM. Activations are `[seq, batch, hidden]`.
 
+    dropout: hidden dropout (Megatron's `hidden_dropout`): after the embedding, and on each block's output
+    before its residual add. attention_dropout: on the attention probabilities. Both 0 by default.
+
     gate_up_layout: "stacked" stores the SwiGLU gate/up weight as [2, ffn, hidden] (the seed's layout;
     TP shards dim 1); "concat" stores it as [gate; up] = [2*ffn, hidden] (Megatron-Core's fc1), where
     rank r holds [gate_r; up_r] (`Fused`).
@@ -30,8 +33,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     gate_up_layout: str = "stacked"
     tie_embeddings: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+                raise UsageError(f"{name} must be a probability in [0, 1), got {p!r}")
         for name in ("seq", "batch", "hidden", "ffn", "layers"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -73,13 +73,15 @@ class Linear(nn.Linear):
 
 
 class DenseMLP(nn.Module):
-    """The seed's block: x + down(SwiGLU(RMSNorm(x))), bias on the down projection."""
+    """The seed's block: x + dropout(down(SwiGLU(RMSNorm(x)))), bias on the down projection (dropout
+    p = `cfg.dropout`, 0 by default)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         self.gate_up = SwiGLU(cfg, dtype)
         self.down = Linear(cfg.ffn, cfg.hidden, bias=True, dtype=dtype)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def reset_parameters(self, g: torch.Generator) -> None:
         self.norm.reset_parameters(g)
@@ -87,7 +89,7 @@ class DenseMLP(nn.Module):
         self.down.reset_parameters(g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.gate_up(self.norm(x)))  # [s, b, h]
+        return x + self.dropout(self.down(self.gate_up(self.norm(x))))  # [s, b, h]
 
 
 # ---------------------------------------------------------------- attention, transformer layer, tiny LM
@@ -108,10 +110,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
+                     dropout: nn.Module | None = None) -> torch.Tensor:
     """RoPE + causal softmax attention, plain math. q `[s, b, nq, d]`, k and v `[s, b, nkv, d]`; query
     head j uses kv head j // (nq // nkv) (grouped-query attention). Returns `[s, b, nq * d]`.
-    Positions are 0..s-1: the caller passes the whole sequence."""
+    Positions are 0..s-1: the caller passes the whole sequence. `dropout` acts on the attention
+    probabilities `[b, nq, s, s]`."""
     s, b, nq, d = q.shape
     cos, sin = rope_tables(s, d, theta, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -121,12 +125,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: f
     scores = (q @ k.transpose(-1, -2)) * d**-0.5  # [b, nq, s, s]
     future = torch.ones(s, s, dtype=torch.bool).triu(1)
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if dropout is not None:
+        probs = dropout(probs)
     return (probs @ v).permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [s, b, nq * d]
 
 
 class DenseAttention(nn.Module):
-    """x + o(attention(RoPE(qkv(RMSNorm(x))))). qkv.weight is the fused [q; k; v] =
-    [(heads + 2 * kv_heads) * head_dim, hidden], each part head-major; o has no bias."""
+    """x + dropout(o(attention(RoPE(qkv(RMSNorm(x)))))), the attention probabilities through
+    `attn_dropout` (p = `cfg.attention_dropout`), the output through `dropout` (p = `cfg.dropout`).
+    qkv.weight is the fused [q; k; v] = [(heads + 2 * kv_heads) * head_dim, hidden], each part
+    head-major; o has no bias."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -135,6 +143,8 @@ class DenseAttention(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         self.qkv = Linear(cfg.hidden, (cfg.heads + 2 * cfg.num_kv_heads) * d, bias=False, dtype=dtype)
         self.o = Linear(cfg.heads * d, cfg.hidden, bias=False, dtype=dtype)
+        self.attn_dropout = nn.Dropout(cfg.attention_dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def reset_parameters(self, g: torch.Generator) -> None:
         self.norm.reset_parameters(g)
@@ -145,8 +155,9 @@ class DenseAttention(nn.Module):
         cfg, d = self.cfg, self.cfg.head_dim
         s, b, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).split([cfg.heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1)
-        ctx = causal_attention(q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d), cfg.rope_theta)
-        return x + self.o(ctx)  # [s, b, h]
+        ctx = causal_attention(q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d), cfg.rope_theta,
+                               self.attn_dropout)
+        return x + self.dropout(self.o(ctx))  # [s, b, h]
 
 
 class DenseLayer(nn.Module):
@@ -192,13 +203,14 @@ class LMHead(Linear):
 
 
 class DenseLM(nn.Module):
-    """tokens `[s, b]` -> logits `[s, b, V]`: embedding, `layers` transformer layers, final RMSNorm,
-    LM head (no bias). With `tie_embeddings` the head is the embedding weight and `head` has no
+    """tokens `[s, b]` -> logits `[s, b, V]`: embedding (then dropout, p = `cfg.dropout`), `layers`
+    transformer layers, final RMSNorm, LM head (no bias). With `tie_embeddings` the head is the embedding weight and `head` has no
     parameter."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.embed = Embedding(cfg.vocab, cfg.hidden, dtype)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(DenseLayer(cfg, dtype) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         self.head = None if cfg.tie_embeddings else LMHead(cfg.hidden, cfg.vocab, dtype)
@@ -208,7 +220,7 @@ class DenseLM(nn.Module):
             m.reset_parameters(g)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)  # [s, b, h]
+        x = self.embed_dropout(self.embed(tokens))  # [s, b, h]
         for layer in self.layers:
             x = layer(x)
         if self.head is None:  # tied: the embedding weight is the head

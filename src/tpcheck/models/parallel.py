@@ -18,6 +18,20 @@ from tpcheck.parallel.layers import (
     label_sites,
     mark_partial_grad,
 )
+from tpcheck.parallel.random import ParallelDropout, RNGTracker
+
+DEFAULT_RNG_SEED = 1234  # the model-parallel tracker's seed when the caller gives no tracker
+
+
+def _tracker(group: TPGroup, rng: RNGTracker | None) -> RNGTracker:
+    return rng if rng is not None else RNGTracker(group, DEFAULT_RNG_SEED)
+
+
+def hidden_dropout(p: float, rng: RNGTracker, sequence_parallel: bool) -> torch.nn.Module:
+    """Dropout of the residual stream: replicated without SP (nn.Dropout: the default generator, the same
+    on every rank), sequence-sharded under SP (forked per rank, as Megatron's bias-dropout-add)."""
+    return ParallelDropout(p, rng) if sequence_parallel else torch.nn.Dropout(p)
+
 
 __all__ = ["ParallelSwiGLU", "ParallelMLP", "ParallelQKV", "ParallelAttention", "ParallelLayer", "ParallelLMHead",
            "ParallelLM", "finalize_model_grads"]
@@ -47,7 +61,8 @@ class ParallelSwiGLU(ParallelModule):
 
 
 class ParallelMLP(ParallelModule):
-    """x + down(SwiGLU(RMSNorm(x))) with gate/up column-parallel and down row-parallel.
+    """x + dropout(down(SwiGLU(RMSNorm(x)))) with gate/up column-parallel and down row-parallel; the
+    dropout after the reduction (`hidden_dropout`: replicated, or forked per rank under SP).
 
     forward: 1 all-reduce (down); backward: 1 all-reduce (input grad of gate/up). Under sequence
     parallelism x is [s/tp, b, h]: all-gather before gate/up, reduce-scatter after down, and the norm
@@ -55,7 +70,7 @@ class ParallelMLP(ParallelModule):
     """
 
     def __init__(self, cfg: ModelConfig, group: TPGroup, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, rng: RNGTracker | None = None) -> None:
         super().__init__(group)
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         if sequence_parallel:
@@ -63,10 +78,11 @@ class ParallelMLP(ParallelModule):
         self.gate_up = ParallelSwiGLU(cfg, group, sequence_parallel=sequence_parallel, dtype=dtype)
         self.down = RowParallelLinear(cfg.ffn, cfg.hidden, group, bias=True,
                                       sequence_parallel=sequence_parallel, dtype=dtype)
+        self.dropout = hidden_dropout(cfg.dropout, _tracker(group, rng), sequence_parallel)
         label_sites(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.gate_up(self.norm(x)))  # [s, b, h] (or [s/tp, b, h] under SP)
+        return x + self.dropout(self.down(self.gate_up(self.norm(x))))  # [s, b, h] (or [s/tp, b, h] under SP)
 
 
 # ---------------------------------------------------------------- attention, transformer layer, tiny LM
@@ -127,8 +143,10 @@ class ParallelQKV(ParallelModule):
 
 
 class ParallelAttention(ParallelModule):
-    """x + o(attention(qkv(RMSNorm(x)))): qkv column-parallel by heads (`ParallelQKV`), each rank
-    attends with its own heads, o row-parallel (no bias).
+    """x + dropout(o(attention(qkv(RMSNorm(x))))): qkv column-parallel by heads (`ParallelQKV`), each
+    rank attends with its own heads, o row-parallel (no bias). The attention probabilities' dropout
+    draws under `rng.fork()` (a rank's own heads: its own masks); the output's dropout from the default
+    generator (replicated: the same mask on every rank), or forked under SP (sequence shards).
 
     forward: all-reduce at o; backward: all-reduce at qkv. Under SP x is [s/tp, b, h]: all-gather
     before qkv (RoPE then sees positions 0..s-1), reduce-scatter after o, the norm weight's grad
@@ -136,8 +154,9 @@ class ParallelAttention(ParallelModule):
     """
 
     def __init__(self, cfg: ModelConfig, group: TPGroup, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, rng: RNGTracker | None = None) -> None:
         super().__init__(group)
+        rng = _tracker(group, rng)
         self.theta = cfg.rope_theta
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         if sequence_parallel:
@@ -145,11 +164,13 @@ class ParallelAttention(ParallelModule):
         self.qkv = ParallelQKV(cfg, group, sequence_parallel=sequence_parallel, dtype=dtype)
         self.o = RowParallelLinear(cfg.heads * cfg.head_dim, cfg.hidden, group, bias=False,
                                    sequence_parallel=sequence_parallel, dtype=dtype)
+        self.attn_dropout = ParallelDropout(cfg.attention_dropout, rng)  # a rank's own heads: forked
+        self.dropout = hidden_dropout(cfg.dropout, rng, sequence_parallel)
         label_sites(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx_local = causal_attention(*self.qkv(self.norm(x)), self.theta)  # [s, b, heads/tp * d]
-        return x + self.o(ctx_local)  # [s, b, h] (or [s/tp, b, h] under SP)
+        ctx_local = causal_attention(*self.qkv(self.norm(x)), self.theta, self.attn_dropout)  # [s, b, heads/tp * d]
+        return x + self.dropout(self.o(ctx_local))  # [s, b, h] (or [s/tp, b, h] under SP)
 
     def finalize_grads(self) -> None:
         finalize_model_grads(self, self.group)
@@ -159,10 +180,11 @@ class ParallelLayer(ParallelModule):
     """The TP twin of DenseLayer: ParallelAttention then ParallelMLP."""
 
     def __init__(self, cfg: ModelConfig, group: TPGroup, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, rng: RNGTracker | None = None) -> None:
         super().__init__(group)
-        self.attention = ParallelAttention(cfg, group, sequence_parallel=sequence_parallel, dtype=dtype)
-        self.mlp = ParallelMLP(cfg, group, sequence_parallel=sequence_parallel, dtype=dtype)
+        rng = _tracker(group, rng)
+        self.attention = ParallelAttention(cfg, group, sequence_parallel=sequence_parallel, dtype=dtype, rng=rng)
+        self.mlp = ParallelMLP(cfg, group, sequence_parallel=sequence_parallel, dtype=dtype, rng=rng)
         label_sites(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,11 +222,12 @@ class ParallelLM(ParallelModule):
     [s/tp, b, h]."""
 
     def __init__(self, cfg: ModelConfig, group: TPGroup, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, rng: RNGTracker | None = None) -> None:
         super().__init__(group)
-        sp = sequence_parallel
+        sp, rng = sequence_parallel, _tracker(group, rng)
         self.embed = VocabParallelEmbedding(cfg.vocab, cfg.hidden, group, sequence_parallel=sp, dtype=dtype)
-        self.layers = torch.nn.ModuleList(ParallelLayer(cfg, group, sequence_parallel=sp, dtype=dtype)
+        self.embed_dropout = hidden_dropout(cfg.dropout, rng, sp)
+        self.layers = torch.nn.ModuleList(ParallelLayer(cfg, group, sequence_parallel=sp, dtype=dtype, rng=rng)
                                           for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         if sp:
@@ -214,7 +237,7 @@ class ParallelLM(ParallelModule):
         label_sites(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)  # [s, b, h] (or [s/tp, b, h] under SP)
+        x = self.embed_dropout(self.embed(tokens))  # [s, b, h] (or [s/tp, b, h] under SP)
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x), self.embed.weight)  # [s, b, V/tp]; the weight is used only if tied

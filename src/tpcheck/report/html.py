@@ -138,7 +138,7 @@ def _case_section(i: int, case: dict) -> str:
              f"{_mark(case)}</h3><p>{esc(case.get('summary', ''))}</p>"
              f"<p class=muted>expected: {esc(case['expected'])} · spec: <code>{esc(_spec_text(case))}</code></p>"]
     parts += [_diagnosis(case), _first_divergence(case), _problems(case), _curves(case), _failed_checks(case),
-              _ledger(case), _extras(case), "</section>"]
+              _rng(case), _ledger(case), _extras(case), "</section>"]
     return "\n".join(p for p in parts if p)
 
 
@@ -214,6 +214,27 @@ def _failed_checks(case: dict) -> str:
     return (f"<details><summary>Failed checks ({len(failed)})</summary><table><tr><th>stage</th><th>step</th>"
             "<th>tensor</th><th>rank</th><th>error</th><th>bound</th><th>kind</th><th>placement</th></tr>"
             + rows + "</table>" + more + "</details>")
+
+
+def _rng(case: dict) -> str:
+    """The RNG placement checks (dropout masks), one row per draw site: its region's rule (the placement
+    of its mask), how many times it was checked over steps and ranks, and how many failed."""
+    sites: dict[str, dict] = {}
+    for c in case.get("checks", []):
+        if c["kind"] != "rng":
+            continue
+        site = sites.setdefault(c["name"].split(":", 1)[1], {"placement": c["placement"], "reason": c["reason"],
+                                                              "checked": 0, "failed": 0})
+        site["checked"] += 1
+        site["failed"] += not c["passed"]
+    if not sites:
+        return ""
+    rows = "".join(
+        f"<tr><td>{esc(name)}</td><td>{esc(s['placement'])}</td><td>{esc(s['reason'])}</td>"
+        f"<td class=num>{s['checked']}</td><td class='num{' off' if s['failed'] else ''}'>{s['failed']}</td></tr>"
+        for name, s in sites.items())
+    return ("<h4>Random masks (RNG placement)</h4><table class=rng><tr><th>draw</th><th>mask placement</th>"
+            "<th>rule</th><th>checks</th><th>failed</th></tr>" + rows + "</table>")
 
 
 def ledger_rows(ledger: dict) -> tuple[list[str], list[tuple[str, str]], dict, dict]:
