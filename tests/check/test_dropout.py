@@ -279,3 +279,31 @@ def test_ambiguous_mask_shapes_ask_for_a_placement():
     assert r["verdict"] == "invalid"
     assert "Case(dropout={'(model): dropout #1': Shard(dim)})" in r["summary"]
 
+
+
+def test_a_named_placement_overrides_the_shapes():
+    """`Case.dropout` names the part of the mask a rank holds where the shapes would mislead: rows taken
+    round-robin look like a contiguous shard."""
+    from tpcheck.plan import Placement
+
+    class EveryOtherRow(Placement):
+        def shard(self, dense, rank, world):
+            return dense[rank::world]
+
+    class Rows(nn.Module):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = rows
+
+        def forward(self, x):
+            return F.dropout(x[: self.rows], 0.5)
+
+    label = "(model): dropout #1"
+    for placements, expect in (({}, lambda m: m[2:4]), ({label: EveryOtherRow()}, lambda m: m[1::2])):
+        book = MaskBook(torch.Generator().manual_seed(1), placements)
+        with book.draw(Rows(4)):
+            Rows(4)(torch.ones(4, 64))
+        with book.tp(Rows(2), 1, 2, lambda: 0):
+            out = Rows(2)(torch.ones(4, 64))
+        assert torch.equal(out != 0, expect(book.draws[0].mask))
+        assert ("EveryOtherRow" in book.tp_draws[0].placement) == bool(placements)
