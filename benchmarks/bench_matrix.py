@@ -1,99 +1,68 @@
-"""(b) Many small cases: one invocation for the whole matrix vs one launch per case.
+"""(b) What one more case costs in a matrix run, against a launch of its own.
 
-Matrix: blocks {mlp, attention, layer} x world sizes {1, 2} x dtypes {float32, bfloat16} x seeds {1..4}
-= 48 cases on the "tiny" preset (3 AdamW steps, the CLI's defaults), run by ONE subprocess calling
-`tpcheck.check(specs)` (one pool of forked ranks per world size serves every case). Per-case side: a
-fresh `python -m tpcheck run --block B --preset tiny --world-size W --dtype D --seed S -q` subprocess
-for a sample of the same cases, extrapolated per case. Both sides include interpreter start-up."""
+The matrix: `tpcheck run --block mlp attention layer lm embedding cross_entropy --preset tiny
+--world-size 1 2 4 --dtype float32 bfloat16 -q` = 36 cases (3 AdamW steps of 2 micro-batches, every
+check), as one CLI launch: T(36). Against it, the same command for one case (`--block mlp --world-size 2
+--dtype float32`): T(1). Launches alternate (36, 1, 36, 1, ...) so that load hits both alike; medians.
+Marginal cost of a case = (T(36) - T(1)) / 35; target: at most 1/50 of T(1). Both include interpreter
+start-up, importing torch and forking the ranks (what a launch costs), which the marginal cost excludes.
+The in-pool seconds of each case (the slowest rank's, from the JSON report) say where a case's time goes
+per block and world size."""
 from __future__ import annotations
 
-import itertools
 import json
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PY, child_env, median, parser, table, timed_run, verdict, write  # noqa: E402
 
-BLOCKS, WORLDS, DTYPES, SEEDS = ("mlp", "attention", "layer"), (1, 2), ("float32", "bfloat16"), (1, 2, 3, 4)
-TARGET = 10.0
+MATRIX = ["--block", "mlp", "attention", "layer", "lm", "embedding", "cross_entropy", "--preset", "tiny",
+          "--world-size", "1", "2", "4", "--dtype", "float32", "bfloat16"]
+ONE = ["--block", "mlp", "--preset", "tiny", "--world-size", "2", "--dtype", "float32"]
+CASES = 36
+TARGET = 50.0  # a launch costs at least this many marginal cases
 
 
-def matrix() -> list[dict]:
-    return [{"block": b, "world_size": w, "dtype": d, "seed": s}
-            for b, w, d, s in itertools.product(BLOCKS, WORLDS, DTYPES, SEEDS)]
-
-
-def inner() -> None:
-    """Runs in the child: the whole matrix in one `tpcheck.check` call; prints a JSON summary."""
-    import tpcheck
-
-    specs = [tpcheck.CaseSpec(preset="tiny", **m) for m in matrix()]
-    t0 = time.perf_counter()
-    results = tpcheck.check(specs)
-    print(json.dumps({"check_s": time.perf_counter() - t0, "case_seconds": [r["seconds"] for r in results],
-                      "verdicts": [r["verdict"] for r in results], "as_expected": [r["as_expected"] for r in results],
-                      "unexpected": [{"case": r["name"], "verdict": r["verdict"], "summary": str(r.get("summary"))[:400],
-                                      "problems": str(r.get("problems"))[:400]}
-                                     for r in results if not r["as_expected"]]}))
-
-
-def one_invocation(env: dict) -> dict:
-    import subprocess
-
-    t0 = time.perf_counter()
-    proc = subprocess.run([PY, __file__, "--inner"], env=env, capture_output=True, text=True, timeout=900)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        sys.exit(f"matrix run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
-def per_case(env: dict, case: dict) -> float:
-    wall, rc = timed_run([PY, "-m", "tpcheck", "run", "--block", case["block"], "--preset", "tiny", "--world-size",
-                          str(case["world_size"]), "--dtype", case["dtype"], "--seed", str(case["seed"]), "-q"], env=env)
-    return wall
+def launch(env: dict, args: list[str], report: Path) -> tuple[float, dict]:
+    wall, rc = timed_run([PY, "-m", "tpcheck", "run", *args, "-q", "--json", str(report)], env=env, timeout=1200)
+    if rc:
+        sys.exit(f"tpcheck run {' '.join(args)} exited {rc}")
+    return wall, json.loads(report.read_text())
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--inner", action="store_true", help=argparse_suppress())
-    args = p.parse_args()
-    if args.inner:
-        return inner()
-    env, cases = child_env(OMP_NUM_THREADS="1"), matrix()
-    sample = cases[:: len(cases) // (3 if args.quick else 5)][: 3 if args.quick else 5]
-    repeats = 1 if args.quick else 2
-    batch_runs, single = [], []
-    for _ in range(repeats):  # alternate: the whole matrix, then the sampled single launches
-        batch_runs.append(one_invocation(env))
-        single += [per_case(env, c) for c in sample]
-    n = len(cases)
-    amortized = median([r["wall_s"] for r in batch_runs]) / n
-    per_launch = median(single)
-    ratio = per_launch / amortized
-    ok = sum(all(r["as_expected"]) for r in batch_runs) == len(batch_runs)
-    print(table(["side", "cases", "wall (s)", "s per case"], [
-        ["one invocation (tpcheck.check)", n, median([r["wall_s"] for r in batch_runs]), amortized],
-        ["one launch per case (sample)", len(sample), sum(single) / repeats, per_launch],
-        ["in-pool case seconds (median)", n, "", median(batch_runs[0]["case_seconds"])],
+    args = parser(__doc__).parse_args()
+    env = child_env(OMP_NUM_THREADS="1")
+    repeats = 1 if args.quick else 3
+    t36, t1, reports = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            wall, rep = launch(env, MATRIX, Path(tmp) / f"m{i}.json")
+            t36.append(wall)
+            reports.append(rep)
+            t1.append(launch(env, ONE, Path(tmp) / f"o{i}.json")[0])
+    cases = reports[0]["cases"]
+    assert len(cases) == CASES, len(cases)
+    ok = all(c["as_expected"] for r in reports for c in r["cases"])
+    big, one = median(t36), median(t1)
+    marginal = (big - one) / (CASES - 1)
+    print(table(["launch", "cases", "wall (s), median", "walls (s)"], [
+        ["matrix", CASES, big, " ".join(f"{t:.1f}" for t in t36)],
+        ["one case", 1, one, " ".join(f"{t:.1f}" for t in t1)],
     ]))
-    print(f"all {n} matrix cases as expected in every repeat: {ok}")
-    for r in batch_runs:
-        for u in r.get("unexpected", [])[:3]:
-            print(f"  unexpected: {u}")
-    target = verdict("amortized per case, one invocation vs one launch each", ratio >= TARGET,
-                     f"{ratio:.1f}x cheaper", f">= {TARGET:g}x")
-    write("matrix", {"cases": n, "sample": sample, "repeats": repeats, "batch_runs": batch_runs,
-                     "single_launch_s": single, "amortized_s_per_case": amortized, "per_launch_s": per_launch,
-                     "ratio": ratio, "all_as_expected": ok, "target": target})
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
+    per_block: dict[str, list[float]] = {}
+    for c in cases:
+        per_block.setdefault(f"{c['spec']['block']} w{c['spec']['world_size']}", []).append(c["seconds"])
+    print(table(["block, world", "in-pool seconds per case (f32, bf16)"],
+                [[k, " ".join(f"{s:.3f}" for s in v)] for k, v in per_block.items()]))
+    print(f"marginal cost of a case: ({big:.1f} - {one:.1f}) / {CASES - 1} = {marginal:.3f} s; a launch: {one:.2f} s; "
+          f"all cases as expected in every repeat: {ok}")
+    target = verdict("marginal case vs one launch", marginal * TARGET <= one, f"{one / marginal:.1f} cases per launch",
+                     f">= {TARGET:g} (marginal <= {one / TARGET:.3f} s)")
+    write("matrix", {"t36_s": t36, "t1_s": t1, "marginal_s": marginal, "launch_s": one, "all_as_expected": ok,
+                     "case_seconds": {k: v for k, v in per_block.items()}, "target": target})
 
 
 if __name__ == "__main__":

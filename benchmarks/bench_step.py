@@ -1,8 +1,8 @@
 """(c) Step time (forward + backward, no checker) of tpcheck's TP blocks vs DTensor vs dense.
 
-At (seq, batch, hidden, ffn) = (512, 4, 1024, 4096), world size 2 (two forked gloo ranks, FileStore
-rendezvous, as tests/ranks.py). For each block (MLP; attention and transformer layer when
-`tpcheck.blocks.BLOCKS` has them; attention uses 16 heads, 8 KV heads):
+At three shapes (seq, batch, hidden, ffn): the seed's (3, 2, 8, 12; 2 heads), the tiny preset's
+(8, 2, 32, 64; 4 heads, 2 KV heads) and a large one (512, 4, 1024, 4096; 16 heads, 8 KV heads), world
+size 2 (two forked gloo ranks). For each block (MLP, attention, transformer layer):
 - tpcheck TP: `ParallelMLP` / `ParallelAttention` / `ParallelLayer` (plain autograd collectives);
 - DTensor TP: the same math as a dense module with separate nn.Linear projections (gate/up/down;
   wq/wk/wv/wo), parallelized with `parallelize_module` + ColwiseParallel/RowwiseParallel
@@ -28,7 +28,8 @@ from tpcheck.models.config import ModelConfig  # noqa: E402
 
 from _common import median, parser, table, verdict, write  # noqa: E402
 
-TARGET = 1.0  # tpcheck TP / DTensor TP
+TARGET = 1.0  # tpcheck TP / DTensor TP at the large shape
+SMALL_TARGET = 0.6  # at the seed's and the tiny preset's shapes
 
 
 class SepMLP(nn.Module):
@@ -156,40 +157,46 @@ def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int) -> list[floa
     return time_steps([init_(cls(cfg))], x, warmup, steps, lambda: None)[0]
 
 
+def sizes(quick: bool) -> list[tuple[str, dict, int, float]]:
+    """(name, config fields, timed steps, target tpcheck/DTensor): the seed's and the tiny preset's shapes,
+    where most checks run and per-op overhead decides, and one large shape, where the matmuls do."""
+    large = dict(seq=128, batch=2, hidden=512, ffn=2048) if quick else dict(seq=512, batch=4, hidden=1024, ffn=4096)
+    return [("seed", dict(seq=3, batch=2, hidden=8, ffn=12, heads=2, kv_heads=2), 30 if quick else 100, SMALL_TARGET),
+            ("tiny", dict(seq=8, batch=2, hidden=32, ffn=64, heads=4, kv_heads=2), 30 if quick else 100, SMALL_TARGET),
+            ("large", dict(large, heads=16, kv_heads=8), 3 if quick else 5, TARGET)]
+
+
 def main() -> None:
     args = parser(__doc__).parse_args()
     from tpcheck.blocks import BLOCKS
 
-    seq, batch, hidden, ffn = (128, 2, 512, 2048) if args.quick else (512, 4, 1024, 4096)
-    warmup, steps, world = 1, (3 if args.quick else 5), 2
+    warmup, world = 2, 2
     blocks = [b for b in ("mlp", "attention", "layer") if b in BLOCKS]
-    skipped = [b for b in ("attention", "layer") if b not in BLOCKS]
-    cfgs = {b: ModelConfig(seq=seq, batch=batch, hidden=hidden, ffn=ffn, heads=16, kv_heads=8) for b in blocks}
-    outs = run_tp(world, blocks, cfgs, warmup, steps)
-    torch.set_num_threads(1)
-    rows, res, targets = [], {}, []
-    for block in blocks:
-        med = {}
-        for side in ("tpcheck TP", "DTensor TP"):
-            per_step = [max(o[(block, side)][i] for o in outs) for i in range(steps)]
-            med[side] = median(per_step)
-            res[f"{block}/{side}"] = per_step
-        res[f"{block}/dense w1"] = dense_w1(block, cfgs[block], warmup, steps)
-        med["dense w1"] = median(res[f"{block}/dense w1"])
-        ratio = med["tpcheck TP"] / med["DTensor TP"]
-        rows.append([block, med["tpcheck TP"] * 1e3, med["DTensor TP"] * 1e3, med["dense w1"] * 1e3, ratio,
-                     med["dense w1"] / med["tpcheck TP"]])
-        targets.append(verdict(f"{block}: tpcheck TP vs DTensor TP step", ratio <= TARGET, f"{ratio:.3f}x",
-                               f"<= {TARGET:g}x"))
-    print(f"(seq, batch, hidden, ffn) = {(seq, batch, hidden, ffn)}, world 2, 1 thread per process, "
-          f"median of {steps} steps after {warmup} warm-up")
-    print(table(["block", "tpcheck TP (ms)", "DTensor TP (ms)", "dense w1 (ms)", "tpcheck/DTensor",
+    rows, res, targets, shapes = [], {}, [], {}
+    for size, fields, steps, target in sizes(args.quick):
+        cfgs = {b: ModelConfig(**fields) for b in blocks}
+        shapes[size] = fields
+        outs = run_tp(world, blocks, cfgs, warmup, steps)
+        torch.set_num_threads(1)
+        for block in blocks:
+            med = {}
+            for side in ("tpcheck TP", "DTensor TP"):
+                per_step = [max(o[(block, side)][i] for o in outs) for i in range(steps)]
+                med[side] = median(per_step)
+                res[f"{size}/{block}/{side}"] = per_step
+            res[f"{size}/{block}/dense w1"] = dense_w1(block, cfgs[block], warmup, steps)
+            med["dense w1"] = median(res[f"{size}/{block}/dense w1"])
+            ratio = med["tpcheck TP"] / med["DTensor TP"]
+            rows.append([size, block, med["tpcheck TP"] * 1e3, med["DTensor TP"] * 1e3, med["dense w1"] * 1e3, ratio,
+                         med["dense w1"] / med["tpcheck TP"]])
+            targets.append(verdict(f"{size} {block}: tpcheck TP vs DTensor TP step", ratio <= target, f"{ratio:.3f}x",
+                                   f"<= {target:g}x"))
+    print(f"world 2, 1 thread per process, median of the timed steps after {warmup} warm-up; shapes "
+          + "; ".join(f"{k}: {v}" for k, v in shapes.items()))
+    print(table(["size", "block", "tpcheck TP (ms)", "DTensor TP (ms)", "dense w1 (ms)", "tpcheck/DTensor",
                  "dense w1 / tpcheck TP"], rows))
-    if skipped:
-        print(f"skipped (block not in BLOCKS): {skipped}")
-    write("step", {"shape": {"seq": seq, "batch": batch, "hidden": hidden, "ffn": ffn, "heads": 16, "kv_heads": 8},
-                   "world_size": world, "threads_per_process": 1, "warmup": warmup, "steps": steps,
-                   "step_seconds": res, "rows": rows, "skipped": skipped, "targets": targets})
+    write("step", {"shapes": shapes, "world_size": world, "threads_per_process": 1, "warmup": warmup,
+                   "step_seconds": res, "rows": rows, "targets": targets})
 
 
 if __name__ == "__main__":

@@ -204,6 +204,7 @@ def tpcheck(*args, cwd=None):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_sweep_report(tmp_path):
     import jsonschema
 
@@ -229,13 +230,16 @@ def test_cli_sweep_report(tmp_path):
     assert "id=sweep" in (tmp_path / "again.html").read_text()
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("args, message", [
     (["lama"], "unknown architecture 'lama' (did you mean"),
-    (["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped"),
-    ([], "name architectures"),
-    (["llama", "--rule", "nonsense"], "write PATTERN=STYLE"),
+    pytest.param(["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped", marks=SLOW),
+    pytest.param([], "name architectures", marks=SLOW),
+    pytest.param(["llama", "--rule", "nonsense"], "write PATTERN=STYLE", marks=SLOW),
     (["llama", "--world-size", "1"], "transformers shards nothing on one rank"),
-    (["llama", "--rule", "model.layers.*.mlp.nothing=colwise"], "match nothing"),
+    pytest.param(["llama", "--rule", "model.layers.*.mlp.nothing=colwise"], "match nothing", marks=SLOW),
 ])
 def test_cli_bad_input_exits_2_with_a_message(args, message):
     out = tpcheck("hf", *args)
@@ -243,6 +247,7 @@ def test_cli_bad_input_exits_2_with_a_message(args, message):
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_cli_list():
     out = tpcheck("hf", "--list")
     assert out.returncode == 0

@@ -126,10 +126,10 @@ def test_dropout_probabilities_are_validated():
 # ---------------------------------------------------------------------------- the built-in blocks
 
 
-def _specs():
+def _specs(worlds, blocks=("mlp", "attention", "layer", "lm")):
     out = []
-    for block in ("mlp", "attention", "layer", "lm"):
-        for world in (2, 4):
+    for block in blocks:
+        for world in worlds:
             for dtype in ("float32", "bfloat16"):
                 for sp in (False, True):
                     out.append(CaseSpec(block=block, preset="tiny", world_size=world, dtype=dtype,
@@ -139,7 +139,9 @@ def _specs():
 
 @pytest.fixture(scope="module")
 def blocks():
-    specs = _specs()
+    """The layer and the LM (every dropout site of mlp and attention is in them) at world 2; the blocks
+    alone are the correct twins of the catalogue's RNG faults, and world 4 is slow."""
+    specs = _specs((2,), ("layer", "lm"))
     return dict(zip(specs, check(specs)))
 
 
@@ -147,10 +149,25 @@ def _rng_checks(result):
     return {(c["name"], c["placement"]) for c in result["checks"] if c["kind"] == "rng"}
 
 
-def test_blocks_with_dropout_are_equivalent_at_world_2_and_4_in_float32_and_bfloat16(blocks):
-    for spec, r in blocks.items():
+def _all_equivalent(results: dict) -> None:
+    for spec, r in results.items():
         assert r["verdict"] == "equivalent", (spec.name, r["summary"])
         assert r["self_test"]["failures"] == []
+
+
+def test_blocks_with_dropout_are_equivalent_at_world_2_in_float32_and_bfloat16(blocks):
+    _all_equivalent(blocks)
+
+
+@pytest.mark.slow
+def test_blocks_with_dropout_are_equivalent_at_world_4_in_float32_and_bfloat16():
+    specs = _specs((4,))
+    results = dict(zip(specs, check(specs)))
+    _all_equivalent(results)
+    lm = next(r for s, r in results.items() if s.block == "lm" and s.sequence_parallel)
+    assert ("rng:embed_dropout", "shard(dim=0)") in _rng_checks(lm)
+    # every step, every micro-batch, every rank: 3 steps x 2 micro-batches x 4 ranks per draw
+    assert sum(c["name"] == "rng:embed_dropout" for c in lm["checks"]) == 3 * 2 * 4
 
 
 def test_each_draw_is_checked_under_its_regions_rule(blocks):
@@ -160,10 +177,10 @@ def test_each_draw_is_checked_under_its_regions_rule(blocks):
                                          ("rng:attention.dropout", "replicate"), ("rng:mlp.dropout", "replicate")}
     assert _rng_checks(layer[True]) == {("rng:attention.attn_dropout", "shard(dim=1)"),
                                         ("rng:attention.dropout", "shard(dim=0)"), ("rng:mlp.dropout", "shard(dim=0)")}
-    lm = next(r for s, r in blocks.items() if s.block == "lm" and s.world_size == 4 and s.sequence_parallel)
+    lm = next(r for s, r in blocks.items() if s.block == "lm" and s.sequence_parallel)
     assert ("rng:embed_dropout", "shard(dim=0)") in _rng_checks(lm)
-    # every step, every micro-batch, every rank: 3 steps x 2 micro-batches x 4 ranks per draw
-    assert sum(c["name"] == "rng:embed_dropout" for c in lm["checks"]) == 3 * 2 * 4
+    # every step, every micro-batch, every rank: 3 steps x 2 micro-batches x 2 ranks per draw
+    assert sum(c["name"] == "rng:embed_dropout" for c in lm["checks"]) == 3 * 2 * 2
 
 
 def test_masks_are_applied_a_tp_side_without_dropout_is_caught(monkeypatch):

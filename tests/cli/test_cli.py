@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tpcheck.cli import main
 
 from paths import REPO
@@ -29,9 +31,11 @@ def test_unknown_fault_and_dtype_exit_2(capsys):
     assert "float8" in capsys.readouterr().err
 
 
-def test_matrix_writes_json_and_exit_0(tmp_path):
+@pytest.mark.parametrize("faults", [["missing_forward_reduce", "missing_backward_reduce"],
+                                    pytest.param(["all"], marks=pytest.mark.slow)], ids=["two", "all"])
+def test_matrix_writes_json_and_exit_0(tmp_path, faults):
     out = tmp_path / "r.json"
-    proc = _run("run", "--world-size", "1", "2", "--fault", "all", "--json", str(out), "-q")
+    proc = _run("run", "--world-size", "1", "2", "--fault", *faults, "--json", str(out), "-q")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["schema"] == "tpcheck.report/1"
@@ -45,6 +49,7 @@ def test_faults_lists_the_catalogue():
     assert {"missing_forward_reduce", "missing_backward_reduce"} <= names
 
 
+@pytest.mark.slow
 def test_runs_under_torchrun():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "tpcheck",
                            "run", "--mode", "equivalence", "-q"], capture_output=True, text=True, timeout=120,

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from paths import REPO
 
 CASE = REPO / "examples" / "own_module.py"
@@ -17,6 +19,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_through_a_c10d_rendezvous(tmp_path):
     port = _free_port()
     agents = []

@@ -191,7 +191,8 @@ def _tpcheck_commands() -> list[list[str]]:
     return [[sys.executable, "-m", "tpcheck"]] + ([[str(script)]] if script.exists() else [])
 
 
-@pytest.mark.parametrize("command", _tpcheck_commands(), ids=lambda c: "script" if len(c) == 1 else "module")
+@pytest.mark.parametrize("command", [c if len(c) > 1 else pytest.param(c, marks=pytest.mark.slow)
+                                     for c in _tpcheck_commands()], ids=lambda c: "script" if len(c) == 1 else "module")
 def test_stdout_on_a_full_disk_exits_2_with_a_message_and_keeps_the_report(command, tmp_path):
     full = char_device(tmp_path, "full", 7)
     report = tmp_path / "r.json"

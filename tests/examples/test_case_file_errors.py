@@ -16,14 +16,16 @@ CASES = {
                      "PLAN.params.items() if k != 'fc2.bias'}))",
     "wrong_shard": "case = dataclasses.replace(own_module.correct, plan=Plan(params={**PLAN.params, "
                    "'fc1.weight': Shard(1)}))",
-    "dropout": '''
-import torch.nn.functional as F
+    "rand_like_mask": '''
+import torch
 class Dense(own_module.DenseBlock):
     def forward(self, x):
-        return F.dropout(super().forward(x), p=0.1, training=True)
+        out = super().forward(x)
+        return out * (torch.rand_like(out) > 0.1)
 class TP(TPBlock):
     def forward(self, x):
-        return F.dropout(super().forward(x), p=0.1, training=True)
+        out = super().forward(x)
+        return out * (torch.rand_like(out) > 0.1)
 case = dataclasses.replace(own_module.correct, build_dense=Dense, build_tp=TP)''',
     "one_rank_raises": '''
 def build_tp(group, dtype):
@@ -67,7 +69,9 @@ def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):
     assert "'fc1.weight'" in err and "shape" in err
     lineno = HEAD.count("\n") + 4  # the `raise` line in one_rank_raises.py
     assert "in your build_tp (" in err and f"one_rank_raises.py:{lineno}): ValueError: rank one is unhappy" in err
-    assert "dropout makes this model nondeterministic" in err and "disable dropout" in err
+    # a mask tpcheck cannot replay (F.dropout and torch.bernoulli masks are replayed: tests/check/test_dropout.py)
+    assert "other than through the calls tpcheck replays" in err and "torch.rand/rand_like" in err
+    assert "draw the mask with torch.bernoulli or F.dropout" in err
     assert "checker self-test failed" not in err  # the model's randomness, not the checker, is named
     assert "Traceback" not in err
     # a rank-only failure is reported as the user's error, not waited out as a hang of the other ranks

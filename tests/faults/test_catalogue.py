@@ -39,7 +39,18 @@ def _cases(dtypes):
     return out
 
 
-CASES = _cases(DTYPES[:1])
+def _first_block_world_2(cases):
+    """Each fault on the first block it names, at world 2 where it applies there (else its first world):
+    what every `make test` runs (the rest: slow)."""
+    firsts = {}
+    for fault, world, spec in sorted(cases, key=lambda c: c[1] != 2):  # stable: the blocks keep their order
+        firsts.setdefault(fault.name, (fault, world, spec))
+    return list(firsts.values())
+
+
+ALL_FLOAT32 = _cases(DTYPES[:1])
+CASES = _first_block_world_2(ALL_FLOAT32)
+CASES_MORE = [c for c in ALL_FLOAT32 if c not in CASES]
 CASES_16BIT = _cases(DTYPES[1:])
 
 
@@ -57,12 +68,21 @@ def results():
 
 
 @pytest.fixture(scope="module")
+def results_more():
+    return _run(CASES_MORE)
+
+
+@pytest.fixture(scope="module")
 def results_16bit():
     return _run(CASES_16BIT)
 
 
 def test_every_fault_is_exercised():
     assert {f.name for f, _, _ in CASES} == {n for n, f in CATALOGUE.items() if f.expected_stage != "hang"}
+    # and in the slow suite on every block it names at world 2 and 4
+    assert {(f.name, s.block, w) for f, w, s in CASES + CASES_MORE} == {
+        (n, b, w) for n, f in CATALOGUE.items() if f.expected_stage != "hang" for b in f.blocks for w in WORLDS
+        if f.applies(b, w)}
     # every fault that applies in a 16-bit dtype is exercised there too
     assert {f.name for f, _, _ in CASES_16BIT} == {n for n, f in CATALOGUE.items() if f.expected_stage != "hang"
                                                    and {"bfloat16", "float16"} & set(f.dtypes)}
@@ -77,12 +97,23 @@ def caught_and_twin_passes(results: dict, faulty: CaseSpec) -> dict:
     return r["first_divergence"] | {"summary": r["summary"], "signature": r["diagnosis"]["signature"]}
 
 
-@pytest.mark.parametrize("fault,world,faulty", CASES,
-                         ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES])
-def test_fault_caught_at_its_stage_and_twin_passes(results, fault, world, faulty):
+def _caught_at_its_stage(results, fault, faulty):
     first = caught_and_twin_passes(results, faulty)
     assert (first["stage"], first["step"]) == (fault.expected_stage, first_step(fault)), first["summary"]
     assert first["signature"] == fault.expected_signature, first["summary"]
+
+
+@pytest.mark.parametrize("fault,world,faulty", CASES,
+                         ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES])
+def test_fault_caught_at_its_stage_and_twin_passes(results, fault, world, faulty):
+    _caught_at_its_stage(results, fault, faulty)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,world,faulty", CASES_MORE,
+                         ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES_MORE])
+def test_fault_caught_on_every_block_and_world(results_more, fault, world, faulty):
+    _caught_at_its_stage(results_more, fault, faulty)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """The HTML report, read as text: self-contained, escaped, and showing what the run found."""
 import base64
 import copy
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -118,15 +120,19 @@ def test_matplotlib_is_imported_only_for_html():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_page_shows_the_rng_placement_checks(tmp_path):
-    """A run with dropout and the `rng_diverged` fault: the JSON report validates, and the page lists every
-    random draw with its mask placement, its rule and how many of its checks failed."""
-    json_path, html_path = tmp_path / "r.json", tmp_path / "r.html"
-    proc = tpcheck("run", "--block", "layer", "--preset", "tiny", "--steps", "1", "--dropout", "0.1",
-                   "--attention-dropout", "0.1", "--fault", "rng_diverged", "--json", str(json_path), "--html",
-                   str(html_path), "-q")
-    assert proc.returncode == 0, proc.stderr
-    page = html_path.read_text()
+def test_page_shows_the_rng_placement_checks():
+    """A run with dropout and the `rng_diverged` fault: the report validates, and the page lists every random
+    draw with its mask placement, its rule and how many of its checks failed."""
+    from tpcheck import CaseSpec, check, exit_code
+    from tpcheck.faults import CATALOGUE
+    from tpcheck.report.schema import build_report, load_schema
+    from tpcheck.report.validate import first_error
+
+    good = CaseSpec(block="layer", preset="tiny", steps=1, overrides=(("dropout", 0.1), ("attention_dropout", 0.1)))
+    results = check([good, CATALOGUE["rng_diverged"].prepare(dataclasses.replace(good, fault="rng_diverged"))])
+    report = build_report(results, exit_code=exit_code(results))
+    assert first_error(json.loads(json.dumps(report)), load_schema()) is None
+    page = render_html(report)
     assert page.count("<h4>Random masks (RNG placement)</h4>") == 2  # the correct case and the faulty one
     rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>[^<]+</td><td class=num>(\d+)</td>"
                       r"<td class='num( off)?'>(\d+)</td></tr>", page)
@@ -134,4 +140,3 @@ def test_page_shows_the_rng_placement_checks(tmp_path):
     assert ("mlp.dropout", "replicate", "4", "", "0") in rows
     assert ("attention.dropout", "replicate", "4", " off", "4") in rows  # the planted rank-seeded dropout
     assert "rng_diverged" in page
-    assert tpcheck("report", str(json_path)).returncode == 0  # the report with RNG checks validates

@@ -150,6 +150,7 @@ def _mutations(report):
                 parent[key] = old
 
 
+@pytest.mark.slow
 def test_the_checker_agrees_with_jsonschema_on_every_mutation(base, schema):
     validator = jsonschema.Draft202012Validator(schema)
     base = copy.deepcopy(base)

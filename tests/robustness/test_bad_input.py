@@ -123,6 +123,7 @@ def test_bad_plans_and_bad_references_are_invalid_not_tp_bugs(register_block):
     assert exit_code(results) == 2
 
 
+@pytest.mark.slow
 def test_pure_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subprocess():
     """Pure float16 parameters (no float32 masters): AdamW's eps underflows in float16 and the dense
     reference itself turns NaN: that is bad input (exit 2, a clear message), not a TP bug. Also: other

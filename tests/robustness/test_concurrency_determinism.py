@@ -15,6 +15,7 @@ from tpcheck.report.schema import without_timings
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_two_concurrent_checks_do_not_collide(tmp_path):
     outs = [tmp_path / "a.json", tmp_path / "b.json"]
     procs = [subprocess.Popen([sys.executable, "-m", "tpcheck", "run", "--mode", "all", "-q", "--json", str(o)],

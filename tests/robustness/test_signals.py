@@ -73,7 +73,8 @@ def _wait_for_first_case(proc) -> list[str]:
     raise AssertionError("the run ended before its first case was reported:\n" + "".join(lines))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
 def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, sig):
     proc, tmp, mark = _start(tmp_path, "ok", "sleeps")  # the second case sleeps 600 s on every rank
     seen = _wait_for_first_case(proc)
@@ -110,6 +111,7 @@ def test_a_second_ctrl_c_exits_at_once_and_leaves_nothing(tmp_path):
     assert _none_left(mark)
 
 
+@pytest.mark.slow
 def test_processes_spawned_by_the_code_under_test_die_with_its_rank(tmp_path):
     proc, tmp, mark = _start(tmp_path, "spawns")
     out, err = proc.communicate(timeout=WAIT_S)
