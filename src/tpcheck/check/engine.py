@@ -445,7 +445,8 @@ class Engine:
                                  "(grad_inputs lists the inputs whose gradients are checked)")
             cmp.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
                         case.input_placements.get(k, Replicate()))
-        cmp.flush_replicas()
+        # the replicas of every micro-batch are compared across ranks with the step's grads (one checker
+        # all-reduce for all of them); each replica check keeps the place of its tensor in the order
 
     def _compare_params(self, step: int, stage: str, dense_params: dict, tp_params: dict, get) -> None:
         """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against the

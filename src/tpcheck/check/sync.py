@@ -9,9 +9,13 @@ numbers agree without coordination.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+
+SOON_S = 0.05  # how long a checkpoint polls the store itself before the store's own wait takes over
 
 
 class CollectiveMismatch(RuntimeError):
@@ -57,11 +61,26 @@ class Rendezvous:
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         self.waiting_at = label or tag
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            if not self._arrived_soon(keys):
+                self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception:  # noqa: BLE001 - a store wait past its timeout: some rank is stuck
             raise RendezvousTimeout([r for r, k in enumerate(keys) if not self.store.check([k])]) from None
         self.waiting_at = None
         return [self.store.get(k).decode() for k in keys]
+
+    def _arrived_soon(self, keys: list[str]) -> bool:
+        """Whether every key is posted within SOON_S, polled at sub-millisecond intervals: ranks in step
+        post within a millisecond of each other, and a FileStore's own wait polls far more coarsely (a
+        checkpoint then costs its poll interval, several per micro-batch). Past SOON_S the store's wait,
+        with the timeout, takes over."""
+        deadline = time.monotonic() + SOON_S
+        pause = 5e-5
+        while time.monotonic() < deadline:
+            if self.store.check(keys):
+                return True
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return False
 
     def setup_failed(self, message: str) -> None:
         """This rank's setup failed: tell the others (their `setup_done` stops them), do not wait."""
