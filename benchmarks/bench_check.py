@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PY, child_env, median, parser, table, verdict, watched_run, write  # noqa: E402
 
 FULL, QUICK = (512, 4, 1024, 4096), (128, 2, 512, 2048)
-TARGET = 3.0
+TARGET = 2.5
 
 
 def overrides(size) -> tuple:

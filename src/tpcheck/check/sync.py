@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-
 SOON_S = 0.05  # how long a checkpoint polls the store itself before the store's own wait takes over
 
 
