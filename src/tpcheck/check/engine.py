@@ -14,8 +14,10 @@ Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_fo
 every side without autograd, its output compared), dense and float64 forward/backward (capturing the activations
 named in `plan.activations`), then the TP forward/backward, whose captured tensors are compared as they
 are produced (local comparisons only, no collective inside the model's forward), then a ledger sync and
-the checker's own collectives (replica comparisons); then grads, the replay of the dense optimizer rule
-on the TP side's inputs, the optimizer steps, update and state against the replay, weights.
+the RNG placement checks of the micro-batch's random draws (dropout: each mask drawn by the dense side,
+replayed by the truth and, part by part, by the TP side; check/dropout.py); then grads, the checker's
+own collective (the replica comparisons of the whole step), the replay of the dense optimizer rule on
+the TP side's inputs, the optimizer steps, update and state against the replay, weights.
 """
 from __future__ import annotations
 
