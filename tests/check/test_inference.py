@@ -35,3 +35,65 @@ def test_plan_as_code_round_trips():
 
     rebuilt = eval(plan_as_code(plan), {"Plan": Plan, "Shard": S, "Replicate": R, "Fused": F})
     assert rebuilt == plan
+
+
+@pytest.mark.parametrize("world,kv", [(2, 2), (2, 4), (4, 2), (4, 1), (8, 2)])
+def test_uneven_fused_qkv_is_proposed_by_rank_0_and_matched_on_every_rank(world, kv):
+    """GQA's fused [q; k; v] with fewer KV heads than query heads, KV heads sharded (kv >= world) or
+    replicated over ranks (kv < world): the shape alone does not say where q ends, rank 0's values do."""
+    from tpcheck.check.inference import uneven_fused
+
+    heads, hd, hidden = 8, 4, 16
+    true = Fused(0, (heads, kv, kv), (hd, hd, hd))
+    dense = torch.randn((heads + 2 * kv) * hd, hidden, generator=torch.Generator().manual_seed(world * 10 + kv))
+    locals_ = [true.shard(dense, r, world) for r in range(world)]
+    assert not matches(dense, locals_[0], 0, world)  # no shape-derived candidate explains it
+    tried = candidates(tuple(dense.shape), world) + uneven_fused(dense, locals_[0], world)
+    common = set(range(len(tried)))
+    for r in range(world):
+        common &= set(matches(dense, locals_[r], r, world, tried))
+    found = tried[min(common)]
+    assert all(torch.equal(found.shard(dense, r, world), locals_[r]) for r in range(world))
+    rebuilt = eval(plan_as_code(Plan(params={"qkv": found})), {"Plan": Plan, "Fused": Fused})
+    assert rebuilt.params["qkv"] == found
+
+
+def test_a_contiguous_split_of_a_fused_qkv_is_inferred_as_the_shard_it_is():
+    """A loader that split [q; k; v] contiguously (the classic bug) holds `Shard(0)` of the dense weight;
+    no uneven-fused proposal claims it too, so the plan says what the loader did (and the TP forward's
+    values then fail)."""
+    from tpcheck.check.inference import uneven_fused
+
+    dense = torch.randn((8 + 4) * 4, 16, generator=torch.Generator().manual_seed(3))
+    naive = [Shard(0).shard(dense, r, 2) for r in range(2)]
+    tried = candidates(tuple(dense.shape), 2) + uneven_fused(dense, naive[0], 2)
+    common = set(matches(dense, naive[0], 0, 2, tried)) & set(matches(dense, naive[1], 1, 2, tried))
+    assert [tried[i] for i in common] == [Shard(0)]
+
+
+@pytest.mark.parametrize("world,kv", [(2, 2), (4, 2)])
+def test_a_gqa_attention_loaded_by_its_own_loader_is_checked_with_no_plan_written(world, kv):
+    """The built-in attention block (fused [q; k; v], 8 query heads, `kv` KV heads, sharded at world 2,
+    replicated over ranks at world 4) loaded by a user loader, with no plan: the plan is inferred, uneven
+    fused parts included, and the case is equivalent."""
+    import dataclasses
+
+    from tpcheck import CaseSpec, check
+    from tpcheck.blocks.attention import BLOCK
+    from tpcheck.blocks.base import config_for
+    from tpcheck.check.usercode import register
+
+    spec = CaseSpec(block="attention", preset="tiny", world_size=world, steps=1,
+                    overrides=(("heads", 8), ("kv_heads", kv), ("hidden", 64)))
+    case = BLOCK.case(spec, config_for(spec))
+    plan = case.plan
+
+    def load_tp(tp, state, group):
+        for name, p in tp.named_parameters():
+            p.copy_(plan.params[name].shard(state[name], group.rank, group.world_size))
+
+    mine = register(dataclasses.replace(case, name=f"gqa_no_plan_{world}", plan=None, load_tp=load_tp,
+                                        activations=dict(plan.activations)))
+    (r,) = check([CaseSpec(block=mine, world_size=world, steps=1)])
+    assert r["verdict"] == "equivalent", r["summary"]
+    assert "'qkv.weight': Fused(0, " in r["inferred_plan"]

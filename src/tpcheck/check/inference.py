@@ -2,8 +2,9 @@
 
 With `Case(plan=None, load_tp=...)`, after the user's loader ran, every rank tries, for each dense
 parameter, the placements its shape admits (in this order: replicate, a contiguous shard of each dim,
-a fused weight of 2 or 3 equal parts along each dim) and keeps those whose shard of the dense tensor
-equals the TP tensor bitwise. The ranks then agree through the rendezvous store: a parameter's
+a fused weight of 2 or 3 equal parts along each dim; then a fused `[q; k; v]` with smaller, sharded or
+replicated, k and v, which rank 0 proposes from its values: `uneven_fused`) and keeps those whose shard
+of the dense tensor equals the TP tensor bitwise. The ranks then agree through the rendezvous store: a parameter's
 placement is the first candidate every rank matched. Random weights make an accidental match
 impossible (a shard is many independent values); a parameter no candidate explains on some rank is
 reported naming it, the shapes and what was tried -- usually a loader bug, or a layout to write down.
@@ -35,14 +36,47 @@ def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
     return out
 
 
-def matches(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> list[int]:
-    """Indices (into `candidates`) of the placements whose shard of `dense` is `local`, bitwise."""
+def matches(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int,
+            tried: list[Placement] | None = None) -> list[int]:
+    """Indices (into `tried`, by default `candidates`) of the placements whose shard of `dense` is `local`,
+    bitwise."""
     found = []
-    for i, placement in enumerate(candidates(tuple(dense.shape), world)):
-        shard = placement.shard(dense, rank, world)
+    for i, placement in enumerate(candidates(tuple(dense.shape), world) if tried is None else tried):
+        try:
+            shard = placement.shard(dense, rank, world)
+        except UsageError:  # a proposed layout this shape does not admit
+            continue
         if shard.shape == local.shape and torch.equal(shard.to(local.dtype), local):
             found.append(i)
     return found
+
+
+def uneven_fused(dense: torch.Tensor, local: torch.Tensor, world: int) -> list[Fused]:
+    """Rank 0's proposals for a fused `[q; k; v]` weight with a smaller k and v (grouped-query attention),
+    which the shape alone does not determine: along a dim, the rows rank 0 holds equal the dense rows up to
+    where its q block ends (`a` rows), so q has `a * world` rows and k and v split the rest. Proposed: k and
+    v sharded (`Fused(d, (q, kv, kv))`, rows as units), and k and v replicated over ranks when rank 0's k
+    block is a whole KV head of `u` rows (`Fused(d, (q/u, kv/u, kv/u), (u, u, u))`). Every rank then tests
+    them like any candidate."""
+    out: list[Fused] = []
+    for d in range(dense.dim()):
+        n, held = dense.shape[d], local.shape[d]
+        if local.dim() != dense.dim() or any(local.shape[i] != dense.shape[i] for i in range(dense.dim()) if i != d):
+            continue
+        m = min(n, held)
+        rows_l, rows_d = local.movedim(d, 0).reshape(held, -1)[:m], dense.movedim(d, 0).reshape(n, -1)[:m]
+        same = (rows_l.to(rows_d.dtype) == rows_d).all(dim=1).tolist()
+        a = same.index(False) if False in same else m
+        q, rest = a * world, n - a * world
+        if a == 0 or a == held or rest <= 0 or rest % 2:
+            continue
+        kv = rest // 2
+        if kv % world == 0 and held == a + 2 * kv // world:
+            out.append(Fused(d, (q, kv, kv)))
+        u = (held - a) // 2
+        if (held - a) % 2 == 0 and u and kv % u == 0 and q % u == 0 and kv // u < world and world % (kv // u) == 0:
+            out.append(Fused(d, (q // u, kv // u, kv // u), (u, u, u)))
+    return out
 
 
 def looks_like(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> str | None:
@@ -63,19 +97,28 @@ def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: in
     or `tp_names`). Raises UsageError naming the first parameter no placement explains."""
     tp_names = tp_names or {}
     tp_params = dict(tp.named_parameters())
-    mine: dict[str, list[int]] = {}
+    pairs = {}
     for name, p in dense.named_parameters():
         tp_name = tp_names.get(name, name)
         if tp_name not in tp_params:
             raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; TP parameters "
                              f"are {sorted(tp_params)} (name them alike, or map them with Plan(tp_names=...))")
-        found = matches(p.detach(), tp_params[tp_name].detach(), rank, world)
-        mine[name] = {"matches": found,
-                      "hint": None if found else looks_like(p.detach(), tp_params[tp_name].detach(), rank, world)}
+        pairs[name] = (p.detach(), tp_params[tp_name].detach())
+    # uneven fused parts are proposed by rank 0 from its values; every rank then tries the same candidates
+    proposals = {name: [[f.dim, list(f.units), list(f.unit_size)] for f in uneven_fused(d, t, world)]
+                 for name, (d, t) in pairs.items() if rank == 0 and world > 1 and not matches(d, t, rank, world)}
+    proposed = json.loads(rendezvous.exchange("fused", json.dumps(proposals), label="inferring the plan")[0])
+    tried_all = {name: candidates(tuple(d.shape), world) + [Fused(dim, tuple(units), tuple(sizes))
+                                                             for dim, units, sizes in proposed.get(name, [])]
+                 for name, (d, _) in pairs.items()}
+    mine: dict[str, dict] = {}
+    for name, (d, t) in pairs.items():
+        found = matches(d, t, rank, world, tried_all[name])
+        mine[name] = {"matches": found, "hint": None if found else looks_like(d, t, rank, world)}
     said = [json.loads(text) for text in rendezvous.exchange("plan", json.dumps(mine), label="inferring the plan")]
     params: dict[str, Placement] = {}
     for name, p in dense.named_parameters():
-        tried = candidates(tuple(p.shape), world)
+        tried = tried_all[name]
         common = set(range(len(tried)))
         for r, theirs in enumerate(said):
             common &= set(theirs[name]["matches"])
@@ -98,7 +141,8 @@ def plan_as_code(plan: Plan) -> str:
         if isinstance(p, Shard):
             return f"Shard({p.dim})"
         if isinstance(p, Fused):
-            return f"Fused({p.dim}, {tuple(p.units)!r})"
+            sizes = f", {tuple(p.unit_size)!r}" if p.unit_size and set(p.unit_size) != {1} else ""
+            return f"Fused({p.dim}, {tuple(p.units)!r}{sizes})"
         return repr(p)
 
     lines = [f"    {name!r}: {code(p)}," for name, p in plan.params.items()]
