@@ -12,7 +12,9 @@ Running Megatron-Core on CPU needs four things, done by `init_megatron(group)` o
   it when they allocate weights; a process-wide monkeypatch, only on the rank processes);
 - Megatron's CUDA RNG tracker is replaced by one whose `fork()` does nothing (DotProductAttention
   and, under SP, the embedding fork it around dropout; there is no CUDA RNG state to fork on CPU).
-  Dropout must be 0 (the engine refuses a nondeterministic dense model anyway);
+  So dropout stays 0 in these cases: with a tracker that does not fork, Megatron's forked regions would
+  draw the same mask on every rank and tpcheck would report `rng_not_forked` -- a property of this CPU
+  shim, not of Megatron;
 - the config sets `use_cpu_initialization=True, gradient_accumulation_fusion=False`;
 - `parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)` on the rank's existing
   gloo group (once per process: a rank pool serves one world size).
@@ -73,7 +75,7 @@ def init_megatron(group: TPGroup) -> None:
 
 
 class _NoForkTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else object):
-    """Megatron's RNG tracker on CPU: nothing to fork (no CUDA RNG state; dropout is 0)."""
+    """Megatron's RNG tracker on CPU: nothing to fork (no CUDA RNG state; the cases keep dropout at 0)."""
 
     @contextlib.contextmanager
     def fork(self, name: str = ""):
