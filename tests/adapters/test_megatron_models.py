@@ -134,3 +134,31 @@ def test_gpt_label_smoothing():
         assert _first(bad) == ("forward", 1, "output") and bad["diagnosis"]["signature"] == "replicas_differ"
         out = _check(bad, "output", "forward", 1)
         assert out["error"] == pytest.approx(error, rel=0.02) and out["error"] > 100 * out["bound"]
+
+
+def test_gpt_with_dropout_draws_each_mask_where_megatron_forks():
+    """Dropout 0.1 (embedding, attention probabilities, both bias-dropout-adds) under Megatron's own RNG
+    tracker, run on CPU by `_CPUTracker` (its named states as CPU generator states): the GPT model is
+    equivalent at world 2 with and without SP, each mask held to its region's rule — the attention
+    probabilities forked per rank, the residual stream replicated (or forked per sequence shard under SP,
+    where TransformerBlock forks the whole layer stack). A bare TransformerLayer under SP, outside the
+    block that forks for it, draws its attention dropout from the default generator on every rank:
+    `rng_not_forked` there, its values all agreeing."""
+    from tpcheck import CaseSpec, RunSettings
+    from tpcheck.adapters.megatron import gpt_model_case, transformer_layer_case
+
+    one = RunSettings(steps=1)
+    cases = [gpt_model_case(dropout=0.1, run=one), gpt_model_case(sequence_parallel=True, dropout=0.1, run=one),
+             transformer_layer_case(sequence_parallel=True, dropout=0.1, run=one)]
+    plain, sp, bare = check([CaseSpec(block=register(c), world_size=2, steps=1) for c in cases])
+    for r in (plain, sp):
+        assert r["verdict"] == "equivalent", r["summary"]
+    placements = {r: {c["name"]: c["placement"] for c in res["checks"] if c["kind"] == "rng"}
+                  for r, res in (("plain", plain), ("sp", sp))}
+    attention = "rng:layer.decoder.layers.0.self_attention.core_attention.attention_dropout"
+    assert placements["plain"][attention] == placements["sp"][attention] == "shard(dim=1)"
+    assert placements["plain"]["rng:layer.embedding.embedding_dropout"] == "replicate"
+    assert placements["sp"]["rng:layer.embedding.embedding_dropout"] == "shard(dim=0)"
+    assert bare["verdict"] == "not equivalent" and bare["diagnosis"]["signature"] == "rng_not_forked"
+    assert bare["first_divergence"]["name"] == "rng:layer.self_attention.core_attention.attention_dropout"
+    assert all(c["passed"] for c in bare["checks"] if c["kind"] != "rng")

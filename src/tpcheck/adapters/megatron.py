@@ -10,11 +10,11 @@ with the same parameter names.
 Running Megatron-Core on CPU needs four things, done by `init_megatron(group)` on every rank:
 - `torch.cuda.current_device` is replaced by a function returning the CPU device (its layers ask for
   it when they allocate weights; a process-wide monkeypatch, only on the rank processes);
-- Megatron's CUDA RNG tracker is replaced by one whose `fork()` does nothing (DotProductAttention
-  and, under SP, the embedding fork it around dropout; there is no CUDA RNG state to fork on CPU).
-  So dropout stays 0 in these cases: with a tracker that does not fork, Megatron's forked regions would
-  draw the same mask on every rank and tpcheck would report `rng_not_forked` -- a property of this CPU
-  shim, not of Megatron;
+- Megatron's CUDA RNG tracker is replaced by its CPU counterpart (`_CPUTracker`): the same named states,
+  seeded as `model_parallel_cuda_manual_seed` seeds them (the model-parallel one `seed + 2718 + tp rank`),
+  swapped into the CPU generator by `fork()` (DotProductAttention forks around the attention dropout,
+  TransformerBlock around every layer under SP, the embedding around its dropout under SP), so the
+  cases can train with dropout and tpcheck checks where Megatron draws each mask;
 - the config sets `use_cpu_initialization=True, gradient_accumulation_fusion=False`;
 - `parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)` on the rank's existing
   gloo group (once per process: a rank pool serves one world size).
@@ -64,8 +64,8 @@ def init_megatron(group: TPGroup) -> None:
     if MEGATRON_ERROR:
         raise ImportError(MEGATRON_ERROR)
     torch.cuda.current_device = lambda: torch.device("cpu")
-    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _NoForkTracker):
-        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _NoForkTracker(), True
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPUTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _CPUTracker(group.rank), True
     if parallel_state.model_parallel_is_initialized():
         have = parallel_state.get_tensor_model_parallel_world_size()
         if have == group.world_size:
@@ -74,12 +74,41 @@ def init_megatron(group: TPGroup) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=group.world_size)
 
 
-class _NoForkTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else object):
-    """Megatron's RNG tracker on CPU: nothing to fork (no CUDA RNG state; the cases keep dropout at 0)."""
+SEED = 1234  # the training script's seed, as given to model_parallel_cuda_manual_seed
+
+
+class _CPUTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else object):
+    """Megatron's RNG tracker on CPU: its named states as CPU generator states, seeded as
+    `model_parallel_cuda_manual_seed(SEED)` seeds them on tensor-parallel rank `tp_rank` (data-parallel:
+    SEED; model-parallel: SEED + 2718 + tp_rank; expert: SEED + 1024 + tp_rank); `fork(name)` swaps one
+    into the CPU default generator and back, as Megatron's swaps the CUDA one."""
+
+    def __init__(self, tp_rank: int) -> None:
+        super().__init__()
+        self.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, SEED)
+        self.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, SEED + 2718 + tp_rank)
+        self.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, SEED + 1024 + tp_rank)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
     @contextlib.contextmanager
-    def fork(self, name: str = ""):
-        yield
+    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME if MEGATRON_ERROR is None else ""):
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
 
 
 def config(world: int, dtype: torch.dtype, hidden: int, ffn: int, **kw) -> TransformerConfig:
@@ -277,16 +306,17 @@ class CPUNorm:
 
 
 def layer_config(world: int, dtype: torch.dtype, hidden: int, ffn: int, heads: int, groups: int,
-                 sequence_parallel: bool = False, layers: int = 1, **kw) -> TransformerConfig:
-    """GQA attention, gated SiLU MLP, RMSNorm, no biases, no dropout. Megatron refuses SP without TP,
-    so at world 1 SP is off (a Shard(0) over one rank is the whole tensor: the case is unchanged)."""
+                 sequence_parallel: bool = False, layers: int = 1, dropout: float = 0.0, **kw) -> TransformerConfig:
+    """GQA attention, gated SiLU MLP, RMSNorm, no biases; `dropout` for both the hidden and the attention
+    dropout (0 by default). Megatron refuses SP without TP, so at world 1 SP is off (a Shard(0) over one
+    rank is the whole tensor: the case is unchanged)."""
     return TransformerConfig(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
                              num_query_groups=groups, tensor_model_parallel_size=world,
                              sequence_parallel=sequence_parallel and world > 1, params_dtype=dtype,
                              bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
                              gradient_accumulation_fusion=False, gated_linear_unit=True, activation_func=F.silu,
-                             add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
-                             attention_dropout=0.0, **kw)
+                             add_bias_linear=False, normalization="RMSNorm", hidden_dropout=dropout,
+                             attention_dropout=dropout, **kw)
 
 
 def layer_spec(cfg: TransformerConfig):
@@ -331,9 +361,9 @@ class DenseSelfAttention(nn.Module):
     float32 for 16-bit inputs, as attention_softmax_in_fp32), k/v repeated per group; rope (when
     given) on q and k; linear_proj [h, heads*d]."""
 
-    def __init__(self, hidden: int, heads: int, groups: int, dtype=None) -> None:
+    def __init__(self, hidden: int, heads: int, groups: int, dtype=None, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads, self.groups, self.d = heads, groups, hidden // heads
+        self.heads, self.groups, self.d, self.dropout = heads, groups, hidden // heads, dropout
         self.linear_qkv = nn.Linear(hidden, (heads + 2 * groups) * self.d, bias=False, dtype=dtype)
         self.linear_proj = nn.Linear(heads * self.d, hidden, bias=False, dtype=dtype)
 
@@ -349,22 +379,27 @@ class DenseSelfAttention(nn.Module):
         scores = torch.einsum("sbhd,tbhd->bhst", q, k) * d ** -0.5
         scores = scores.masked_fill(attention_mask, float("-inf"))
         probs = scores.softmax(-1, dtype=_at_least_float32(x.dtype)).to(x.dtype)
+        probs = F.dropout(probs, self.dropout, self.training)  # [b, heads, s, s], as DotProductAttention
         return self.linear_proj(torch.einsum("bhst,tbhd->sbhd", probs, v).reshape(s, b, -1))
 
 
 class DenseTransformerLayer(nn.Module):
-    """Dense twin of TransformerLayer (pre-norm): h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+    """Dense twin of TransformerLayer (pre-norm): h = x + dropout(attn(norm(x))); out = h +
+    dropout(mlp(norm(h))) (Megatron's bias-dropout-add, no bias; the attention probabilities dropped too)."""
 
-    def __init__(self, hidden: int, ffn: int, heads: int, groups: int, dtype=None, eps: float = 1e-5) -> None:
+    def __init__(self, hidden: int, ffn: int, heads: int, groups: int, dtype=None, eps: float = 1e-5,
+                 dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout
         self.input_layernorm = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.self_attention = DenseSelfAttention(hidden, heads, groups, dtype)
+        self.self_attention = DenseSelfAttention(hidden, heads, groups, dtype, dropout)
         self.pre_mlp_layernorm = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
         self.mlp = DenseGatedMLP(hidden, ffn, dtype)
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb=None):
-        h = hidden_states + self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
-        return h + self.mlp(self.pre_mlp_layernorm(h))
+        attn = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+        h = hidden_states + F.dropout(attn, self.dropout, self.training)
+        return h + F.dropout(self.mlp(self.pre_mlp_layernorm(h)), self.dropout, self.training)
 
 
 def layer_plan(prefix: str, ffn: int) -> dict:
@@ -384,24 +419,27 @@ def _sp_fields(sequence_parallel: bool) -> dict:
 
 
 def transformer_layer_case(hidden: int = 32, ffn: int = 64, heads: int = 8, groups: int = 4, seq: int = 8,
-                           batch: int = 2, sequence_parallel: bool = False, **kw) -> Case:
+                           batch: int = 2, sequence_parallel: bool = False, dropout: float = 0.0, **kw) -> Case:
     """A TransformerLayer from Megatron's local spec: GQA (8 heads, 4 query groups: whole groups per rank
     at world 1, 2, 4), gated SiLU MLP, RMSNorm, the explicit causal mask. Input hidden_states [s, b, h].
     With `sequence_parallel`, the input and output are Shard(0) and the norm weights' partial grads
     are summed by `Finalized.finalize_grads` (Megatron's own finalize code). The TP module is cast to
-    the working dtype, as Megatron's Float16Module does (WrappedTorchNorm makes float32 weights)."""
+    the working dtype, as Megatron's Float16Module does (WrappedTorchNorm makes float32 weights).
+    `dropout`: hidden and attention dropout. A bare layer under SP relies on TransformerBlock to fork its
+    draws (Megatron forks the whole layer stack there), so with dropout use `gpt_model_case` for SP."""
 
     def build_tp(group, dtype):
         init_megatron(group)
-        cfg = layer_config(group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel)
+        cfg = layer_config(group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, dropout=dropout)
         return Finalized(build_module(layer_spec(cfg), config=cfg, layer_number=1), cfg).to(dtype)
 
     def make(g, dtype):
         x = torch.randn(seq, batch, hidden, generator=g).to(dtype)
         return {"hidden_states": x, "attention_mask": causal_mask(seq)}, torch.randn(seq, batch, hidden, generator=g)
 
-    name = "megatron_transformer_layer" + ("_sp" if sequence_parallel else "")
-    return Case(name=name, build_dense=lambda dtype: Keep(DenseTransformerLayer(hidden, ffn, heads, groups, dtype)),
+    name = "megatron_transformer_layer" + ("_sp" if sequence_parallel else "") + (f"_drop{dropout:g}" if dropout else "")
+    return Case(name=name, build_dense=lambda dtype: Keep(DenseTransformerLayer(hidden, ffn, heads, groups, dtype,
+                                                                                dropout=dropout)),
                 build_tp=build_tp, plan=Plan(params=layer_plan("layer.", ffn)), make_batch=make,
                 **_sp_fields(sequence_parallel), **{"run": RunSettings(steps=2), **kw})
 
@@ -415,11 +453,12 @@ class DenseGPT(nn.Module):
     same distribution when e = a*V/(V-1). So the twin calls F.cross_entropy(label_smoothing=a*V/(V-1))."""
 
     def __init__(self, vocab: int, hidden: int, ffn: int, heads: int, groups: int, layers: int, dtype=None,
-                 label_smoothing: float = 0.0) -> None:
+                 label_smoothing: float = 0.0, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout
         self.embedding, self.decoder = nn.Module(), nn.Module()
         self.embedding.word_embeddings = nn.Embedding(vocab, hidden, dtype=dtype)
-        self.decoder.layers = nn.ModuleList(DenseTransformerLayer(hidden, ffn, heads, groups, dtype)
+        self.decoder.layers = nn.ModuleList(DenseTransformerLayer(hidden, ffn, heads, groups, dtype, dropout=dropout)
                                             for _ in range(layers))
         self.decoder.final_layernorm = nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)
         self.output_layer = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
@@ -427,6 +466,7 @@ class DenseGPT(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, labels):
         x = self.embedding.word_embeddings(input_ids).transpose(0, 1)  # [s, b, h]
+        x = F.dropout(x, self.dropout, self.training)  # LanguageModelEmbedding's embedding_dropout
         s, b, _ = x.shape
         rotary = rope_freqs(s, self.head_dim)  # positions 0..s-1, as GPTModel's rope (position_ids unused)
         for layer in self.decoder.layers:
@@ -453,7 +493,7 @@ def _smoothed(model: nn.Module, label_smoothing: float) -> nn.Module:
 
 def gpt_model_case(vocab: int = 64, hidden: int = 32, ffn: int = 64, heads: int = 8, groups: int = 4,
                    layers: int = 2, seq: int = 8, batch: int = 2, sequence_parallel: bool = False,
-                   label_smoothing: float = 0.0, **kw) -> Case:
+                   label_smoothing: float = 0.0, dropout: float = 0.0, **kw) -> Case:
     """A tiny GPTModel (local spec, rope, untied embeddings, parallel_output=True) called as in
     training: forward(input_ids, position_ids, attention_mask, labels) returns the per-token loss
     [b, s] of its vocab-parallel cross-entropy (replicated); the loss is its mean. The word embedding
@@ -464,11 +504,14 @@ def gpt_model_case(vocab: int = 64, hidden: int = 32, ffn: int = 64, heads: int 
     label_smoothing > 0 is passed to vocab_parallel_cross_entropy (`_smoothed`); in megatron-core
     0.16.1 that is equivalent at world 1 only (NVIDIA/Megatron-LM#737, see
     docs/findings/megatron-label-smoothing.md). In float64 the case is not equivalent either: Megatron's
-    cross-entropy computes in float32 (`.float()`), 2.5e-7 against a float64 bound of 1.3e-9."""
+    cross-entropy computes in float32 (`.float()`), 2.5e-7 against a float64 bound of 1.3e-9.
+
+    `dropout`: embedding, hidden and attention dropout, Megatron drawing each mask where it forks."""
 
     def build_tp(group, dtype):
         init_megatron(group)
-        cfg = layer_config(group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, layers=layers)
+        cfg = layer_config(group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, layers=layers,
+                           dropout=dropout)
         spec = layer_spec(cfg)
         norm = spec.submodules.input_layernorm
         model = GPTModel(cfg, TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm), vocab, seq,
@@ -487,7 +530,8 @@ def gpt_model_case(vocab: int = 64, hidden: int = 32, ffn: int = 64, heads: int 
     for i in range(layers):
         params.update(layer_plan(f"layer.decoder.layers.{i}.", ffn))
     name = "megatron_gpt" + ("_sp" if sequence_parallel else "") + (f"_ls{label_smoothing:g}" if label_smoothing else "")
+    name += f"_drop{dropout:g}" if dropout else ""
     return Case(name=name, build_dense=lambda dtype: Keep(DenseGPT(vocab, hidden, ffn, heads, groups, layers, dtype,
-                                                                     label_smoothing)),
+                                                                     label_smoothing, dropout)),
                 build_tp=build_tp, plan=Plan(params=params), make_batch=make, loss=lambda out, target: out.mean(),
                 **{"run": RunSettings(steps=2), **kw})
