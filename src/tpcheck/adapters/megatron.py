@@ -25,7 +25,6 @@ only the checker's own; every tensor is still compared on every rank.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 from tpcheck.check.case import Case, RunSettings
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.losses import sp_mse_loss
+from tpcheck.parallel.random import drawing_from
 from tpcheck.plan import Fused, Plan, Replicate, Shard
 
 try:  # imported at module load, so a case file importing this pays it once, before the ranks fork
@@ -98,17 +98,10 @@ class _CPUTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else ob
         self.seeds_.add(seed)
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
-    @contextlib.contextmanager
     def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME if MEGATRON_ERROR is None else ""):
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
-        saved = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(saved)
+        return drawing_from(self.states_, name)
 
 
 def config(world: int, dtype: torch.dtype, hidden: int, ffn: int, **kw) -> TransformerConfig:

@@ -14,12 +14,16 @@ from torch import nn
 Sink = Callable[[str, str, torch.Tensor], None]
 
 
+def named_modules(model: nn.Module):
+    """(name, module) of every module `model` runs: its tree, or, for a model that runs modules outside
+    its own tree (an adapter's wrapper), what its `capture_modules()` lists."""
+    return model.capture_modules() if hasattr(model, "capture_modules") else model.named_modules()
+
+
 def attach(model: nn.Module, names: set[str], sink: Sink) -> list:
-    """Hook the modules of `model` named in `names`; returns handles (call .remove() on each). A model
-    that runs modules outside its own tree (an adapter's wrapper) lists them in `capture_modules()`."""
+    """Hook the modules of `model` named in `names`; returns handles (call .remove() on each)."""
     handles = []
-    modules = model.capture_modules() if hasattr(model, "capture_modules") else model.named_modules()
-    for name, module in modules:
+    for name, module in named_modules(model):
         if name in names:
             handles.append(module.register_forward_hook(_hook(name, sink)))
     return handles

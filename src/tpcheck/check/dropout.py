@@ -31,7 +31,9 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from tpcheck.check.capture import named_modules
 from tpcheck.errors import UsageError
+from tpcheck.parallel.random import default_rng_state
 from tpcheck.plan import Placement, Replicate, Shard
 
 DIFFER, SAME = "differ", "same"  # the RNG rule of a site: sharded region / replicated region
@@ -68,10 +70,6 @@ class TPDraw:
 
 def _hash(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.detach().contiguous().cpu().numpy().tobytes(), digest_size=8).hexdigest()
-
-
-def _default_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _local(t):
@@ -141,7 +139,7 @@ def _apply(call: Call, mask: torch.Tensor, p: float | None):
             return x.copy_(values)
         return values
     if call.kind == "dropout":
-        keep = mask.to(x.dtype) / (1 - p) if p < 1 else torch.zeros_like(mask, dtype=x.dtype)
+        keep = _keep(mask, p, x.dtype)
         return x.mul_(keep) if call.inplace else x * keep
     return _sdpa_math(mask, p, *call.args, **call.kwargs)
 
@@ -163,8 +161,12 @@ def _sdpa_math(mask, p, query, key, value, attn_mask=None, dropout_p=0.0, is_cau
         weights = weights.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool \
             else weights + attn_mask
     weights = weights.softmax(dim=-1)
-    keep = mask.to(weights.dtype) / (1 - p) if p < 1 else torch.zeros_like(mask, dtype=weights.dtype)
-    return (weights * keep) @ value
+    return (weights * _keep(mask, p, weights.dtype)) @ value
+
+
+def _keep(mask: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """What dropout multiplies by: 1/(1-p) where `mask` keeps, 0 where it drops (torch's form)."""
+    return mask.to(dtype) / (1 - p) if p < 1 else torch.zeros_like(mask, dtype=dtype)
 
 
 # ------------------------------------------------------------------ where a draw happens
@@ -175,8 +177,7 @@ class _Where:
     label of a draw made there: the module's name for a dropout module, else `name: kind #n`."""
 
     def __init__(self, model: nn.Module) -> None:
-        modules = model.capture_modules() if hasattr(model, "capture_modules") else model.named_modules()
-        self.names = {id(m): name or "(model)" for name, m in modules}
+        self.names = {id(m): name or "(model)" for name, m in named_modules(model)}
         self.stack: list[tuple[str, nn.Module]] = []
         self.counts: Counter = Counter()
         self.handles = []
@@ -312,7 +313,7 @@ class MaskBook:
         of the generator state it drew from and of the mask it drew ("" where the mask cannot be read)."""
         gen = call.generator
         device = _local(call.x).device
-        state = _hash(gen.get_state() if gen is not None else _default_state(device))
+        state = _hash(gen.get_state() if gen is not None else default_rng_state(device))
         with torch.no_grad():
             if call.kind == "dropout":
                 out = func(torch.ones_like(call.x), call.p, True, False)

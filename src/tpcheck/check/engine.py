@@ -32,7 +32,7 @@ from torch import nn
 from tpcheck.check import capture
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
-from tpcheck.check.dropout import REASONS, MaskBook, violations
+from tpcheck.check.dropout import DIFFER, REASONS, MaskBook, violations
 from tpcheck.check.inference import infer_plan, plan_as_code
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
 from tpcheck.check.loading import cast, check_names, leaf, load_from_dense, map_tensors, maxdiff
@@ -385,7 +385,7 @@ class Engine:
         self.cmp.controlled.add(key)
         me, other = self.group.rank, (self.group.rank + 1) % len(states)
         states, masks = list(states), list(masks)
-        if d.rule == "differ":
+        if d.rule == DIFFER:
             states[other], masks[other] = states[me], masks[me]
         else:
             states[other] = states[other] + "~"

@@ -104,17 +104,19 @@ def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: in
             raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; TP parameters "
                              f"are {sorted(tp_params)} (name them alike, or map them with Plan(tp_names=...))")
         pairs[name] = (p.detach(), tp_params[tp_name].detach())
+    found = {name: matches(d, t, rank, world) for name, (d, t) in pairs.items()}
     # uneven fused parts are proposed by rank 0 from its values; every rank then tries the same candidates
     proposals = {name: [[f.dim, list(f.units), list(f.unit_size)] for f in uneven_fused(d, t, world)]
-                 for name, (d, t) in pairs.items() if rank == 0 and world > 1 and not matches(d, t, rank, world)}
+                 for name, (d, t) in pairs.items() if rank == 0 and world > 1 and not found[name]}
     proposed = json.loads(rendezvous.exchange("fused", json.dumps(proposals), label="inferring the plan")[0])
-    tried_all = {name: candidates(tuple(d.shape), world) + [Fused(dim, tuple(units), tuple(sizes))
-                                                             for dim, units, sizes in proposed.get(name, [])]
-                 for name, (d, _) in pairs.items()}
+    tried_all: dict[str, list[Placement]] = {}
     mine: dict[str, dict] = {}
     for name, (d, t) in pairs.items():
-        found = matches(d, t, rank, world, tried_all[name])
-        mine[name] = {"matches": found, "hint": None if found else looks_like(d, t, rank, world)}
+        base = candidates(tuple(d.shape), world)
+        extra = [Fused(dim, tuple(units), tuple(sizes)) for dim, units, sizes in proposed.get(name, [])]
+        tried_all[name] = base + extra
+        hits = found[name] + [len(base) + i for i in matches(d, t, rank, world, extra)]
+        mine[name] = {"matches": hits, "hint": None if hits else looks_like(d, t, rank, world)}
     said = [json.loads(text) for text in rendezvous.exchange("plan", json.dumps(mine), label="inferring the plan")]
     params: dict[str, Placement] = {}
     for name, p in dense.named_parameters():

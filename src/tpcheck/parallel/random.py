@@ -25,7 +25,8 @@ from tpcheck.parallel.group import TPGroup
 MODEL_PARALLEL_OFFSET = 2718  # Megatron-Core's offset of the tensor-model-parallel seed
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
+def default_rng_state(device: torch.device) -> torch.Tensor:
+    """The state of `device`'s default generator (what F.dropout draws from there)."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
@@ -34,6 +35,19 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+@contextlib.contextmanager
+def drawing_from(states: dict, name: str, device: torch.device = torch.device("cpu")):
+    """Inside the block `device`'s default generator draws from `states[name]`; after it, the advanced
+    state is stored back there and the default one restored (the fork of an RNG tracker)."""
+    saved = default_rng_state(device)
+    _set_state(states[name], device)
+    try:
+        yield
+    finally:
+        states[name] = default_rng_state(device)
+        _set_state(saved, device)
 
 
 class RNGTracker:
@@ -52,18 +66,12 @@ class RNGTracker:
         """(Re)seed the model-parallel state: `seed + 2718 + rank` (by_rank=False: the same on every rank,
         which is the bug this tracker exists to prevent; kept for the fault catalogue)."""
         self.model_parallel_seed = seed + MODEL_PARALLEL_OFFSET + (self.group.rank if by_rank else 0)
-        self.state = torch.Generator(device=self.device).manual_seed(self.model_parallel_seed).get_state()
+        self.states = {"model-parallel": torch.Generator(device=self.device).manual_seed(
+            self.model_parallel_seed).get_state()}
 
-    @contextlib.contextmanager
     def fork(self):
         """Draw from the model-parallel state inside the block (forward: the masks of a sharded region)."""
-        saved = _get_state(self.device)
-        _set_state(self.state, self.device)
-        try:
-            yield
-        finally:
-            self.state = _get_state(self.device)
-            _set_state(saved, self.device)
+        return drawing_from(self.states, "model-parallel", self.device)
 
 
 class ParallelDropout(nn.Dropout):
