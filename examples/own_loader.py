@@ -11,7 +11,12 @@ they differ. The plan still says how the weights relate (it is what the loader i
 
 `bias_on_rank0`: fc2's bias is held on every rank but added on rank 0 only, before the all-reduce
 (instead of on every rank after it). Its placement is `AppliedOnRank(0)`: weights replicated, the
-gradient and the optimizer's update on rank 0 only.
+gradient and the optimizer's update on rank 0 only. `bias_on_rank1`: the same on rank 1
+(`AppliedOnRank(1)`); `bias_on_rank1_no_plan`: no plan written, `AppliedOnRank(1)` inferred from where
+the gradient appears.
+
+Planted bug in the rank that applies the bias: `bias_grad_doubled_on_rank1` (its gradient doubled by a
+hook on rank 1: "not equivalent" at `grad:fc2.bias`, rank 1).
 
 Planted loader bugs (each is "not equivalent" at the weights stage, step 0, naming `load_tp`):
   - `every_rank_loads_shard_0`: the rank offset is forgotten (signature `rank0_shard`);
@@ -43,17 +48,19 @@ def loader(bug=None):
     return load_tp
 
 
-class BiasOnRank0(TPBlock):
-    """fc2's bias enters the partial sum of rank 0 only; the all-reduce then adds it once."""
+class BiasOnRank(TPBlock):
+    """fc2's bias enters the partial sum of rank `owner` only; the all-reduce then adds it once."""
 
-    def __init__(self, group, dtype=None):
+    def __init__(self, group, dtype=None, owner=0, grad_scale=1.0):
         super().__init__(group, dtype)
-        self.rank = group.rank
+        self.rank, self.owner = group.rank, owner
+        if grad_scale != 1.0 and self.rank == owner:  # the planted bug: a wrong gradient on that rank
+            self.fc2.bias.register_hook(lambda g: g * grad_scale)
 
     def forward(self, x):
         x_tp = CopyToTP.apply(x, self.pg) if self.pg is not None else x
         h_local = F.gelu(self.fc1(x_tp))
-        partial = F.linear(h_local, self.fc2.weight, self.fc2.bias if self.rank == 0 else None)
+        partial = F.linear(h_local, self.fc2.weight, self.fc2.bias if self.rank == self.owner else None)
         return x + (ReduceFromTP.apply(partial, self.pg) if self.pg is not None else partial)
 
 
@@ -63,8 +70,15 @@ def _case(name, load_tp, build_tp=TPBlock, plan=PLAN):
 
 
 correct = _case("own_loader", loader())
-bias_on_rank0 = _case("own_loader_bias_on_rank0", loader(), BiasOnRank0,
+bias_on_rank0 = _case("own_loader_bias_on_rank0", loader(), BiasOnRank,
                       Plan(params={**PLAN.params, "fc2.bias": AppliedOnRank(0)}))
+bias_on_rank1 = _case("own_loader_bias_on_rank1", loader(), lambda group, dtype: BiasOnRank(group, dtype, owner=1),
+                      Plan(params={**PLAN.params, "fc2.bias": AppliedOnRank(1)}))
+bias_on_rank1_no_plan = _case("own_loader_bias_on_rank1_no_plan", loader(),
+                              lambda group, dtype: BiasOnRank(group, dtype, owner=1), None)
+bias_grad_doubled_on_rank1 = _case("own_loader_bias_grad_doubled_on_rank1", loader(),
+                                   lambda group, dtype: BiasOnRank(group, dtype, owner=1, grad_scale=2.0),
+                                   Plan(params={**PLAN.params, "fc2.bias": AppliedOnRank(1)}))
 every_rank_loads_shard_0 = _case("own_loader_shard0", loader("shard0"))
 bias_broadcast_to_rank0_only = _case("own_loader_bias_rank0_only", loader("bias_rank0"))
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tpcheck.errors import UsageError
-from tpcheck.plan import Fused, Plan, Replicate, Shard, unshard, validate
+from tpcheck.plan import AppliedOnRank, Fused, Plan, Replicate, Shard, unshard, validate
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
@@ -52,6 +52,16 @@ def test_plan_missing_parameter_is_an_error():
         Plan(params={"weight": Shard(0)}).check_against(dense, 2)
     with pytest.raises(UsageError, match="does not have"):
         Plan(params={"weight": Shard(0), "bias": Replicate(), "extra": Replicate()}).check_against(dense, 2)
+
+
+def test_applied_on_rank_names_a_rank_the_world_has():
+    dense = torch.nn.Linear(4, 4)
+    Plan(params={"weight": Shard(0), "bias": AppliedOnRank(1)}).check_against(dense, 2)
+    with pytest.raises(UsageError, match=r"'bias' \[4\]: AppliedOnRank\(2\) names a rank that world size 2 does not have"):
+        Plan(params={"weight": Shard(0), "bias": AppliedOnRank(2)}).check_against(dense, 2)
+    for bad in (-1, 0.5, True):
+        with pytest.raises(UsageError, match="is a rank number"):
+            AppliedOnRank(bad)
 
 
 class DropLastRow(Shard):

@@ -98,14 +98,20 @@ class AppliedOnRank(Placement):
     """Every rank holds the whole tensor, one rank applies it: a row-parallel bias added on rank `rank`
     only, before the all-reduce (TGI, nano-vllm), instead of on every rank after it. Weights are
     replicas (compared bitwise across ranks); the gradient and the optimizer's update live on `rank`
-    only, and the other ranks' gradient must be absent or zero."""
+    only (bounded by the float64 reference on rank 0, whose bound is sent to `rank`), and the other
+    ranks' gradient must be absent or zero."""
 
     rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.rank != 0:  # the checker's float64 reference, which bounds the gradient, lives on rank 0
-            raise UsageError(f"AppliedOnRank({self.rank!r}): only rank 0 is supported (the pattern in the wild adds "
-                             "the bias on rank 0); apply the tensor on rank 0")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise UsageError(f"AppliedOnRank({self.rank!r}): the rank that applies the tensor is a rank number "
+                             "(0, 1, ...)")
+
+    def check_divisible(self, shape: tuple[int, ...], world: int, what: str) -> None:
+        if self.rank >= world:
+            raise UsageError(f"{what}: AppliedOnRank({self.rank}) names a rank that world size {world} does not "
+                             f"have; name a rank below {world}")
 
     def shard(self, dense, rank, world):
         return dense

@@ -51,11 +51,12 @@ def test_megatron_mlp():
 def test_own_loader():
     """The user's own loading is what is checked: a correct loader and the rank-0 bias layout are
     equivalent; loader bugs fail at the weights stage of step 0, naming the loader."""
-    names = ["correct", "bias_on_rank0", "every_rank_loads_shard_0", "bias_broadcast_to_rank0_only"]
+    names = ["correct", "bias_on_rank0", "bias_on_rank1", "every_rank_loads_shard_0", "bias_broadcast_to_rank0_only"]
     r = _run([(f"own_loader.py:{n}", w) for n in names for w in (2, 4)])
     for w in (2, 4):
         assert r[f"own_loader/tp{w}/float32"]["verdict"] == "equivalent"
         assert r[f"own_loader_bias_on_rank0/tp{w}/float32"]["verdict"] == "equivalent"
+        assert r[f"own_loader_bias_on_rank1/tp{w}/float32"]["verdict"] == "equivalent"
         for bug, signature, param in (("shard0", "rank0_shard", "fc1.weight"),
                                       ("bias_rank0_only", "replicas_differ", "fc2.bias")):
             bad = r[f"own_loader_{bug}/tp{w}/float32"]
@@ -77,7 +78,29 @@ def test_bias_on_rank0_needs_its_placement():
     case = dataclasses.replace(mod.bias_on_rank0, name="bias_on_rank0_replicate", plan=mod.PLAN)
     (result,) = check([file_spec(register(case), 2)])
     assert result["verdict"] == "invalid"
-    assert "no gradient on rank 1 of the TP side" in result["summary"] and "AppliedOnRank(0)" in result["summary"]
+    assert "no gradient on rank 1 of the TP side" in result["summary"] and "AppliedOnRank(r)" in result["summary"]
+
+
+def test_bias_applied_on_rank1_is_bounded_from_rank0():
+    """AppliedOnRank(1): rank 1 alone compares the bias's gradient and update, with the bound rank 0
+    computes from the float64 truth and sends it. Inferred with no plan written; a doubled gradient on
+    rank 1 is caught there, at the bound the correct twin passes (the same in bfloat16); a bound that
+    never arrives (rank 1 comparing without one) makes no verdict."""
+    names = ["bias_on_rank1", "bias_on_rank1_no_plan", "bias_grad_doubled_on_rank1"]
+    r = _run([(f"own_loader.py:{n}", 2) for n in names])
+    ok, inferred = r["own_loader_bias_on_rank1/tp2/float32"], r["own_loader_bias_on_rank1_no_plan/tp2/float32"]
+    assert ok["verdict"] == inferred["verdict"] == "equivalent", (ok["summary"], inferred["summary"])
+    assert "'fc2.bias': AppliedOnRank(rank=1)" in inferred["inferred_plan"]
+    checks = [c for c in ok["checks"] if c["name"] == "grad:fc2.bias"]
+    assert {c["rank"] for c in checks} == {0, 1}
+    on1 = next(c for c in checks if c["rank"] == 1)
+    assert on1["kind"] == "calibrated" and on1["bound"] > 0 and on1["placement"] == "this rank only"
+    on0 = next(c for c in checks if c["rank"] == 0)
+    assert on0["bound"] == 0 and on0["error"] == 0  # rank 0 applies nothing: its gradient must be absent/zero
+    bad = r["own_loader_bias_grad_doubled_on_rank1/tp2/float32"]
+    assert bad["verdict"] == "not equivalent"
+    assert _first(bad) == ("grads", 1, "grad:fc2.bias") and bad["first_divergence"]["ranks"] == [1]
+    assert bad["first_divergence"]["bound"] == on1["bound"]
 
 
 def test_own_loader_without_a_plan():
@@ -113,3 +136,16 @@ def test_own_dropout():
             assert all(c["passed"] for c in bad["checks"] if c["kind"] != "rng")  # the values agree
     # the correct block also runs its forward without autograd (no_grad_forward), masks replayed there too
     assert any(c["name"] == "output:no_grad" for c in r["own_dropout/tp2/float32"]["checks"])
+
+
+def test_bias_applied_on_rank1_without_its_bound_is_no_verdict(monkeypatch):
+    """Checker mutant: rank 0 never sends the bound of the tensor rank 1 alone compares. The check has no
+    bound, so the case has no verdict (error), never a pass."""
+    import importlib
+
+    engine = importlib.import_module("tpcheck.check.engine")
+    monkeypatch.setattr(engine.Engine, "_owner_bound", lambda self, *args: None)
+    r = _run([("own_loader.py:bias_on_rank1", 2)])
+    result = r["own_loader_bias_on_rank1/tp2/float32"]
+    assert result["verdict"] == "error", result["summary"]
+    assert "grad:fc2.bias" in result["summary"]

@@ -72,16 +72,19 @@ class Comparator:
 
     def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
                 truth: torch.Tensor | None, placement: Placement, exact: bool = False,
-                dtype: torch.dtype | None = None) -> Check:
+                dtype: torch.dtype | None = None, bound: tolerance.Bound | None = None) -> Check:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives.
-        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING).
+        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING), or is
+        given (`bound`: rank 0 computed it for a tensor only this rank compares, AppliedOnRank).
         `dtype`: the dtype the compared values were rounded to (default: the working dtype)."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
         diff = maxdiff(tp_local, ref)
         if exact:
             bound = tolerance.EXACT
+        elif bound is not None:
+            pass
         elif truth is not None:
             bound = tolerance.calibrated(dense, truth, dtype or self.dtype, world)
         else:

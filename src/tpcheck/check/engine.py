@@ -39,11 +39,12 @@ from tpcheck.check.loading import cast, check_names, leaf, load_from_dense, map_
 from tpcheck.check.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.check.result import RankPayload
 from tpcheck.check.sync import Rendezvous
+from tpcheck.check.tolerance import Bound, calibrated
 from tpcheck.check.usercode import defined_at
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
-from tpcheck.plan import Placement, Replicate
+from tpcheck.plan import AppliedOnRank, Placement, Replicate
 
 NONDETERMINISTIC = (
     "the dense model drew random numbers in its forward or backward other than through the calls tpcheck "
@@ -187,6 +188,8 @@ class Engine:
             else:
                 finalize_grads(self.tp, self.group)
         self.sync(f"finalize_grads of step {step}")
+        if step == 1 and self.inferred_plan is not None:
+            self._infer_applied_on()
         self._compare_params(step, "grads", dict(self.dense.named_parameters()), dict(self.tp.named_parameters()),
                              lambda p: p.grad)
         self.cmp.flush_replicas()
@@ -203,6 +206,47 @@ class Engine:
         self._compare_replay(step, self.tp_master.params)
         self._compare_params(step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p)
         self.cmp.flush_replicas()
+
+    def _infer_applied_on(self) -> None:
+        """With an inferred plan: a parameter inferred Replicate() that gets a gradient on one rank only
+        is applied on that rank, AppliedOnRank(r) (a row-parallel bias added before the all-reduce). The
+        values cannot tell the two apart, the first step's gradients can; the ranks agree through the
+        store. A gradient that is zero rather than absent on the other ranks is not inferred (the
+        grads stage then compares it as a replica)."""
+        plan, group = self.case.plan, self.group
+        if group.world_size == 1:
+            return
+        tp_params = dict(self.tp.named_parameters())
+        names = [n for n, p in plan.params.items() if isinstance(p, Replicate)]
+        mine = [n for n in names if tp_params[plan.tp_name(n)].grad is not None]
+        said = [set(json.loads(t)) for t in self.rendezvous.exchange("applied", json.dumps(mine),
+                                                                      label="inferring the plan")]
+        applied = {}
+        for name in names:
+            holders = [r for r, got in enumerate(said) if name in got]
+            if len(holders) == 1:
+                applied[name] = AppliedOnRank(holders[0])
+        if applied:
+            plan = dataclasses.replace(plan, params={**plan.params, **applied})
+            self.case = dataclasses.replace(self.case, plan=plan)
+            self.inferred_plan = plan_as_code(plan)
+
+    def _owner_bound(self, step: int, stage: str, name: str, p, truth_p, dense_val, truth_val) -> Bound | None:
+        """The bound for a tensor applied on a rank other than 0 (AppliedOnRank(r)): only rank r compares
+        its gradient and update, only rank 0 holds the float64 truth that bounds them. Rank 0 computes the
+        bound as rank r would (the truth relaxed as in `_compare_params`) and sends it through the store;
+        rank r gets it, the others None."""
+        group = self.group
+        text = ""
+        if truth_val is not None:
+            truth = truth_val.detach()
+            if stage == "optimizer" and self.slack is not None:
+                truth = self.slack.relax_truth(p, truth_p, truth)
+            text = json.dumps(dataclasses.asdict(calibrated(dense_val.detach(), truth, dense_val.dtype,
+                                                                      group.world_size)))
+        said = self.rendezvous.exchange("bound", text, label=f"the bound of {name} ({stage}, step {step})")
+        owner = self.case.plan.params[name].applied_on
+        return Bound(**json.loads(said[0])) if group.rank == owner else None
 
     def _not_applied_here(self, step: int, stage: str, name: str, tp_val, dense_val, owner: int) -> None:
         """A tensor held on every rank but applied on `owner` only (AppliedOnRank): on the other ranks its
@@ -461,15 +505,17 @@ class Engine:
             tp_val, dense_val = get(tp_p), get(p)
             truth_val = get(truth_params[name]) if truth_params else None
             owner = plan.params[name].applied_on
+            sent = self._owner_bound(step, stage, name, p, truth_params.get(name), dense_val, truth_val) \
+                if owner not in (None, 0) and dense_val is not None and self.truth is not self.dense else None
             if owner is not None and owner != group.rank:
                 self._not_applied_here(step, stage, name, tp_val, dense_val, owner)
                 continue
             if tp_val is None or dense_val is None:
                 if (tp_val is None) != (dense_val is None):
                     if tp_val is None:
-                        hint = ("; if the TP module applies it on rank 0 only (a row-parallel bias added before the "
-                                "all-reduce), place it AppliedOnRank(0) in the plan" if group.rank != 0
-                                and plan.params[name].replicated else "; is it used in the TP forward?")
+                        hint = ("; if the TP module applies it on one rank only (a row-parallel bias added before "
+                                "the all-reduce), place it AppliedOnRank(r) in the plan, r the rank that applies it"
+                                if plan.params[name].replicated else "; is it used in the TP forward?")
                         raise UsageError(f"parameter {name!r} got no gradient on rank {group.rank} of the TP side, "
                                          f"but does on the dense side{hint}")
                     raise UsageError(f"parameter {name!r} got a gradient on rank {group.rank} of the TP side but none "
@@ -483,7 +529,7 @@ class Engine:
                                                      plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
             label = "grad" if stage == "grads" else "param"
             check = self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
-                                     placement, dtype=dense_val.dtype)
+                                     placement, dtype=dense_val.dtype, bound=sent)
             if tp_val is not raw:
                 raw_error = maxdiff(raw, placement.shard(dense_val.detach(), group.rank, group.world_size))
                 check.raw_error = raw_error if raw_error != check.error else None

@@ -120,11 +120,19 @@ class AdaptiveSlack:
         if u_tp is not None:
             tp_val = self._relax(hyper, tp_val, placement.shard(p.detach(), rank, world), u_tp,
                                  placement.shard(u_dense, rank, world))
-        if truth_val is not None and truth_p is not None and truth_p is not p and self.truth_opt is not None:
-            u_truth = adam_direction(self.truth_opt.state.get(truth_p, {}), hyper)
-            if u_truth is not None:
-                truth_val = self._relax(hyper, truth_val, p.detach(), u_truth, u_dense)
-        return tp_val, truth_val
+        return tp_val, self.relax_truth(p, truth_p, truth_val)
+
+    def relax_truth(self, p, truth_p, truth_val):
+        """`truth_val` (the float64 truth's parameter after the step) relaxed toward the dense one by the
+        update difference the two sides' moments explain."""
+        if truth_val is None or truth_p is None or truth_p is p or self.truth_opt is None:
+            return truth_val
+        hyper = next(g for g in self.dense_opt.param_groups if any(q is p for q in g["params"]))
+        u_dense = adam_direction(self.dense_opt.state.get(p, {}), hyper)
+        u_truth = adam_direction(self.truth_opt.state.get(truth_p, {}), hyper)
+        if u_dense is None or u_truth is None:
+            return truth_val
+        return self._relax(hyper, truth_val, p.detach(), u_truth, u_dense)
 
     @staticmethod
     def _relax(hyper, x, ref, u_x, u_ref):

@@ -106,7 +106,14 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     seconds = max((p.seconds for p in payloads), default=0.0)
     if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
         return CaseResult(spec=spec, seconds=seconds, **failure_fields(spec, payloads))
-    every = _fill_bounds([dict(vars(c)) for p in payloads for c in p.checks])  # flat: asdict's deep copy is slow
+    every = [dict(vars(c)) for p in payloads for c in p.checks]  # flat: asdict's deep copy is slow
+    unbounded = _fill_bounds(every)
+    if unbounded:
+        c = unbounded[0]
+        return CaseResult(spec=spec, verdict="error", as_expected=False, seconds=seconds,
+                          summary=f"the checker failed: no bound from rank 0 for {c['name']} ({c['stage']}, step "
+                                  f"{c['step']}) on rank {c['rank']}, {len(unbounded)} check(s) in all; no verdict can "
+                                  "be trusted (a bug in tpcheck: please report it with this case)")
     for c in every:
         c["passed"] = judge(c)
     checks = [c for c in every if not c["control"]]
@@ -174,8 +181,10 @@ def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) ->
 
 def _fill_bounds(checks: list[dict]) -> list[dict]:
     """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor: the same
-    (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch). Keyed
-    by tensor, not by position, so a rank that compares fewer tensors (AppliedOnRank) still matches."""
+    (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch), a
+    calibrated one (never an exact check rank 0 made of the same name: AppliedOnRank's zero gradient).
+    Keyed by tensor, not by position, so a rank that compares fewer tensors (AppliedOnRank) still matches.
+    Returns the checks left without a bound (none, unless the checker is broken)."""
     def keyed(rank_checks):
         seen: dict[tuple, int] = {}
         for c in rank_checks:
@@ -188,15 +197,17 @@ def _fill_bounds(checks: list[dict]) -> list[dict]:
     for c in checks:
         if c["stage"] != "replicas":
             by_rank.setdefault(c["rank"], []).append(c)
+    missing = []
     for rank_checks in by_rank.values():
         for key, c in keyed(rank_checks):
             if c["bound"] is None:
                 ref = rank0.get(key)
-                if ref is None or ref["bound"] is None:
-                    raise RuntimeError(f"no bound from rank 0 for {c['name']} ({c['stage']}, step {c['step']})")
+                if ref is None or ref["bound"] is None or ref["kind"] == "exact":
+                    missing.append(c)
+                    continue
                 c.update(bound=ref["bound"], reason=ref["reason"], kind=ref["kind"], ref_error=ref["ref_error"],
                          floor=ref["floor"])
-    return checks
+    return missing
 
 
 def _first(failed: list[dict]) -> dict:
