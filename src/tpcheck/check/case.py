@@ -175,7 +175,8 @@ class Case:
     expected_collectives: (phase, op, site) the TP module should issue per micro-batch (forward,
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
     activations: placements of module outputs to check, for a case whose plan is inferred (plan=None);
-        a written plan carries its own (`Plan.activations`).
+        a written plan carries its own (`Plan.activations`). Empty with plan=None: inferred from the
+        first micro-batch where the layout decides it (check/activations.py).
     dropout: placements of random masks whose part on each rank tpcheck cannot tell from the shapes, by
         the draw's label (an `nn.Dropout` module's name, else "module: dropout #n"); see
         check/dropout.py: every mask is drawn once in the dense layout and each rank gets its part.

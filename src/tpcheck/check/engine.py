@@ -27,9 +27,10 @@ import json
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from tpcheck.check import capture
+from tpcheck.check import activations, capture
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
 from tpcheck.check.dropout import DIFFER, REASONS, MaskBook, violations
@@ -84,6 +85,10 @@ class Engine:
             raise
         rendezvous.setup_done()
         self.inferred_plan = None
+        # activation placements inferred in the first micro-batch (no plan written, none named)
+        self.acts_pending = case.plan is None and not case.activations and self.settings.capture
+        self.act_candidates = activations.candidates(self.dense, self.tp) if self.acts_pending else set()
+        self.acts_skipped: dict[str, str] = {}
         if case.plan is None:  # no plan written: inferred from what the user's loader put there
             plan = infer_plan(self.tp, self.dense, rendezvous, group.rank, group.world_size)
             plan = dataclasses.replace(plan, activations=dict(case.activations))
@@ -229,7 +234,7 @@ class Engine:
         if applied:
             plan = dataclasses.replace(plan, params={**plan.params, **applied})
             self.case = dataclasses.replace(self.case, plan=plan)
-            self.inferred_plan = plan_as_code(plan)
+            self.inferred_plan = plan_as_code(plan, self.acts_skipped)
 
     def _owner_bound(self, step: int, stage: str, name: str, p, truth_p, dense_val, truth_val) -> Bound | None:
         """The bound for a tensor applied on a rank other than 0 (AppliedOnRank(r)): only rank r compares
@@ -317,9 +322,41 @@ class Engine:
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
 
+    def _capture_names(self) -> set[str]:
+        """The module outputs captured: the plan's activations, or, while they are being inferred, every
+        module both models have (check/activations.py)."""
+        return self.act_candidates if self.acts_pending else set(self.case.plan.activations)
+
+    def _infer_activations(self, rec_d: capture.Recorder, held: list) -> None:
+        """The activation placements of a case with no plan written, from the first micro-batch's shapes and
+        whether each output is the same on every rank (check/activations.py); the ranks agree through the
+        store. The inferred plan then carries them, and says which outputs are not checked and why."""
+        mine = activations.seen([(stage, name, t) for stage, name, t, _ in held])
+        said = activations.exchange(self.rendezvous, mine)
+        dense = {name: q[0] for (stage, name), q in rec_d.tensors.items() if stage == "forward" and q}
+        dense_shapes = {name: tuple(t.shape) for name, t in dense.items()}
+        partial = set()
+        if names := activations.differing(dense_shapes, said):  # summed over the ranks: partial sums?
+            first = {}
+            for stage, name, t, _ in held:
+                if stage == "forward":
+                    first.setdefault(name, t)
+            both = torch.cat([first[n].double().reshape(-1) for n in names])
+            self.tap.performing(("all_reduce", "checker:activations", "forward"), dist.all_reduce, both,
+                                group=self.group.pg)
+            sums = both.split([dense[n].numel() for n in names])
+            partial = {n for n, summed in zip(names, sums) if activations.is_partial_sum(summed, dense[n].reshape(-1))}
+        placed, skipped = activations.decide(dense_shapes, said, self.case.plan, self.group.world_size, partial,
+                                             activations.row_split_linears(self.dense, self.case.plan))
+        plan = dataclasses.replace(self.case.plan, activations=placed)
+        self.case = dataclasses.replace(self.case, plan=plan)
+        self.acts_skipped = skipped
+        self.inferred_plan = plan_as_code(plan, skipped)
+        self.acts_pending = False
+
     def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks):
         case = self.case
-        handles = capture.attach(model, set(case.plan.activations), recorder) if self.settings.capture else []
+        handles = capture.attach(model, self._capture_names(), recorder) if self.settings.capture else []
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         with masks:
             out = model(**kw)
@@ -455,14 +492,26 @@ class Engine:
             kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
                                                        self._masks(book.replay, self.truth))
 
-        def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
+        def compare_act(stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
             d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None
             if d is not None:
                 label = "act" if stage == "forward" else "actgrad"
-                cmp.compare(stage, step, f"{label}:{name}", t, d, tr if rec_t is not rec_d else d,
-                            case.plan.activations[name])
+                check = cmp.compare(stage, step, f"{label}:{name}", t, d, tr if rec_t is not rec_d else d,
+                                    self.case.plan.activations[name])
+                if seq is not None:  # held until the placements were inferred: its place in execution order
+                    check.seq = seq
 
-        names = set(case.plan.activations)
+        # while the activation placements are being inferred (first micro-batch of a case with no plan
+        # written): every TP tensor is held, a copy (a loss may work in place on the logits), with its place
+        held = [] if self.acts_pending else None
+
+        def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
+            if held is not None:
+                held.append((stage, name, t.clone(), cmp.next_seq()))
+            else:
+                compare_act(stage, name, t)
+
+        names = self._capture_names()
         handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
         kw_tp = self._tp_inputs(inputs, wanted)
         with self._training_rng(step, micro):
@@ -480,6 +529,11 @@ class Engine:
                 loss_tp.backward()
         capture.detach_all(handles)
         self.sync(f"forward and backward of step {step}")
+        if held is not None:
+            self._infer_activations(rec_d, held)
+            for stage, name, t, seq in held:
+                if name in self.case.plan.activations:
+                    compare_act(stage, name, t, seq)
         self._check_draws(step, book, f"the random draws of step {step}")
         for k in wanted:
             if kw_tp[k].grad is None or kw_d[k].grad is None:

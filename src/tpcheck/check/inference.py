@@ -135,8 +135,9 @@ def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: in
     return Plan(params=params, tp_names=dict(tp_names))
 
 
-def plan_as_code(plan: Plan) -> str:
-    """The plan as Python to paste into a case file."""
+def plan_as_code(plan: Plan, not_checked: dict[str, str] | None = None) -> str:
+    """The plan as Python to paste into a case file; `not_checked`: module outputs no activation
+    placement was inferred for, and why (as comments)."""
     def code(p: Placement) -> str:
         if isinstance(p, Replicate):
             return "Replicate()"
@@ -149,4 +150,7 @@ def plan_as_code(plan: Plan) -> str:
 
     lines = [f"    {name!r}: {code(p)}," for name, p in plan.params.items()]
     names = f", tp_names={plan.tp_names!r}" if plan.tp_names else ""
-    return "Plan(params={\n" + "\n".join(lines) + "\n}" + names + ")"
+    acts = "".join(f"\n    {name!r}: {code(p)}," for name, p in plan.activations.items())
+    acts = f", activations={{{acts}\n}}" if acts else ""
+    why = "".join(f"\n# not checked: {name}: {reason}" for name, reason in sorted((not_checked or {}).items()))
+    return "Plan(params={\n" + "\n".join(lines) + "\n}" + acts + names + ")" + why
