@@ -8,6 +8,13 @@
 130, 143, 129  interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP: every rank is stopped at once, the
    cases that finished are reported (marked `interrupted`), temp dirs are removed; a second signal
    exits at once
+
+`tpcheck torchrun TORCHRUN_ARGS -- COMMAND` (torchrun's launcher in this process, `python -m tpcheck COMMAND`
+on each rank) exits 0 when every rank exited 0, else by the ranks' codes: 2 if any rank said 2, else 3 if any
+said 3, died of a signal or exited with another code, else 1 (a rank torchrun stopped once another had
+exited does not count); one line on stderr per distinct code, no torchrun traceback. Its own bad input
+(no `--`, nothing or no rank-starting command after it, torchrun's argument errors) is 2 before anything
+starts; a signal to the launcher exits 128 + its number once torchrun has stopped every rank.
 """
 from __future__ import annotations
 
@@ -38,7 +45,8 @@ EXAMPLES = {
   tpcheck verify my_case.py --world-size 2 4         # your own TP code (docs/case-files.md)
   tpcheck run --block layer --dtype bf16 --fault all # every catalogue fault that applies, in bfloat16
   tpcheck hf llama mistral --world-size 2 4          # HuggingFace transformers' own TP plans
-  tpcheck faults                                     # the fault catalogue""",
+  tpcheck faults                                     # the fault catalogue
+  tpcheck torchrun --nproc_per_node 2 -- verify my_case.py --world-size 2   # under torchrun, a clean exit""",
     "run": """examples:
   tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
   tpcheck run --block layer --sp --fault all --json r.json --html r.html
@@ -61,6 +69,15 @@ EXAMPLES = {
   tpcheck faults --json | python -m json.tool""",
     "report": """examples:
   tpcheck report r.json --html r.html""",
+    "torchrun": """Everything before `--` is torchrun's (python -m torch.distributed.run --help lists it), everything
+after it the tpcheck command each rank runs (run, verify or hf). The exit code is the verdict's, said in
+one line per outcome, without torchrun's ChildFailedError traceback and failure summary.
+
+examples:
+  tpcheck torchrun --nproc_per_node 2 -- verify case.py --world-size 2 --json r.json
+  tpcheck torchrun --nproc_per_node 4 -- run --block layer --world-size 4
+  tpcheck torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint HOST0:29500 \\
+      --rdzv_id c1 -- verify case.py --world-size 2      # on each host""",
 }
 
 
@@ -159,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("result", metavar="RESULT.json", help="a report written by `tpcheck run --json`")
     report.add_argument("--html", dest="html_path", metavar="PATH", help="write the HTML report here")
     report.set_defaults(func=cmd_report)
+
+    # `main` hands `tpcheck torchrun ...` over before argparse (which would take torchrun's options for its
+    # own); this parser prints the help and lists the command
+    torchrun = command("torchrun", "run a tpcheck command under torchrun's launcher, its exit code said in one line "
+                                   "(no ChildFailedError traceback)")
+    torchrun.add_argument("torchrun_argv", nargs=argparse.REMAINDER, metavar="TORCHRUN_ARGS -- COMMAND",
+                          help="torchrun's arguments (e.g. --nproc_per_node 2), `--`, then a tpcheck command "
+                               "(run, verify or hf) and its arguments")
+    torchrun.usage = "%(prog)s [-h] [TORCHRUN_ARGS ...] -- {run,verify,hf} [ARGS ...]"
+    torchrun.set_defaults(func=cmd_torchrun)
     return parser
 
 
@@ -192,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stderr is None:  # started with stderr closed: print(file=None) would write to stdout
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args = parse_argv(argv)
     args.argv = argv
     try:
         with StopOnSignals():
@@ -208,6 +235,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpcheck: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     return code
+
+
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """argv as argparse reads it, but for `tpcheck torchrun ARGS`: its ARGS are torchrun's and a tpcheck
+    command's, which argparse would take for tpcheck's options (help excepted)."""
+    if argv[:1] == ["torchrun"]:
+        from tpcheck.torchrun import asks_for_help
+
+        if not asks_for_help(argv[1:]):
+            return argparse.Namespace(command="torchrun", torchrun_argv=argv[1:], func=cmd_torchrun)
+        argv = ["torchrun", "--help"]
+    return build_parser().parse_args(argv)
+
+
+def cmd_torchrun(args: argparse.Namespace) -> int:
+    """torchrun's launcher in this process; the tpcheck command after `--` is parsed here first, so that its
+    flag errors are said once, before any rank starts."""
+    from tpcheck import torchrun
+
+    return torchrun.main(args.torchrun_argv, build_parser().parse_args)
 
 
 # ------------------------------------------------------------------------------ signals
