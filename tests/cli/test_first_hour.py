@@ -214,3 +214,24 @@ def test_a_target_dict_reaches_the_loss(tmp_path, capsys):
     '''))
     code = main(["verify", str(path), "--world-size", "1", "2", "--dtype", "float32", "bf16", "--steps", "2"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_make_batch_gets_the_case_dtype(tmp_path, capsys):
+    """`make_batch(generator, dtype)` is called with the case's working dtype: a batch built for that dtype
+    (a mask value from its finfo, say) is the batch every side sees; the float64 truth gets the same
+    values, upcast exactly."""
+    path = tmp_path / "c.py"
+    path.write_text(CASE.format(arg="x", extra="") + textwrap.dedent('''
+        import dataclasses
+        SEEN = []
+        def make_batch_for(g, dtype):
+            if dtype != torch.bfloat16:
+                raise ValueError(f"make_batch got {dtype}")
+            inputs, target = make_batch(g, dtype)
+            assert inputs["x"].dtype == torch.bfloat16
+            return inputs, target
+        first = dataclasses.replace(first, make_batch=make_batch_for)
+        del second
+    '''))
+    code = main(["verify", str(path), "--world-size", "2", "--dtype", "bf16", "--steps", "1"])
+    assert code == 0, capsys.readouterr().err

@@ -105,7 +105,7 @@ class Engine:
         # the mask book; without draws the later forwards skip its interception (~10% of a tiny check), and a
         # draw after all is still refused by the dense side's RNG check (NONDETERMINISTIC)
         self.draws_random: bool | None = None
-        self.first_batch = case.make_batch(self.gen, torch.float32)  # drawn before the weights, as the seed
+        self.first_batch = case.make_batch(self.gen, self.dtype)  # drawn before the weights, as the seed
         master = case.build_dense(torch.float32)
         case.init(master, self.gen)
         self.dense = self._copy_of(master, self.dtype)
@@ -183,7 +183,7 @@ class Engine:
             self._tp_from_dense()
         self._truth_from_dense(self.dense.named_parameters())
         for micro in range(self.settings.micro_batches):
-            batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, torch.float32)
+            batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, self.dtype)
             if micro == 0 and self.case.no_grad_forward:
                 self._no_grad_forward(step, batch[0])
             self._forward_backward(step, micro, batch)
