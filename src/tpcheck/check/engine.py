@@ -251,7 +251,7 @@ class Engine:
                                                                       group.world_size)))
         said = self.rendezvous.exchange("bound", text, label=f"the bound of {name} ({stage}, step {step})")
         owner = self.case.plan.params[name].applied_on
-        return Bound(**json.loads(said[0])) if group.rank == owner else None
+        return Bound(**json.loads(said[0])) if group.rank == owner and said[0] else None  # else: no verdict
 
     def _not_applied_here(self, step: int, stage: str, name: str, tp_val, dense_val, owner: int) -> None:
         """A tensor held on every rank but applied on `owner` only (AppliedOnRank): on the other ranks its
