@@ -140,3 +140,22 @@ def test_page_shows_the_rng_placement_checks():
     assert ("mlp.dropout", "replicate", "4", "", "0") in rows
     assert ("attention.dropout", "replicate", "4", " off", "4") in rows  # the planted rank-seeded dropout
     assert "rng_diverged" in page
+
+
+def test_page_shows_the_inferred_plan():
+    """A case with no plan written: the page shows the plan tpcheck inferred, activations and the outputs it
+    did not check included, as code; a case with a written plan shows none."""
+    from tpcheck import check, exit_code
+    from tpcheck.check.usercode import file_spec
+    from tpcheck.report.schema import build_report, load_schema
+    from tpcheck.report.validate import first_error
+
+    example = REPO / "examples" / "own_loader.py"
+    results = check([file_spec(f"{example}:no_plan", 2), file_spec(f"{example}:correct", 2)])
+    report = build_report(results, exit_code=exit_code(results))
+    assert first_error(json.loads(json.dumps(report)), load_schema()) is None
+    page = render_html(report)
+    assert page.count("<h4>Plan inferred") == 1
+    assert "1 module output(s) not checked" in page
+    shown = re.search(r"<pre class=plan>(.*?)</pre>", page, re.S).group(1)
+    assert "&#x27;fc1&#x27;: Shard(2)" in shown and "# not checked: fc2:" in shown

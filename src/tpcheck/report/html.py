@@ -13,7 +13,7 @@ import json
 PHASES = ("forward", "backward", "optimizer")
 MAX_FAILED_ROWS = 25  # failed checks listed per case; the JSON has them all
 KNOWN_CASE_KEYS = {"name", "spec", "world_size", "dtype", "expected", "verdict", "as_expected", "summary",
-                   "seconds", "checks", "ledger", "first_divergence", "problems", "diagnosis"}
+                   "seconds", "checks", "ledger", "first_divergence", "problems", "diagnosis", "inferred_plan"}
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:24px auto;
@@ -138,7 +138,7 @@ def _case_section(i: int, case: dict) -> str:
              f"{_mark(case)}</h3><p>{esc(case.get('summary', ''))}</p>"
              f"<p class=muted>expected: {esc(case['expected'])} · spec: <code>{esc(_spec_text(case))}</code></p>"]
     parts += [_diagnosis(case), _first_divergence(case), _problems(case), _curves(case), _failed_checks(case),
-              _rng(case), _ledger(case), _extras(case), "</section>"]
+              _rng(case), _inferred_plan(case), _ledger(case), _extras(case), "</section>"]
     return "\n".join(p for p in parts if p)
 
 
@@ -235,6 +235,17 @@ def _rng(case: dict) -> str:
         for name, s in sites.items())
     return ("<h4>Random masks (RNG placement)</h4><table class=rng><tr><th>draw</th><th>mask placement</th>"
             "<th>rule</th><th>checks</th><th>failed</th></tr>" + rows + "</table>")
+
+
+def _inferred_plan(case: dict) -> str:
+    """A case with no plan written: the plan tpcheck inferred (parameters, the module outputs it checked and
+    how, those it did not and why), as the code to paste into the case file."""
+    plan = case.get("inferred_plan")
+    if not plan:
+        return ""
+    skipped = plan.count("\n# not checked: ")
+    return (f"<h4>Plan inferred (no plan written; {skipped} module output(s) not checked, said why)</h4>"
+            f"<pre class=plan>{esc(plan)}</pre>")
 
 
 def ledger_rows(ledger: dict) -> tuple[list[str], list[tuple[str, str]], dict, dict]:
