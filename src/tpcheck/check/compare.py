@@ -83,12 +83,9 @@ class Comparator:
         diff = maxdiff(tp_local, ref)
         if exact:
             bound = tolerance.EXACT
-        elif bound is not None:
-            pass
-        elif truth is not None:
-            bound = tolerance.calibrated(dense, truth, dtype or self.dtype, world)
-        else:
-            bound = tolerance.PENDING
+        elif bound is None:
+            bound = tolerance.calibrated(dense, truth, dtype or self.dtype, world) if truth is not None \
+                else tolerance.PENDING
         # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
             self._check_reference_finite(stage, step, name, dense, truth)
