@@ -190,12 +190,22 @@ class Comparator:
             if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
                 return
             self.evidence_left -= 3 * dense.numel()
+        # copies (later steps change these tensors in place), made numpy in `evidence_for` if needed
         kept = self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
-            "tp": tp_local.detach().double().numpy().copy(), "ref": ref.detach().double().numpy().copy(),
-            "dense": dense.detach().double().numpy().copy(), "placement": check.placement,
+            "tp": tp_local.detach().clone(), "ref": ref.detach().clone(), "dense": dense.detach().clone(),
+            "placement": check.placement,
             "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
         if weights is not None:
-            kept["weights"] = weights.detach().double().numpy().copy()
+            kept["weights"] = weights.detach().clone()
+
+    def evidence_for(self, keys: set[str] | None) -> dict[str, dict]:
+        """The evidence sent to the parent, as float64 arrays: the entries in `keys` (None: every one),
+        every control's (the self-test reads them) and every RNG check's."""
+        out = {}
+        for key, e in self.evidence.items():
+            if keys is None or key in keys or "|control:" in key or "rng" in e:
+                out[key] = {k: v.double().numpy() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+        return out
 
     def flush_replicas(self) -> None:
         """Compare every pending replicated tensor (and every element several ranks hold) across ranks,

@@ -21,8 +21,11 @@ the TP side's inputs, the optimizer steps, update and state against the replay, 
 """
 from __future__ import annotations
 
+import array
+import base64
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 
@@ -611,9 +614,52 @@ def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> Rank
     t0 = time.perf_counter()
     engine = Engine(case, group, rendezvous)
     checks = engine.run()
-    return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=engine.cmp.evidence,
+    evidence = engine.cmp.evidence_for(needed_evidence(checks, engine.cmp.evidence, rendezvous))
+    return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=evidence,
                        expected_collectives=case.expected_collectives, inferred_plan=engine.inferred_plan,
                        ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
 
 
 
+
+
+def needed_evidence(checks: list[Check], kept: dict, rendezvous: Rendezvous) -> set[str] | None:
+    """The evidence keys the parent can need: those of every check that fails on some rank (the diagnosis
+    reads the first one's tensors on every rank) and the weights stage's (a loaded bias can explain an
+    offset), out of all this rank kept; None (send everything) when the ranks cannot tell. Sending only
+    these saves pickling ~1,300 small arrays per tiny case. A rank other than 0 cannot judge its
+    calibrated checks, whose bound rank 0 computes: one store exchange carries rank 0's bounds and the
+    other ranks' errors for them, in check order, with a digest of that order (AppliedOnRank(r) makes the
+    orders differ: then everything is sent)."""
+    def key(c):
+        return f"{c.stage}|{c.step}|{c.name}"
+
+    judged = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is not None]
+    failing = {(c.stage, c.step, c.name) for c in checks if not c.control and c.bound is not None
+               and not c.error <= c.bound}
+    if rendezvous.rank == 0:  # the checks whose bound the other ranks take from here
+        mine = [c for c in judged if c.kind == "calibrated"]
+        values = [c.bound for c in mine]
+    else:
+        mine = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is None]
+        values = [c.error for c in mine]
+    digest = hashlib.blake2b("\n".join(key(c) for c in mine).encode(), digest_size=16).hexdigest()
+    said = [json.loads(t) for t in rendezvous.exchange("evidence", json.dumps({
+        "failing": sorted(failing), "digest": digest,
+        "values": base64.b64encode(array.array("d", values).tobytes()).decode()}),
+        label="choosing the evidence to send")]
+    if any(s["digest"] != digest for s in said):
+        return None
+    bounds = array.array("d", base64.b64decode(said[0]["values"]))
+    for other in said:
+        failing.update(tuple(f) for f in other["failing"])
+    for other in said[1:]:
+        errors = array.array("d", base64.b64decode(other["values"]))
+        failing.update((c.stage, c.step, c.name) for c, e, b in zip(mine, errors, bounds) if not e <= b)
+    keys = {k for k in kept if k.startswith("weights|")}
+    for stage, step, name in failing:
+        if stage == "replicas":  # the replicated tensor's own evidence, under the stage it was compared in
+            keys.update(k for k in kept if k.endswith(f"|{step}|{name}"))
+        else:
+            keys.add(f"{stage}|{step}|{name}")
+    return keys
