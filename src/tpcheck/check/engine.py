@@ -87,7 +87,7 @@ class Engine:
             rendezvous.setup_failed(f"{type(e).__name__}: {e}" if not isinstance(e, UsageError) else str(e))
             raise
         rendezvous.setup_done()
-        self.inferred_plan = None
+        self.plan_inferred = case.plan is None
         # activation placements inferred in the first micro-batch (no plan written, none named)
         self.acts_pending = case.plan is None and not case.activations and self.settings.capture
         self.act_candidates = activations.candidates(self.dense, self.tp) if self.acts_pending else set()
@@ -97,7 +97,6 @@ class Engine:
             plan = dataclasses.replace(plan, activations=dict(case.activations))
             plan.check_against(self.dense, group.world_size)
             self.case = dataclasses.replace(case, plan=plan, activations={})
-            self.inferred_plan = plan_as_code(plan)
 
     def _build(self) -> None:
         case, group = self.case, self.group
@@ -196,7 +195,7 @@ class Engine:
             else:
                 finalize_grads(self.tp, self.group)
         self.sync(f"finalize_grads of step {step}")
-        if step == 1 and self.inferred_plan is not None:
+        if step == 1 and self.plan_inferred:
             self._infer_applied_on()
         self._compare_params(step, "grads", dict(self.dense.named_parameters()), dict(self.tp.named_parameters()),
                              lambda p: p.grad)
@@ -237,9 +236,14 @@ class Engine:
         if applied:
             plan = dataclasses.replace(plan, params={**plan.params, **applied})
             self.case = dataclasses.replace(self.case, plan=plan)
-            self.inferred_plan = plan_as_code(plan, self.acts_skipped)
 
-    def _owner_bound(self, step: int, stage: str, name: str, p, truth_p, dense_val, truth_val) -> Bound | None:
+    def inferred_plan(self) -> str | None:
+        """The plan of a case with no plan written, as inferred (parameters, then where the gradients
+        appear, then the activations), as code; None for a written plan."""
+        return plan_as_code(self.case.plan, self.acts_skipped) if self.plan_inferred else None
+
+    def _owner_bound(self, step: int, stage: str, name: str, owner: int, p, truth_p, dense_val,
+                     truth_val) -> Bound | None:
         """The bound for a tensor applied on a rank other than 0 (AppliedOnRank(r)): only rank r compares
         its gradient and update, only rank 0 holds the float64 truth that bounds them. Rank 0 computes the
         bound as rank r would (the truth relaxed as in `_compare_params`) and sends it through the store;
@@ -253,7 +257,6 @@ class Engine:
             text = json.dumps(dataclasses.asdict(calibrated(dense_val.detach(), truth, dense_val.dtype,
                                                                       group.world_size)))
         said = self.rendezvous.exchange("bound", text, label=f"the bound of {name} ({stage}, step {step})")
-        owner = self.case.plan.params[name].applied_on
         return Bound(**json.loads(said[0])) if group.rank == owner and said[0] else None  # else: no verdict
 
     def _not_applied_here(self, step: int, stage: str, name: str, tp_val, dense_val, owner: int) -> None:
@@ -354,7 +357,6 @@ class Engine:
         plan = dataclasses.replace(self.case.plan, activations=placed)
         self.case = dataclasses.replace(self.case, plan=plan)
         self.acts_skipped = skipped
-        self.inferred_plan = plan_as_code(plan, skipped)
         self.acts_pending = False
 
     def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks):
@@ -562,7 +564,7 @@ class Engine:
             tp_val, dense_val = get(tp_p), get(p)
             truth_val = get(truth_params[name]) if truth_params else None
             owner = plan.params[name].applied_on
-            sent = self._owner_bound(step, stage, name, p, truth_params.get(name), dense_val, truth_val) \
+            sent = self._owner_bound(step, stage, name, owner, p, truth_params.get(name), dense_val, truth_val) \
                 if owner not in (None, 0) and dense_val is not None and self.truth is not self.dense else None
             if owner is not None and owner != group.rank:
                 self._not_applied_here(step, stage, name, tp_val, dense_val, owner)
@@ -616,7 +618,7 @@ def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> Rank
     checks = engine.run()
     evidence = engine.cmp.evidence_for(needed_evidence(checks, engine.cmp.evidence, rendezvous))
     return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=evidence,
-                       expected_collectives=case.expected_collectives, inferred_plan=engine.inferred_plan,
+                       expected_collectives=case.expected_collectives, inferred_plan=engine.inferred_plan(),
                        ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
 
 
