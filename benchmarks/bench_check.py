@@ -28,18 +28,19 @@ def overrides(size) -> tuple:
     return tuple(zip(("seq", "batch", "hidden", "ffn"), size))
 
 
-def inner_check(size, capture: bool) -> None:
+def inner_check(size, capture: bool, device: str = "cpu", world: int = 2) -> None:
     import tpcheck
 
-    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=2, steps=1,
-                            optimizer="sgd", micro_batches=1, capture=capture)  # one step as the dense one
+    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=world, steps=1,
+                            optimizer="sgd", micro_batches=1, capture=capture,  # one step as the dense one
+                            device=device)
     t0 = time.perf_counter()
     (r,) = tpcheck.check([spec], timeout_s=300)
     print(json.dumps({"seconds": r["seconds"], "wall_s": time.perf_counter() - t0, "verdict": r["verdict"],
                       "checks": len(r["checks"])}))
 
 
-def inner_dense(size, steps: int) -> None:
+def inner_dense(size, steps: int, device: str = "cpu") -> None:
     import torch
 
     from tpcheck.models.config import preset
@@ -49,14 +50,18 @@ def inner_dense(size, steps: int) -> None:
     g = torch.Generator().manual_seed(0)
     model = DenseMLP(cfg)
     model.reset_parameters(g)
+    model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, target = (torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g) for _ in range(2))
+    x, target = (torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g).to(device) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for _ in range(steps + 1):
         opt.zero_grad(set_to_none=True)
+        sync()
         t0 = time.perf_counter()
         torch.nn.functional.mse_loss(model(x.requires_grad_(True)), target).backward()
         opt.step()
+        sync()
         times.append(time.perf_counter() - t0)
     print(json.dumps({"step_s": median(times[1:]), "steps": times[1:]}))
 
@@ -111,15 +116,18 @@ def child(*args: str, limit_gib: float = 21.0) -> dict:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--inner", choices=("capture", "nocapture", "dense", "profile"), help=__import__("argparse").SUPPRESS)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument("--world-size", type=int, default=2)
     args = p.parse_args()
     size = QUICK if args.quick else FULL
     if args.inner == "dense":
-        return inner_dense(size, 3 if args.quick else 5)
+        return inner_dense(size, 3 if args.quick else 5, args.device)
     if args.inner == "profile":
         return inner_profile(size)
     if args.inner:
-        return inner_check(size, args.inner == "capture")
+        return inner_check(size, args.inner == "capture", args.device, args.world_size)
     q = ["--quick"] if args.quick else []
+    q += ["--device", args.device, "--world-size", str(args.world_size)]
     repeats = 1 if args.quick else 3
     runs = {"capture": [], "nocapture": [], "dense": []}
     for _ in range(repeats):
@@ -130,7 +138,8 @@ def main() -> None:
     mem = {k: median([r["peak_total_pss_gib"] for r in runs[k]]) for k in runs}
     rank_peak = {k: median([r["peak_rss_per_process_gib"][0] for r in runs[k]]) for k in runs}
     ratio = check_s / floor_s
-    print(f"size (seq, batch, hidden, ffn) = {size}, world 2, steps 1, sgd, OMP_NUM_THREADS=1, median of {repeats}")
+    print(f"size (seq, batch, hidden, ffn) = {size}, world {args.world_size} on {args.device}, steps 1, sgd, "
+          f"OMP_NUM_THREADS=1, median of {repeats}")
     print(table(["run", "seconds (s)", "vs dense step", "peak RSS, largest process (GiB)", "peak total PSS (GiB)"], [
         ["dense fwd+bwd+SGD step (1 process)", floor_s, 1.0, rank_peak["dense"], mem["dense"]],
         ["check, capture=True", check_s, ratio, rank_peak["capture"], mem["capture"]],
@@ -141,11 +150,16 @@ def main() -> None:
     cap_t, cap_m = check_s / nocap_s, rank_peak["capture"] / rank_peak["nocapture"]
     print(f"capture overhead: time {cap_t:.3f}x, peak rank RSS {cap_m:.3f}x, "
           f"total PSS {mem['capture'] / mem['nocapture']:.3f}x; verdicts {sorted(set(verdicts))}")
+    name = "check" if args.device == "cpu" else f"check_{args.device}"
+    if args.device != "cpu":  # the profile is of the CPU path
+        write(name, {"device": args.device, "world_size": args.world_size, "size": dict(overrides(size)), "runs": runs,
+                     "check_s": check_s, "dense_step_s": floor_s, "ratio": ratio, "targets": targets})
+        return
     prof = child("--inner", "profile", *q)
     print(f"where one rank's time goes (cProfile, world 1, case {prof['seconds']:.3f} s; cumulative):")
     print(table(["part", "seconds", "share"], [[PROFILED[k], v, f"{v / prof['seconds']:.0%}"]
                                               for k, v in sorted(prof["cumulative_s"].items(), key=lambda kv: -kv[1])]))
-    write("check", {"profile_world1": prof, "size": dict(overrides(size)), "repeats": repeats, "runs": runs, "check_s": check_s,
+    write(name, {"profile_world1": prof, "size": dict(overrides(size)), "repeats": repeats, "runs": runs, "check_s": check_s,
                     "nocapture_s": nocap_s, "dense_step_s": floor_s, "ratio": ratio, "capture_time_ratio": cap_t,
                     "capture_rank_peak_ratio": cap_m, "peak_total_pss_gib": mem, "peak_rank_rss_gib": rank_peak,
                     "targets": targets})

@@ -97,12 +97,19 @@ def init_(model: nn.Module) -> nn.Module:
     return model
 
 
+def _sync(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def one_step(model: nn.Module, x: torch.Tensor, barrier) -> float:
     model.zero_grad(set_to_none=True)
     xi = x.detach().requires_grad_(True)
+    _sync(x)
     barrier()
     t0 = time.perf_counter()
     model(xi).float().pow(2).mean().backward()
+    _sync(x)
     return time.perf_counter() - t0
 
 
@@ -134,27 +141,34 @@ def dtensor_tp(block: str, cfg: ModelConfig, mesh):
 def _rank(group, blocks, cfgs, warmup, steps):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (group.world_size,))
+    mesh = init_device_mesh(group.device.type, (group.world_size,))
     out = {}
     for block in blocks:
         cfg = cfgs[block]
-        x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1))
-        models = [tpcheck_tp(block, cfg, group), dtensor_tp(block, cfg, mesh)]
+        x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(group.device)
+        models = [tpcheck_tp(block, cfg, group).to(group.device), dtensor_tp(block, cfg, mesh).to(group.device)]
         out[(block, "tpcheck TP")], out[(block, "DTensor TP")] = time_steps(models, x, warmup, steps, dist.barrier)
         del models
     return out
 
 
-def run_tp(world, blocks, cfgs, warmup, steps) -> list[dict]:
+def run_tp(world, blocks, cfgs, warmup, steps, device="cpu") -> list[dict]:
     from tpcheck.check.spawn import run_on_ranks
 
-    return run_on_ranks(_rank, world, blocks, cfgs, warmup, steps, timeout_s=1800)
+    return run_on_ranks(_rank, world, blocks, cfgs, warmup, steps, timeout_s=1800, device=device)
 
 
-def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int) -> list[float]:
+def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int, device="cpu") -> list[float]:
+    """The dense block in this process (on "cuda": in a forked child, so this process never starts CUDA
+    before the ranks are forked)."""
+    if device != "cpu":
+        from tpcheck.check.spawn import run_on_ranks
+
+        return run_on_ranks(lambda group: dense_w1(block, cfg, warmup, steps, group.device), 1, timeout_s=1800,
+                            device=device)[0]
     cls = {"mlp": tdense.DenseMLP, "attention": tdense.DenseAttention, "layer": tdense.DenseLayer}[block]
-    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1))
-    return time_steps([init_(cls(cfg))], x, warmup, steps, lambda: None)[0]
+    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    return time_steps([init_(cls(cfg)).to(device)], x, warmup, steps, lambda: None)[0]
 
 
 def sizes(quick: bool) -> list[tuple[str, dict, int, float]]:
@@ -167,16 +181,19 @@ def sizes(quick: bool) -> list[tuple[str, dict, int, float]]:
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument("--world-size", type=int, default=2)
+    args = p.parse_args()
     from tpcheck.blocks import BLOCKS
 
-    warmup, world = 2, 2
+    warmup, world, device = 2, args.world_size, args.device
     blocks = [b for b in ("mlp", "attention", "layer") if b in BLOCKS]
     rows, res, targets, shapes = [], {}, [], {}
     for size, fields, steps, target in sizes(args.quick):
         cfgs = {b: ModelConfig(**fields) for b in blocks}
         shapes[size] = fields
-        outs = run_tp(world, blocks, cfgs, warmup, steps)
+        outs = run_tp(world, blocks, cfgs, warmup, steps, device)
         torch.set_num_threads(1)
         for block in blocks:
             med = {}
@@ -184,19 +201,20 @@ def main() -> None:
                 per_step = [max(o[(block, side)][i] for o in outs) for i in range(steps)]
                 med[side] = median(per_step)
                 res[f"{size}/{block}/{side}"] = per_step
-            res[f"{size}/{block}/dense w1"] = dense_w1(block, cfgs[block], warmup, steps)
+            res[f"{size}/{block}/dense w1"] = dense_w1(block, cfgs[block], warmup, steps, device)
             med["dense w1"] = median(res[f"{size}/{block}/dense w1"])
             ratio = med["tpcheck TP"] / med["DTensor TP"]
             rows.append([size, block, med["tpcheck TP"] * 1e3, med["DTensor TP"] * 1e3, med["dense w1"] * 1e3, ratio,
                          med["dense w1"] / med["tpcheck TP"]])
             targets.append(verdict(f"{size} {block}: tpcheck TP vs DTensor TP step", ratio <= target, f"{ratio:.3f}x",
                                    f"<= {target:g}x"))
-    print(f"world 2, 1 thread per process, median of the timed steps after {warmup} warm-up; shapes "
+    print(f"world {world} on {device}, 1 thread per process, median of the timed steps after {warmup} warm-up; shapes "
           + "; ".join(f"{k}: {v}" for k, v in shapes.items()))
     print(table(["size", "block", "tpcheck TP (ms)", "DTensor TP (ms)", "dense w1 (ms)", "tpcheck/DTensor",
                  "dense w1 / tpcheck TP"], rows))
-    write("step", {"shapes": shapes, "world_size": world, "threads_per_process": 1, "warmup": warmup,
-                   "step_seconds": res, "rows": rows, "targets": targets})
+    write("step" if device == "cpu" else f"step_{device}", {
+        "shapes": shapes, "world_size": world, "device": device, "threads_per_process": 1, "warmup": warmup,
+        "step_seconds": res, "rows": rows, "targets": targets})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Run every benchmark in turn (`make bench`); `--quick` is passed through. The heavy Llama-layer
-benchmark runs last, alone. Each script prints its table and writes benchmarks/results/<name>.json."""
+benchmark runs last, alone. Each script prints its table and writes benchmarks/results/<name>.json.
+Then the GPU checks (gpu_check.sh) where a GPU is visible; where none is, one line says they did not run."""
 from __future__ import annotations
 
 import subprocess
@@ -25,6 +26,15 @@ def main() -> int:
         print(f"=== {script}: exit {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(script)
+    if "gpu" not in skip:
+        import torch
+
+        if torch.backends.cuda.is_built() and torch.cuda.device_count() > 0:  # NVML: CUDA is not started here
+            print("\n=== gpu_check.sh", flush=True)
+            if subprocess.call(["bash", str(HERE / "gpu_check.sh")]):
+                failed.append("gpu_check.sh")
+        else:
+            print("\nTARGET GPU path (benchmarks/gpu_check.sh): not run, no GPU visible -> UNTESTED")
     if failed:
         print(f"failed: {failed}")
     return 1 if failed else 0

@@ -19,6 +19,7 @@ starts; a signal to the launcher exits 128 + its number once torchrun has stoppe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hidden dropout of the blocks (after the embedding, on each block's output); default 0")
     run.add_argument("--attention-dropout", type=float, default=None, metavar="P",
                      help="dropout of the attention probabilities; default 0")
+    _add_device_arg(run)
     _add_output_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=None, help="override the case's seed of weights and batches")
     verify.add_argument("--print-plan", action="store_true",
                         help="print, on stdout, the plan inferred for each case without one (Case(plan=None, load_tp=...))")
+    _add_device_arg(verify)
     _add_output_args(verify)
     verify.set_defaults(func=cmd_verify)
 
@@ -193,6 +196,11 @@ def _add_precision_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-master-weights", dest="master_weights", action="store_false", default=None,
                    help="with bfloat16/float16: pure 16-bit parameters and optimizer state (default: float32 "
                         "master weights, grads and optimizer state, as Megatron-Core and torchtitan train)")
+
+
+def _add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ranks compute: cpu (gloo, the default) or cuda (one GPU per rank, NCCL)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -578,6 +586,18 @@ def cmd_hf(args: argparse.Namespace) -> int:
     return execute(specs, args, finish_report=finish)
 
 
+def on_device(specs: list, device: str, torchrun: bool) -> list:
+    """The specs with `--device`; on "cuda", refused at once (exit 2) where this machine has no GPU for
+    every rank (under torchrun each rank checks its own machine)."""
+    from tpcheck.check.devices import check_device
+
+    if device == "cpu":
+        return specs
+    if not torchrun:
+        check_device(device, max(s.world_size for s in specs))
+    return [dataclasses.replace(s, device=device, label=f"{s.label}/{device}" if s.label else "") for s in specs]
+
+
 def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None, seed_world_size: int = 2,
             finish_report=None) -> int:
     """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit code.
@@ -592,6 +612,7 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
     from tpcheck.resolve import launcher as pool_launcher
 
     timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    specs = on_device(specs, getattr(args, "device", "cpu"), under_torchrun())
     if not under_torchrun():  # bad input fails fast, before any rank is forked
         problems = []
         for spec in specs:

@@ -27,6 +27,9 @@ class DefaultResolver:
     def validate(self, spec: CaseSpec) -> None:
         spec.validate()
         if spec.block.startswith(HF_PREFIX):
+            if spec.device != "cpu":
+                raise UsageError(f"device {spec.device!r}: HuggingFace architectures are checked on the CPU only "
+                                 "(their reduced models on a CPU device mesh); leave the device out")
             if spec.fault:
                 raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; override a "
                                  "rule of the HuggingFace plan instead (tpcheck hf --rule)")

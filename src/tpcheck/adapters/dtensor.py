@@ -3,10 +3,10 @@
     case = dtensor_case(name="llama", build_dense=MyModel, tp_plan={"layers.*.attention.wq":
                         ColwiseParallel(), ...}, make_batch=make_batch)
 
-The TP side is `parallelize_module(copy_of_dense, DeviceMesh("cpu", ranks), tp_plan)` on the ranks'
-existing gloo group. Its parameters are DTensors, so the engine sees it through `LocalShards`: a
-module whose parameters are plain tensors, each the local shard of one DTensor parameter, named as the
-dense parameter. Every forward rebuilds the DTensors from them (`DTensor.from_local`, no copy, no
+The TP side is `parallelize_module(copy_of_dense, DeviceMesh(device, ranks), tp_plan)` on the ranks'
+existing group (gloo on the CPU, NCCL with --device cuda). Its parameters are DTensors, so the engine
+sees it through `LocalShards`: a module whose parameters are plain tensors, each the local shard of one
+DTensor parameter, named as the dense parameter. Every forward rebuilds the DTensors from them (`DTensor.from_local`, no copy, no
 communication) and calls the parallelized module with them (`torch.func.functional_call`); gradients
 flow back to the local shards through `from_local`'s backward, which redistributes a grad to the
 parameter's own placement (a replicated norm weight's partial grad under sequence parallelism is
@@ -45,16 +45,18 @@ from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, Plan, Replicate, Shard
 
-_MESHES: dict[int, object] = {}
+_MESHES: dict[tuple[int, str], object] = {}
 
 
 def device_mesh(group: TPGroup):
-    """A 1-D CPU mesh over the rank's existing default (gloo) group; one per world size per process."""
+    """A 1-D mesh on the rank's device over its existing default group (gloo on the CPU, NCCL on GPUs);
+    one per world size and device per process."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if group.world_size not in _MESHES:
-        _MESHES[group.world_size] = DeviceMesh("cpu", list(range(group.world_size)))
-    return _MESHES[group.world_size]
+    key = (group.world_size, group.device.type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(group.device.type, list(range(group.world_size)))
+    return _MESHES[key]
 
 
 # ------------------------------------------------------------------------------ the plan

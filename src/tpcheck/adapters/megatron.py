@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck.check.case import Case, RunSettings
+from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.losses import sp_mse_loss
 from tpcheck.parallel.random import drawing_from
@@ -63,6 +64,9 @@ def init_megatron(group: TPGroup) -> None:
     """CPU patch + Megatron's global parallel state over this rank's gloo group (idempotent)."""
     if MEGATRON_ERROR:
         raise ImportError(MEGATRON_ERROR)
+    if group.device.type != "cpu":
+        raise UsageError("Megatron-Core layers are checked on the CPU only (tpcheck runs them with their CUDA calls "
+                         "patched to the CPU); leave --device out")
     torch.cuda.current_device = lambda: torch.device("cpu")
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPUTracker):
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _CPUTracker(group.rank), True

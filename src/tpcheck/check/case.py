@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpcheck.check.devices import check_device
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, Plan, Replicate, as_placement
@@ -247,7 +248,8 @@ class CaseSpec:
     file) or "registered:ID" (a Case registered in this process).
 
     overrides: for a built-in block, ModelConfig field overrides; for a case file, the run settings the
-    caller gave (they replace the Case's own). `expected`: the verdict this case should get; None
+    caller gave (they replace the Case's own). `device`: where every rank computes, "cpu" (gloo) or
+    "cuda" (one GPU per rank, NCCL; check/devices.py). `expected`: the verdict this case should get; None
     means "equivalent" without a fault, "not equivalent" with one (the resolver fills in a fault's own).
     """
 
@@ -267,6 +269,7 @@ class CaseSpec:
     master_weights: bool = True
     label: str = ""
     expected: str | None = None
+    device: str = "cpu"
 
     @property
     def name(self) -> str:
@@ -279,6 +282,8 @@ class CaseSpec:
             parts.append("sp")
         if self.fault:
             parts.append(self.fault)
+        if self.device != "cpu":
+            parts.append(str(self.device))
         return "/".join(parts)
 
     @property
@@ -297,6 +302,7 @@ class CaseSpec:
         """What can be checked without building anything; raises UsageError naming the value and the fix.
         (Block, preset and fault names are the resolver's to check.)"""
         check_world_size(self.world_size)
+        check_device(self.device, self.world_size)
         self.run_settings()
         if self.expected is not None and self.expected not in VERDICTS_EXPECTED:
             raise UsageError(f"expected verdict {self.expected!r} is not one of {list(VERDICTS_EXPECTED)}")

@@ -2,8 +2,9 @@
 
 Each rank checks its own local tensors (so every rank is checked, not only rank 0); replicated
 tensors are also compared across ranks, bitwise, batched into one all-reduce per flush, outside the
-model's collectives. Every comparison becomes a `Check` that records its error, its bound and the
-reason for the bound; small tensors are kept as evidence for the diagnosis.
+model's collectives (CPU tensors, on gloo, whatever device the model computes on). Every comparison
+becomes a `Check` that records its error, its bound and the reason for the bound; small tensors are
+kept as evidence for the diagnosis.
 """
 from __future__ import annotations
 
@@ -95,13 +96,13 @@ class Comparator:
         self._keep_evidence(check, tp_local, ref, dense)
         self._control(check, ref, dense, bound, placement)
         if world > 1 and placement.replicated:
-            self.pending_replicas.append((check, tp_local.detach().double().reshape(-1), None))
+            self.pending_replicas.append((check, tp_local.detach().double().reshape(-1).cpu(), None))
         elif world > 1 and (held := copies(placement, tuple(dense.shape), world)) is not None:
             # some elements live on several ranks (GQA KV heads replicated over ranks): their copies
             # must agree bitwise too; compared in the dense layout, on the elements held twice or more
             idx = placement.index_map(tuple(dense.shape), rank, world).reshape(-1)
             spread_in = torch.full((held.numel(),), -math.inf, dtype=torch.float64)
-            spread_in[idx] = tp_local.detach().double().reshape(-1)
+            spread_in[idx] = tp_local.detach().double().reshape(-1).cpu()
             self.pending_replicas.append((check, spread_in, held >= 2))
         return check
 
@@ -204,7 +205,7 @@ class Comparator:
         out = {}
         for key, e in self.evidence.items():
             if keys is None or key in keys or "|control:" in key or "rng" in e:
-                out[key] = {k: v.double().numpy() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+                out[key] = {k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
         return out
 
     def flush_replicas(self) -> None:

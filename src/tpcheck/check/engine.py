@@ -36,6 +36,7 @@ from torch import nn
 from tpcheck.check import activations, capture
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator
+from tpcheck.check.devices import rng_states, seed_rng, set_rng_states
 from tpcheck.check.dropout import DIFFER, REASONS, MaskBook, violations
 from tpcheck.check.inference import infer_plan, plan_as_code
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
@@ -80,6 +81,7 @@ class Engine:
         self.case, self.group, self.tap, self.rendezvous = case, group, group.tap, rendezvous
         self.settings = case.run
         self.dtype = case.run.torch_dtype
+        self.device = group.device
         self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype)
         try:
             self._build()
@@ -107,8 +109,8 @@ class Engine:
         # the mask book; without draws the later forwards skip its interception (~10% of a tiny check), and a
         # draw after all is still refused by the dense side's RNG check (NONDETERMINISTIC)
         self.draws_random: bool | None = None
-        self.first_batch = case.make_batch(self.gen, self.dtype)  # drawn before the weights, as the seed
-        master = case.build_dense(torch.float32)
+        self.first_batch = self._batch()  # drawn before the weights, as the seed
+        master = case.build_dense(torch.float32)  # on the CPU, where the seeded init draws
         case.init(master, self.gen)
         self.dense = self._copy_of(master, self.dtype)
         if self.dtype == torch.float64:
@@ -121,6 +123,7 @@ class Engine:
             self.tap.interceptor = case.inject.intercept(group)
         self.tp = case.build_tp(group, self.dtype)
         self._load_tp(self.tp, master, case.inject.load_plan or case.plan)  # from the float32 master
+        self.tp.to(self.device)
         if case.inject.tamper is not None:
             case.inject.tamper(self.tp, group)
         # what each optimizer steps: the modules' own parameters, or their float32 masters
@@ -149,11 +152,19 @@ class Engine:
             self.case.load_tp(tp, state, self.group)
 
     def _copy_of(self, src: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """A dense model in `dtype` with `src`'s weights, on this rank's device."""
         model = self.case.build_dense(dtype)
         with torch.no_grad():
             for (_, p), (_, q) in zip(model.named_parameters(), src.named_parameters()):
                 p.copy_(q.to(dtype))
-        return model
+        return model.to(self.device)
+
+    def _batch(self):
+        """The next batch: drawn by `make_batch` from the case's generator (on the CPU, so every device
+        draws the same values), then on this rank's device."""
+        inputs, target = self.case.make_batch(self.gen, self.dtype)
+        move = lambda t: t.to(self.device)  # noqa: E731
+        return map_tensors(move, inputs), map_tensors(move, target)
 
     def sync(self, where: str) -> None:
         sync_ledgers(self.tap, self.rendezvous, where)
@@ -185,7 +196,7 @@ class Engine:
             self._tp_from_dense()
         self._truth_from_dense(self.dense.named_parameters())
         for micro in range(self.settings.micro_batches):
-            batch = self.first_batch if step == 1 and micro == 0 else self.case.make_batch(self.gen, self.dtype)
+            batch = self.first_batch if step == 1 and micro == 0 else self._batch()
             if micro == 0 and self.case.no_grad_forward:
                 self._no_grad_forward(step, batch[0])
             self._forward_backward(step, micro, batch)
@@ -347,11 +358,11 @@ class Engine:
             for stage, name, t, _ in held:
                 if stage == "forward":
                     first.setdefault(name, t)
-            both = torch.cat([first[n].double().reshape(-1) for n in names])
+            both = torch.cat([first[n].double().reshape(-1).cpu() for n in names])  # gloo: a checker collective
             self.tap.performing(("all_reduce", "checker:activations", "forward"), dist.all_reduce, both,
                                 group=self.group.pg)
             sums = both.split([dense[n].numel() for n in names])
-            partial = {n for n, summed in zip(names, sums) if activations.is_partial_sum(summed, dense[n].reshape(-1))}
+            partial = {n for n, summed in zip(names, sums) if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu())}
         placed, skipped = activations.decide(dense_shapes, said, self.case.plan, self.group.world_size, partial,
                                              activations.row_split_linears(self.dense, self.case.plan))
         plan = dataclasses.replace(self.case.plan, activations=placed)
@@ -383,7 +394,7 @@ class Engine:
         DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""
         book = MaskBook(self.mask_gen, self.case.dropout)
         with torch.no_grad():
-            rng = torch.random.get_rng_state()
+            rng = rng_states(self.device)
             with self._masks(book.draw, self.dense):
                 out_d = self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()})
             self._drew(book, rng)
@@ -401,14 +412,15 @@ class Engine:
 
     @contextlib.contextmanager
     def _training_rng(self, step: int, micro: int):
-        """The default generator as a training script leaves it for the TP side: seeded the same on every
-        rank (what a replicated region draws from), whatever the checker drew before; restored after."""
-        saved = torch.random.get_rng_state()
-        torch.random.default_generator.manual_seed((self.settings.seed + 7919 * step + 104729 * (micro + 2)) % 2**63)
+        """The default generators (the CPU's, and the GPU's on "cuda") as a training script leaves them for
+        the TP side: seeded the same on every rank (what a replicated region draws from), whatever the
+        checker drew before; restored after."""
+        saved = rng_states(self.device)
+        seed_rng(self.device, (self.settings.seed + 7919 * step + 104729 * (micro + 2)) % 2**63)
         try:
             yield
         finally:
-            torch.random.set_rng_state(saved)
+            set_rng_states(self.device, saved)
 
     def _tp_masks(self, book: MaskBook):
         if self.draws_random is False:
@@ -419,10 +431,10 @@ class Engine:
         """The dense side's draws (`book.draw`) or the truth's replay, unless the model draws nothing."""
         return contextlib.nullcontext() if self.draws_random is False else role(model)
 
-    def _drew(self, book: MaskBook, rng_before: torch.Tensor) -> None:
+    def _drew(self, book: MaskBook, rng_before: tuple) -> None:
         """After a dense forward: random draws other than the replayed ones are refused; the first forward
         tells whether the model draws at all."""
-        if not torch.equal(rng_before, torch.random.get_rng_state()):
+        if not all(map(torch.equal, rng_before, rng_states(self.device))):
             raise UsageError(NONDETERMINISTIC)
         if self.draws_random is None:
             self.draws_random = bool(book.draws)
@@ -485,7 +497,7 @@ class Engine:
         wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
         rec_d, rec_t = capture.Recorder(), capture.Recorder()
         book = MaskBook(self.mask_gen, case.dropout)
-        rng = torch.random.get_rng_state()
+        rng = rng_states(self.device)
         kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted,
                                                    self._masks(book.draw, self.dense))
         self._drew(book, rng)

@@ -1,7 +1,8 @@
-"""Launching ranks: a reusable pool of forked gloo ranks, or the ranks torchrun started.
+"""Launching ranks: a reusable pool of forked ranks, or the ranks torchrun started.
 
-Pool: for each world size, `world` processes are forked from this one (after `import torch`, so a
-rank starts in milliseconds) and join one gloo group through a FileStore in a fresh temp directory
+Pool: for each world size and device, `world` processes are forked from this one (after `import torch`,
+so a rank starts in milliseconds) and join one group (gloo; on GPUs NCCL beside it, check/devices.py)
+through a FileStore in a fresh temp directory
 (no port to pick, so concurrent checks cannot collide). Each rank talks to the parent over its own
 pipe: cases go down, results and progress notes come up. Pipes, not `multiprocessing.Queue`: a
 Queue's feeder thread may still hold a lock (or unsent data) when the parent forks the next pool, or
@@ -31,9 +32,11 @@ import time
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+import torch
 import torch.distributed as dist
 
 from tpcheck.check.case import CaseSpec, Resolver
+from tpcheck.check.devices import backend, check_device, rank_device
 from tpcheck.check.heartbeat import Beat, Watch, describe
 from tpcheck.check.result import RankPayload
 from tpcheck.check.spawn import TEMP_DIRS, Ranks, recv_plain, send_plain
@@ -50,19 +53,18 @@ DEFAULT_TIMEOUT_S = 20.0
 def _preload() -> None:
     """Import, once in the parent, torch's lazily imported optimizer machinery (torch._dynamo, seconds).
     Forked ranks inherit it, so a respawned pool serves its first case in milliseconds, not seconds."""
-    import torch
-
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 class RankPool:
-    """`world` forked rank processes sharing one gloo group; `resolve` turns a spec into a Case on a rank."""
+    """`world` forked rank processes sharing one group on `device`; `resolve` turns a spec into a Case on
+    a rank."""
 
     def __init__(self, world: int, resolve: Build, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 stall_s: float | None = None) -> None:
+                 stall_s: float | None = None, device: str = "cpu") -> None:
         _preload()
         self.world, self.timeout_s, self.stall_s = world, timeout_s, stall_s
-        self.ranks = Ranks(world, pool_rank, (timeout_s, resolve))
+        self.ranks = Ranks(world, pool_rank, (timeout_s, resolve, device))
         self.conns, self.procs = self.ranks.conns, self.ranks.procs
         self.healthy = True
         self.cases = 0  # cases sent, counted alike by the ranks: their beats carry it
@@ -173,7 +175,7 @@ def _death(rank: int, exitcode: int | None) -> RankPayload:
 
 
 class Launcher:
-    """Runs specs on pools, one pool per world size, respawning a pool after any failure. The resolver
+    """Runs specs on pools, one pool per world size and device, respawning a pool after any failure. The resolver
     checks each spec in the parent first and turns it into a Case on each rank (`tpcheck.resolve`: the
     checker itself knows no block and no fault)."""
 
@@ -183,7 +185,7 @@ class Launcher:
             raise UsageError(f"timeout {timeout_s!r} must be in (0, 3600] seconds")
         self.resolver = resolver
         self.timeout_s, self.stall_s = float(timeout_s), stall_s
-        self.pools: dict[int, RankPool] = {}
+        self.pools: dict[tuple[int, str], RankPool] = {}
         self.cache = CompileCache()
 
     def run(self, spec: CaseSpec) -> list[RankPayload]:
@@ -191,14 +193,15 @@ class Launcher:
             self.resolver.validate(spec)
         except UsageError as e:  # one bad case of a matrix is an "invalid" result; the rest still run
             return [RankPayload(status="usage", rank=0, message=str(e))]
-        pool = self.pools.get(spec.world_size)
+        key = (spec.world_size, spec.device)
+        pool = self.pools.get(key)
         if pool is None:
-            pool = self.pools[spec.world_size] = RankPool(spec.world_size, self.resolver.build, self.timeout_s,
-                                                              self.stall_s)
+            pool = self.pools[key] = RankPool(spec.world_size, self.resolver.build, self.timeout_s, self.stall_s,
+                                              spec.device)
         payloads = pool.run(spec)
         if not pool.healthy:
             pool.close()
-            del self.pools[spec.world_size]
+            del self.pools[key]
         return payloads
 
     def close(self) -> None:
@@ -255,11 +258,18 @@ def under_torchrun() -> bool:
 
 class TorchrunLauncher:
     """The ranks were started by torchrun: this process is one of them. Every rank runs every case;
-    rank 0 gathers the payloads (other ranks get None back)."""
+    rank 0 gathers the payloads (other ranks get None back). On a machine with GPUs the group has NCCL
+    beside gloo, and a rank's GPU is its LOCAL_RANK, so cases may run on either device."""
 
     def __init__(self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+            gpus = dist.is_nccl_available() and torch.cuda.device_count() >= self.local_world
+            device = "cuda" if gpus else "cpu"
+            rank_device(device, self.local_rank)
+            dist.init_process_group(backend(device), timeout=timedelta(seconds=timeout_s))
+        self.backends = str(dist.get_backend())
         self.group_args = (dist.get_rank(), dist.get_world_size())
         self.resolver, self.timeout_s, self.state = resolver, timeout_s, None
 
@@ -272,9 +282,15 @@ class TorchrunLauncher:
         if spec.world_size != world:
             raise UsageError(f"torchrun started {world} ranks but the case asks for world size {spec.world_size}; "
                              f"pass --world-size {world} or change --nproc_per_node")
+        if spec.device == "cuda":
+            check_device("cuda", world, local_world=self.local_world)
+            if "nccl" not in self.backends:
+                raise UsageError(f"--device cuda: the process group has no NCCL backend ({self.backends}); start "
+                                 "torchrun on a machine with one GPU per local rank")
         if self.state is None:
             store = dist.distributed_c10d._get_default_store()
-            self.state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, self.timeout_s))
+            self.state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, self.timeout_s),
+                                   local_rank=self.local_rank)
         payload = self.state.run(spec, self.resolver.build)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)

@@ -1,8 +1,9 @@
-"""Forking gloo ranks: the one helper behind the launcher's pool, the tests and the benchmarks.
+"""Forking ranks: the one helper behind the launcher's pool, the tests and the benchmarks.
 
-`fork_ranks` forks `world` processes from this one (after `import torch`, so a rank starts in
-milliseconds), each with its own duplex pipe to the parent; `join_gloo` is how a rank joins the group
-(a FileStore in a fresh temp directory: no port to pick, so concurrent runs cannot collide).
+`Ranks` forks `world` processes from this one (after `import torch`, so a rank starts in
+milliseconds), each with its own duplex pipe to the parent; `join_group` is how a rank joins the group
+(a FileStore in a fresh temp directory: no port to pick, so concurrent runs cannot collide): gloo, or
+on GPUs gloo and NCCL (check/devices.py).
 `run_on_ranks(fn, world, *args)` runs `fn(group, *args)` on every rank and returns their values.
 
 Pipes carry plain payloads: `send_plain` pickles with the standard pickler into bytes. Tensors then
@@ -29,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
+from tpcheck.check.devices import backend, rank_device
 from tpcheck.parallel.group import TPGroup
 
 
@@ -152,30 +154,34 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def join_gloo(rank: int, world: int, store_path: str, timeout_s: float) -> dist.Store:
-    """Join the gloo group of `world` ranks rendezvousing at `store_path`; returns the store."""
+def join_group(rank: int, world: int, store_path: str, timeout_s: float, device: str = "cpu") -> dist.Store:
+    """Join the group of `world` ranks rendezvousing at `store_path` (gloo; on "cuda", this rank's GPU
+    made current and NCCL for CUDA tensors beside gloo); returns the store."""
+    rank_device(device, rank)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
     return store
 
 
 # ---------------------------------------------------------------------------- run a function on ranks
 
 
-def _run_fn(rank, world, store_path, conn, fn, args, timeout_s) -> None:
+def _run_fn(rank, world, store_path, conn, fn, args, timeout_s, device) -> None:
     try:
-        join_gloo(rank, world, store_path, timeout_s)
-        out = fn(TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD), *args)
+        join_group(rank, world, store_path, timeout_s, device)
+        out = fn(TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD, device=rank_device(device, rank)), *args)
         send_plain(conn, ("ok", out))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it there
         send_plain(conn, ("error", traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0) -> list:
-    """`fn(group, *args)` on `world` forked gloo ranks; the ranks' return values, in rank order.
-    A rank that raises or dies fails the call with its traceback; none waits past `timeout_s`."""
-    ranks = Ranks(world, _run_fn, (fn, args, timeout_s))
+def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0, device: str = "cpu") -> list:
+    """`fn(group, *args)` on `world` forked ranks (gloo; on "cuda" one GPU each, NCCL beside gloo); the
+    ranks' return values, in rank order. A rank that raises or dies fails the call with its traceback;
+    none waits past `timeout_s`."""
+    ranks = Ranks(world, _run_fn, (fn, args, timeout_s, device))
     results: dict[int, object] = {}
     try:
         pending = {c: r for r, c in enumerate(ranks.conns)}

@@ -1,4 +1,4 @@
-"""The rank side of the pool: a forked process that joins the gloo group, then runs the cases the
+"""The rank side of the pool: a forked process that joins the group (gloo; NCCL too on GPUs), then runs the cases the
 parent sends until told to stop (or until the parent is gone).
 
 Talks to the parent over one pipe with plain payloads (see spawn.py). A heartbeat thread sends where
@@ -17,11 +17,12 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 
 from tpcheck.check.case import Case, CaseSpec
+from tpcheck.check.devices import rank_device
 from tpcheck.check.engine import run_case_on_rank
 from tpcheck.check.heartbeat import BEAT_S, BeatMaker, main_frame
 from tpcheck.check.ledger import CollectiveMismatch, CollectiveTap, count_user_collectives
 from tpcheck.check.result import RankPayload
-from tpcheck.check.spawn import join_gloo, recv_plain, send_plain
+from tpcheck.check.spawn import join_group, recv_plain, send_plain
 from tpcheck.check.sync import PeerFailed, Rendezvous
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -37,8 +38,9 @@ def _is_timeout(exc: BaseException) -> bool:
 class RankState:
     """What this rank is doing now: the tap of the case in progress (the progress thread reads it)."""
 
-    def __init__(self, rank: int, world: int, pg, rendezvous: Rendezvous) -> None:
+    def __init__(self, rank: int, world: int, pg, rendezvous: Rendezvous, local_rank: int | None = None) -> None:
         self.rank, self.world, self.pg, self.rendezvous = rank, world, pg, rendezvous
+        self.local_rank = rank if local_rank is None else local_rank  # its GPU, on "cuda" (torchrun: LOCAL_RANK)
         self.tap = CollectiveTap(rank)
         self.case = 0  # cases received, counted alike by the parent: beats carry it
         self.beats = BeatMaker(rank)
@@ -48,8 +50,9 @@ class RankState:
         rank's ledger so the parent can say where the ranks' collectives parted."""
         self.tap = tap = CollectiveTap(self.rank)
         self.case += 1
-        group = TPGroup(rank=self.rank, world_size=self.world, pg=self.pg, tap=tap)
         try:
+            group = TPGroup(rank=self.rank, world_size=self.world, pg=self.pg, tap=tap,
+                            device=rank_device(spec.device, self.local_rank))
             return run_case_on_rank(resolve(spec), group, self.rendezvous)
         except UsageError as e:
             return RankPayload(status="usage", rank=self.rank, message=str(e))
@@ -101,11 +104,13 @@ def _heartbeat(chan: _Channel, state: RankState) -> None:
             return  # the parent is gone: the main thread notices too
 
 
-def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_s: float, resolve: Build) -> None:
-    """The body of one pool rank (run by spawn.Ranks in the forked process)."""
+def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_s: float, resolve: Build,
+              device: str = "cpu") -> None:
+    """The body of one pool rank (run by spawn.Ranks in the forked process); every case it is sent runs
+    on `device`."""
     chan = _Channel(conn, os.getppid())
     try:
-        store = join_gloo(rank, world, store_path, timeout_s)
+        store = join_group(rank, world, store_path, timeout_s, device)
         state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, timeout_s))
         count_user_collectives(lambda: state.tap)
         threading.Thread(target=_heartbeat, args=(chan, state), daemon=True).start()

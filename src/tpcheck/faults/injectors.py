@@ -469,7 +469,7 @@ def rng_diverged(case: Case, spec: CaseSpec) -> Case:
     model-parallel generator: the replicas draw different masks and drift apart."""
 
     def tamper(tp, group: TPGroup) -> None:
-        tracker = RNGTracker(group, DEFAULT_RNG_SEED)
+        tracker = RNGTracker(group, DEFAULT_RNG_SEED, device=group.device)
         for module in list(tp.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is torch.nn.Dropout:

@@ -95,11 +95,12 @@ class DenseMLP(nn.Module):
 # ---------------------------------------------------------------- attention, transformer layer, tiny LM
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq: int, head_dim: int, theta: float, dtype: torch.dtype,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin `[s, 1, 1, d]` for rotate-half RoPE, computed in float64 then cast, so every model
     (dense, TP, float64 truth) rotates by the same angles."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [d/2]
-    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [s, d/2]
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)  # [d/2]
+    angles = torch.arange(seq, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]  # [s, d/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -117,13 +118,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: f
     Positions are 0..s-1: the caller passes the whole sequence. `dropout` acts on the attention
     probabilities `[b, nq, s, s]`."""
     s, b, nq, d = q.shape
-    cos, sin = rope_tables(s, d, theta, q.dtype)
+    cos, sin = rope_tables(s, d, theta, q.dtype, q.device)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     group = nq // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # [s, b, nq, d]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, nq, s, d]
     scores = (q @ k.transpose(-1, -2)) * d**-0.5  # [b, nq, s, s]
-    future = torch.ones(s, s, dtype=torch.bool).triu(1)
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     if dropout is not None:
         probs = dropout(probs)

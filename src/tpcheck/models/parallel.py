@@ -24,7 +24,7 @@ DEFAULT_RNG_SEED = 1234  # the model-parallel tracker's seed when the caller giv
 
 
 def _tracker(group: TPGroup, rng: RNGTracker | None) -> RNGTracker:
-    return rng if rng is not None else RNGTracker(group, DEFAULT_RNG_SEED)
+    return rng if rng is not None else RNGTracker(group, DEFAULT_RNG_SEED, device=group.device)
 
 
 def hidden_dropout(p: float, rng: RNGTracker, sequence_parallel: bool) -> torch.nn.Module:
@@ -136,7 +136,7 @@ class ParallelQKV(ParallelModule):
         q_rows = self.n_q * self.head_dim
         grad = self.weight.grad
         slot = self.head_ids()[1][0]
-        buf = torch.zeros(self.kv_total, grad.shape[0] - q_rows, grad.shape[1], dtype=grad.dtype)
+        buf = torch.zeros(self.kv_total, grad.shape[0] - q_rows, grad.shape[1], dtype=grad.dtype, device=grad.device)
         buf[slot] = grad[q_rows:]  # [2*d, hidden]: this rank's k and v rows
         summed = self.group.collective("all_reduce", buf, site=f"{self.site}.weight", phase="optimizer")
         grad[q_rows:] = summed[slot]

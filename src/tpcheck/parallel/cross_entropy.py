@@ -68,7 +68,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, idx, mine, valid, count = ctx.saved_tensors
         eps = ctx.smoothing
         g = softmax - eps / ctx.vocab  # [n, V/tp]
-        rows = torch.arange(g.shape[0])
+        rows = torch.arange(g.shape[0], device=g.device)
         g[rows[mine], idx[mine]] -= 1.0 - eps
         g = g * (valid[:, None].to(g.dtype) / count.to(g.dtype)) * grad.to(g.dtype)  # not a float32 1/count
         return g.reshape(ctx.shape).to(ctx.dtype), None, None, None, None, None

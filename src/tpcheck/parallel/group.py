@@ -34,13 +34,15 @@ class Tap(Protocol):
 
 @dataclass(frozen=True)
 class TPGroup:
-    """rank/world_size within the TP group, the torch process group (None when world_size == 1), and
-    an optional tap that sees every collective."""
+    """rank/world_size within the TP group, the torch process group (None when world_size == 1), an
+    optional tap that sees every collective, and the device this rank computes on (a layer creating
+    tensors or generators in its forward creates them there)."""
 
     rank: int
     world_size: int
     pg: dist.ProcessGroup | None = None
     tap: Tap | None = None
+    device: torch.device = torch.device("cpu")
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -14,6 +14,12 @@ from tpcheck.report.output import current_umask, written_directly
 SCHEMA = "tpcheck.report/1"
 
 
+def _backend(results: list[dict]) -> str:
+    """The collective backends the cases ran on: gloo, and NCCL beside it for cases on GPUs."""
+    on_gpu = any(r.get("spec", {}).get("device") == "cuda" for r in results)
+    return "gloo+nccl" if on_gpu else "gloo"
+
+
 def build_report(results: list[dict], *, exit_code: int, seed: dict | None = None,
                  interrupted: dict | None = None) -> dict:
     """The report of a run: its case results, their summary, (for the seed's modes) the seed's JSON,
@@ -21,7 +27,8 @@ def build_report(results: list[dict], *, exit_code: int, seed: dict | None = Non
     report = {
         "schema": SCHEMA,
         "tpcheck": __version__,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "backend": "gloo"},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "backend": _backend(results)},
         "summary": {
             "cases": len(results),
             "as_expected": sum(r["as_expected"] for r in results),
