@@ -30,11 +30,12 @@ class TPCheckFixture:
         self.timeout_s, self.world_sizes = timeout_s, tuple(world_sizes)
 
     def verify(self, case, world_sizes=None, *, expect: str | None = None, timeout_s: float | None = None,
-               **fields) -> list[dict]:
+               device: str | None = None, **fields) -> list[dict]:
         """Check `case` (a tpcheck.Case, "path.py[:NAME]", a CaseSpec or a built-in block name) at each
         world size (default: the `tpcheck_world_sizes` setting); raise AssertionError with the diagnosis
         unless every case got the verdict expected -- `expect` ("equivalent", "not equivalent" for a
-        planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `fields` for a Case or
+        planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `device`: "cuda" runs each
+        rank on its own GPU (default: the CPU). `fields` for a Case or
         case file: dtype, steps, optimizer, lr, seed, micro_batches (override the Case's own); for a
         built-in block: any CaseSpec field."""
         __tracebackhide__ = True  # a failure shows the test's line and the diagnosis, not this function
@@ -54,6 +55,8 @@ class TPCheckFixture:
             specs = [dataclasses.replace(base, world_size=w) for w in world_sizes]
         if expect is not None:
             specs = [dataclasses.replace(s, expected=expect) for s in specs]
+        if device is not None:
+            specs = [dataclasses.replace(s, device=device) for s in specs]
         results = check(specs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         bad = [r for r in results if not r["as_expected"]]
         if bad:

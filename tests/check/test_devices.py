@@ -161,3 +161,11 @@ def test_the_scan_sees_a_cpu_tensor_in_a_forward(tmp_path):
     bad.write_text("import torch\n\ndef forward(q):\n    return torch.ones(3, 3, dtype=torch.bool).triu(1)\n\n\n"
                    "def fine(q, g):\n    return torch.ones(3, device=q.device) + torch.randn(3, generator=g)\n")
     assert _factory_calls_without_device(bad, tmp_path) == ["probe.py:4 torch.ones in forward"]
+
+
+def test_the_pytest_fixture_passes_the_device(monkeypatch):
+    from tpcheck.pytest_plugin import TPCheckFixture
+
+    _gpus(monkeypatch, 0)
+    with pytest.raises(AssertionError, match="no GPU is visible"):
+        TPCheckFixture(timeout_s=20, world_sizes=(2,)).verify("mlp", steps=1, device="cuda")

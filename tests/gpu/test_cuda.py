@@ -67,3 +67,15 @@ def test_a_case_file_on_gpus(tmp_path, capsys):
     assert verdicts["own_mlp"] == "equivalent"
     if WORLDS[-1] > 1:  # the planted bias-before-reduce shows with two ranks
         assert verdicts["own_mlp_bias_before_reduce"] == "not equivalent" and code == 1
+
+
+def test_the_pytest_fixture_on_gpus():
+    import sys
+
+    from tpcheck.pytest_plugin import TPCheckFixture
+
+    sys.path.insert(0, str(EXAMPLES))
+    import own_module
+
+    results = TPCheckFixture(timeout_s=60, world_sizes=WORLDS).verify(own_module.correct, steps=2, device="cuda")
+    assert [r["spec"]["device"] for r in results] == ["cuda"] * len(WORLDS)
