@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("bench_seed.py", "bench_matrix.py", "bench_step.py", "bench_check.py", "bench_stop.py", "bench_hf_sweep.py",
-         "bench_llama_layer.py")
+ORDER = ("bench_seed.py", "bench_matrix.py", "bench_step.py", "bench_check.py", "bench_threads.py", "bench_stop.py",
+         "bench_hf_sweep.py", "bench_llama_layer.py")
 
 
 def main() -> int:

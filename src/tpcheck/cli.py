@@ -212,7 +212,11 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def entry() -> None:
     """The `tpcheck` command: `main`, then exit without torch's slow interpreter teardown (about a
-    second; gloo sometimes aborts in it), once stdout and stderr are flushed."""
+    second; gloo sometimes aborts in it), once stdout and stderr are flushed. Its own process computes
+    on one thread, so that the ranks it forks may share the CPUs (check/spawn.py)."""
+    from tpcheck.check.spawn import keep_parent_to_one_thread
+
+    keep_parent_to_one_thread()
     code = main()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -58,10 +58,11 @@ class Ranks:
         self.store_path = os.path.join(self.tmpdir, "store")
         self.conns: list[Connection] = []
         self.procs = []
+        self.threads = rank_threads(world)
         for r in range(world):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_entry, args=(target, r, world, self.store_path, theirs, list(self.conns),
-                                                  os.getpid(), args), daemon=True, name=f"{name}{r}")
+                                                  os.getpid(), args, self.threads), daemon=True, name=f"{name}{r}")
             p.start()
             theirs.close()
             self.conns.append(mine)
@@ -103,15 +104,39 @@ def kill_all() -> None:
     TEMP_DIRS.clear()
 
 
-def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args) -> None:
+# libgomp is not fork-safe: once a process has run an OpenMP region on several threads (a large
+# softmax, a matmul), a process forked from it hangs in its first parallel region. A parent that ran
+# every op on one thread never started that thread team, and its ranks may use several threads.
+_PARENT_KEPT_TO_ONE_THREAD = False
+
+
+def keep_parent_to_one_thread() -> None:
+    """Called first thing by the `tpcheck` command (before any torch op): this process then computes on one
+    thread, and the ranks it forks share the CPUs (`rank_threads`). Any other parent (a test session, a
+    script calling `tpcheck.check`) may have started the thread team, so its ranks run one thread each."""
+    global _PARENT_KEPT_TO_ONE_THREAD
+    torch.set_num_threads(1)
+    _PARENT_KEPT_TO_ONE_THREAD = True
+
+
+def rank_threads(world: int) -> int:
+    """Intra-op threads for each of `world` ranks forked now: the CPUs this process may run on shared among
+    them (at most OMP_NUM_THREADS when set), if this process kept to one thread; else 1."""
+    if not _PARENT_KEPT_TO_ONE_THREAD or torch.get_num_threads() != 1:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cpus // world)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(cap)) if cap.isdigit() and int(cap) > 0 else threads
+
+
+def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, threads) -> None:
     os.setpgid(0, 0)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the parent's handlers are not the rank's
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, _sigint)
     die_with_parent(parent_pid)
-    # libgomp is not fork-safe: if the parent ran an OpenMP region (softmax, log_softmax, ...) before
-    # forking, the rank's first parallel region hangs forever. One thread per rank avoids the pool.
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)  # rank_threads, decided in the parent
     for c in inherited:  # the parent's ends of earlier ranks' pipes, inherited by the fork
         c.close()
     code = 0

@@ -1,0 +1,65 @@
+"""How many threads a rank computes on. libgomp is not fork-safe: a process forked from one that ran an
+OpenMP region on several threads hangs in its first parallel region. The `tpcheck` command keeps its own
+process to one thread, so its ranks share the CPUs; any other parent (this test session) gives its ranks
+one thread each."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tpcheck.check import spawn
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+def test_a_parent_that_did_not_keep_to_one_thread_gives_its_ranks_one(monkeypatch):
+    monkeypatch.setattr(spawn, "_PARENT_KEPT_TO_ONE_THREAD", False)
+    assert [spawn.rank_threads(w) for w in (1, 2, 4)] == [1, 1, 1]
+
+
+def test_a_parent_kept_to_one_thread_shares_the_cpus(monkeypatch):
+    monkeypatch.setattr(spawn, "_PARENT_KEPT_TO_ONE_THREAD", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [spawn.rank_threads(w) for w in (1, 2, 4, 16, 32)] == [16, 8, 4, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert [spawn.rank_threads(w) for w in (1, 2, 16)] == [2, 2, 1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # the parent went back to several threads
+    assert spawn.rank_threads(1) == 1
+
+
+RANKS_IN_A_FRESH_PROCESS = textwrap.dedent("""
+    import json, sys, torch
+    from tpcheck.check import spawn
+    if sys.argv[1] == "kept":
+        spawn.keep_parent_to_one_thread()
+    x = torch.randn(1500, 1500)
+    (x @ x).softmax(-1)  # large enough for a parallel region, were the parent on several threads
+
+    def work(group):
+        y = torch.randn(1500, 1500)
+        (y @ y).softmax(-1)  # the rank's own parallel region: hangs if the parent started a thread team
+        return torch.get_num_threads()
+
+    print(json.dumps(spawn.run_on_ranks(work, 1, timeout_s=60)))
+""")
+
+
+@pytest.mark.parametrize("parent", ["kept", "not kept"])
+def test_ranks_forked_after_large_ops_in_the_parent_complete(parent):
+    out = subprocess.run([sys.executable, "-c", RANKS_IN_A_FRESH_PROCESS, parent], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (f"[{CPUS}]" if parent == "kept" else "[1]")
+
+
+def test_the_tpcheck_command_keeps_its_process_to_one_thread():
+    code = "import sys, torch; from tpcheck.cli import main; from tpcheck.check import spawn; " \
+           "sys.argv = ['tpcheck', 'faults']; import tpcheck.cli as c; c.main = lambda: print(" \
+           "torch.get_num_threads(), spawn._PARENT_KEPT_TO_ONE_THREAD) or 0; c.entry()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1", "True"], out.stderr[-2000:]
