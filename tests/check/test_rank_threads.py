@@ -37,11 +37,11 @@ RANKS_IN_A_FRESH_PROCESS = textwrap.dedent("""
     from tpcheck.check import spawn
     if sys.argv[1] == "kept":
         spawn.keep_parent_to_one_thread()
-    x = torch.randn(1500, 1500)
+    x = torch.randn(800, 800)
     (x @ x).softmax(-1)  # large enough for a parallel region, were the parent on several threads
 
     def work(group):
-        y = torch.randn(1500, 1500)
+        y = torch.randn(800, 800)
         (y @ y).softmax(-1)  # the rank's own parallel region: hangs if the parent started a thread team
         return torch.get_num_threads()
 
