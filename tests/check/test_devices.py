@@ -68,6 +68,10 @@ def test_cuda_refusals_name_what_is_missing(monkeypatch):
     devices.check_device("cuda", 8, local_world=1)  # torchrun: 8 ranks, one on this machine
     _gpus(monkeypatch, 4)
     devices.check_device("cuda", 4)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # this process already used the GPU
+    with pytest.raises(UsageError, match="already started CUDA, and ranks forked from it cannot use the GPU"):
+        devices.check_device("cuda", 2)
+    devices.check_device("cuda", 2, forking=False)  # torchrun's ranks are not forked from this process
 
 
 def test_the_device_is_in_the_spec_the_name_and_the_report():

@@ -27,9 +27,10 @@ def _visible() -> str:
     return "" if value is None else f" (CUDA_VISIBLE_DEVICES={value!r})"
 
 
-def check_device(device: str, world: int, *, local_world: int | None = None) -> None:
+def check_device(device: str, world: int, *, local_world: int | None = None, forking: bool = True) -> None:
     """Refuse a device this machine cannot run `world` ranks on, naming the value and the fix.
-    `local_world`: the ranks on this machine (under torchrun, LOCAL_WORLD_SIZE), else all of them."""
+    `local_world`: the ranks on this machine (under torchrun, LOCAL_WORLD_SIZE), else all of them.
+    `forking`: this process is about to fork the ranks (not so under torchrun)."""
     if device not in DEVICES:
         raise UsageError(f"device {device!r} is not one of {list(DEVICES)}")
     if device == "cpu":
@@ -45,6 +46,11 @@ def check_device(device: str, world: int, *, local_world: int | None = None) -> 
     count = torch.cuda.device_count()
     if count == 0:
         raise UsageError(f"--device cuda: no GPU is visible{_visible()}; leave --device out to check on the CPU")
+    if forking and torch.cuda.is_initialized():
+        raise UsageError("--device cuda: this process has already started CUDA, and ranks forked from it cannot use "
+                         "the GPU (CUDA does not survive a fork); run the check in a process that has not touched "
+                         "CUDA (the tpcheck command, a fresh python, a pytest session whose other tests do not use "
+                         "the GPU), or under torchrun")
     here = world if local_world is None else local_world
     if here > count:
         raise UsageError(f"--device cuda runs one rank per GPU and NCCL refuses two ranks on one GPU: world size "

@@ -283,7 +283,7 @@ class TorchrunLauncher:
             raise UsageError(f"torchrun started {world} ranks but the case asks for world size {spec.world_size}; "
                              f"pass --world-size {world} or change --nproc_per_node")
         if spec.device == "cuda":
-            check_device("cuda", world, local_world=self.local_world)
+            check_device("cuda", world, local_world=self.local_world, forking=False)
             if "nccl" not in self.backends:
                 raise UsageError(f"--device cuda: the process group has no NCCL backend ({self.backends}); start "
                                  "torchrun on a machine with one GPU per local rank")
