@@ -34,10 +34,10 @@ class TPCheckFixture:
         """Check `case` (a tpcheck.Case, "path.py[:NAME]", a CaseSpec or a built-in block name) at each
         world size (default: the `tpcheck_world_sizes` setting); raise AssertionError with the diagnosis
         unless every case got the verdict expected -- `expect` ("equivalent", "not equivalent" for a
-        planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `device`: "cuda" runs each
-        rank on its own GPU (default: the CPU). `fields` for a Case or
-        case file: dtype, steps, optimizer, lr, seed, micro_batches (override the Case's own); for a
-        built-in block: any CaseSpec field."""
+        planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `device`: "cuda" runs
+        each rank on its own GPU (default: the CPU). `fields` for a Case or case file: dtype, steps,
+        optimizer, lr, seed, micro_batches (override the Case's own); for a built-in block: any CaseSpec
+        field."""
         __tracebackhide__ = True  # a failure shows the test's line and the diagnosis, not this function
         from tpcheck.api import check
         from tpcheck.check.case import Case, CaseSpec

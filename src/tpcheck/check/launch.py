@@ -2,11 +2,11 @@
 
 Pool: for each world size and device, `world` processes are forked from this one (after `import torch`,
 so a rank starts in milliseconds) and join one group (gloo; on GPUs NCCL beside it, check/devices.py)
-through a FileStore in a fresh temp directory
-(no port to pick, so concurrent checks cannot collide). Each rank talks to the parent over its own
-pipe: cases go down, results and progress notes come up. Pipes, not `multiprocessing.Queue`: a
-Queue's feeder thread may still hold a lock (or unsent data) when the parent forks the next pool, or
-when a rank calls `os._exit`; `Connection.send` is synchronous, so neither can happen.
+through a FileStore in a fresh temp directory (no port to pick, so concurrent checks cannot collide).
+Each rank talks to the parent over its own pipe: cases go down, results and progress notes come up.
+Pipes, not `multiprocessing.Queue`: a Queue's feeder thread may still hold a lock (or unsent data) when
+the parent forks the next pool, or when a rank calls `os._exit`; `Connection.send` is synchronous, so
+neither can happen.
 
 Never hang: every collective has the process group's timeout, and the checker's checkpoints wait on
 the store with the same timeout, so a rank stuck in a collective reports "hang" by itself. Each rank

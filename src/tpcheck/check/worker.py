@@ -1,5 +1,5 @@
-"""The rank side of the pool: a forked process that joins the group (gloo; NCCL too on GPUs), then runs the cases the
-parent sends until told to stop (or until the parent is gone).
+"""The rank side of the pool: a forked process that joins the group (gloo; NCCL too on GPUs), then
+runs the cases the parent sends until told to stop (or until the parent is gone).
 
 Talks to the parent over one pipe with plain payloads (see spawn.py). A heartbeat thread sends where
 the rank is a few times a second (heartbeat.py), so the parent can tell a slow rank from a stuck one
