@@ -159,6 +159,12 @@ def main() -> None:
     print(f"where one rank's time goes (cProfile, world 1, case {prof['seconds']:.3f} s; cumulative):")
     print(table(["part", "seconds", "share"], [[PROFILED[k], v, f"{v / prof['seconds']:.0%}"]
                                               for k, v in sorted(prof["cumulative_s"].items(), key=lambda kv: -kv[1])]))
+    cum = prof["cumulative_s"]
+    truth = max(0.0, cum.get("_reference_pass", 0.0) - floor_s) / floor_s  # less the dense pass itself
+    compares = cum.get("compare", 0.0) / floor_s
+    print(f"what bounds it: the float64 pass costs {truth:.1f} dense steps on the rank that runs it; with its TP "
+          f"half (~0.5) and the comparisons ({compares:.1f}), that rank needs >= {truth + 0.5 + compares:.1f}x "
+          "however the dense, float64 and TP work is spread over the ranks")
     write(name, {"profile_world1": prof, "size": dict(overrides(size)), "repeats": repeats, "runs": runs, "check_s": check_s,
                     "nocapture_s": nocap_s, "dense_step_s": floor_s, "ratio": ratio, "capture_time_ratio": cap_t,
                     "capture_rank_peak_ratio": cap_m, "peak_total_pss_gib": mem, "peak_rank_rss_gib": rank_peak,

@@ -11,6 +11,7 @@ per block and world size."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +60,12 @@ def main() -> None:
                 [[k, " ".join(f"{s:.3f}" for s in v)] for k, v in per_block.items()]))
     print(f"marginal cost of a case: ({big:.1f} - {one:.1f}) / {CASES - 1} = {marginal:.3f} s; a launch: {one:.2f} s; "
           f"all cases as expected in every repeat: {ok}")
+    total = sum(sum(v) for v in per_block.values())
+    lm = sum(sum(v) for k, v in per_block.items() if k.startswith("lm "))
+    w4 = sum(sum(v) for k, v in per_block.items() if k.endswith(" w4"))
+    print(f"what bounds it: each case's own passes and comparisons (in-pool seconds: {total:.1f} of the matrix's "
+          f"{big - one:.1f} s beyond a launch; the lm block {lm / total:.0%} of them, world 4 on {os.cpu_count()} "
+          f"CPUs {w4 / total:.0%})")
     target = verdict("marginal case vs one launch", marginal * TARGET <= one, f"{one / marginal:.1f} cases per launch",
                      f">= {TARGET:g} (marginal <= {one / TARGET:.3f} s)")
     write("matrix", {"t36_s": t36, "t1_s": t1, "marginal_s": marginal, "launch_s": one, "all_as_expected": ok,
