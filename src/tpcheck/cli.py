@@ -52,11 +52,13 @@ EXAMPLES = {
   tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
   tpcheck run --block layer --sp --fault all --json r.json --html r.html
   tpcheck run --block layer lm --preset tiny --dropout 0.1 --attention-dropout 0.1 --world-size 2 4
-  tpcheck run --mode all --world-size 2              # the seed's modes, its JSON on stdout""",
+  tpcheck run --mode all --world-size 2              # the seed's modes, its JSON on stdout
+  tpcheck run --block layer --preset tiny --world-size 2 --device cuda   # one GPU per rank, NCCL""",
     "verify": """examples:
   tpcheck verify my_case.py                          # every case in the file, world size 2
   tpcheck verify my_case.py:buggy --world-size 2 4   # one case, two world sizes
-  tpcheck verify a.py b.py --dtype bf16 --steps 5 --json r.json""",
+  tpcheck verify a.py b.py --dtype bf16 --steps 5 --json r.json
+  tpcheck verify my_case.py --device cuda --world-size 2   # on GPUs, one per rank""",
     "hf": """examples:
   tpcheck hf llama qwen3 --world-size 2 4            # two architectures, transformers' own plans
   tpcheck hf --all --json sweep.json --html sweep.html   # every architecture with a TP plan
