@@ -1,6 +1,6 @@
 """How many threads a rank computes on. libgomp is not fork-safe: a process forked from one that ran an
 OpenMP region on several threads hangs in its first parallel region. The `tpcheck` command keeps its own
-process to one thread, so its ranks share the CPUs; any other parent (this test session) gives its ranks
+process to one thread, so its ranks share the CPUs; any other parent (this pytest process) gives its ranks
 one thread each."""
 import os
 import subprocess

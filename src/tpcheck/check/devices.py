@@ -49,8 +49,8 @@ def check_device(device: str, world: int, *, local_world: int | None = None, for
     if forking and torch.cuda.is_initialized():
         raise UsageError("--device cuda: this process has already started CUDA, and ranks forked from it cannot use "
                          "the GPU (CUDA does not survive a fork); run the check in a process that has not touched "
-                         "CUDA (the tpcheck command, a fresh python, a pytest session whose other tests do not use "
-                         "the GPU), or under torchrun")
+                         "CUDA (the tpcheck command, a new python process, a pytest process whose other tests do "
+                         "not use the GPU), or under torchrun")
     here = world if local_world is None else local_world
     if here > count:
         raise UsageError(f"--device cuda runs one rank per GPU and NCCL refuses two ranks on one GPU: world size "

@@ -112,7 +112,7 @@ _PARENT_KEPT_TO_ONE_THREAD = False
 
 def keep_parent_to_one_thread() -> None:
     """Called first thing by the `tpcheck` command (before any torch op): this process then computes on one
-    thread, and the ranks it forks share the CPUs (`rank_threads`). Any other parent (a test session, a
+    thread, and the ranks it forks share the CPUs (`rank_threads`). Any other parent (a pytest process, a
     script calling `tpcheck.check`) may have started the thread team, so its ranks run one thread each."""
     global _PARENT_KEPT_TO_ONE_THREAD
     torch.set_num_threads(1)
