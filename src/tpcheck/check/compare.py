@@ -58,6 +58,11 @@ class Check:
     control: bool = False
 
 
+def evidence_key(stage: str, step: int, name: str) -> str:
+    """Where a check's evidence is kept (in a rank's payload, and read back by the parent)."""
+    return f"{stage}|{step}|{name}"
+
+
 class Comparator:
     """The checks of one case on one rank, in execution order, and the evidence kept for diagnosis."""
 
@@ -130,7 +135,7 @@ class Comparator:
                       placement=placement, seq=seq, control=control)
         self.checks.append(check)
         zero = np.zeros(1)
-        self.evidence[f"forward|{step}|{name}"] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
+        self.evidence[evidence_key("forward", step, name)] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
                                                    "placement": placement, "eps": 0.0, "rng": info}
         return check
 
@@ -192,7 +197,7 @@ class Comparator:
                 return
             self.evidence_left -= 3 * dense.numel()
         # copies (later steps change these tensors in place), made numpy in `evidence_for` if needed
-        kept = self.evidence[f"{check.stage}|{check.step}|{check.name}"] = {
+        kept = self.evidence[evidence_key(check.stage, check.step, check.name)] = {
             "tp": tp_local.detach().clone(), "ref": ref.detach().clone(), "dense": dense.detach().clone(),
             "placement": check.placement,
             "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}

@@ -82,12 +82,6 @@ def rng_states(device: torch.device) -> tuple:
     return (torch.random.get_rng_state(),)
 
 
-def set_rng_states(device: torch.device, states: tuple) -> None:
-    torch.random.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-
-
 def seed_rng(device: torch.device, seed: int) -> None:
     """Seed the default generators of the CPU and of `device`, as a training script's `torch.manual_seed`."""
     torch.random.default_generator.manual_seed(seed)

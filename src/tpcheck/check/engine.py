@@ -35,8 +35,8 @@ from torch import nn
 
 from tpcheck.check import activations, capture
 from tpcheck.check.case import Case
-from tpcheck.check.compare import Check, Comparator
-from tpcheck.check.devices import rng_states, seed_rng, set_rng_states
+from tpcheck.check.compare import Check, Comparator, evidence_key
+from tpcheck.check.devices import rng_states, seed_rng
 from tpcheck.check.dropout import DIFFER, REASONS, MaskBook, violations
 from tpcheck.check.inference import infer_plan, plan_as_code
 from tpcheck.check.ledger import CollectiveTap, sync_ledgers
@@ -415,12 +415,9 @@ class Engine:
         """The default generators (the CPU's, and the GPU's on "cuda") as a training script leaves them for
         the TP side: seeded the same on every rank (what a replicated region draws from), whatever the
         checker drew before; restored after."""
-        saved = rng_states(self.device)
-        seed_rng(self.device, (self.settings.seed + 7919 * step + 104729 * (micro + 2)) % 2**63)
-        try:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            seed_rng(self.device, (self.settings.seed + 7919 * step + 104729 * (micro + 2)) % 2**63)
             yield
-        finally:
-            set_rng_states(self.device, saved)
 
     def _tp_masks(self, book: MaskBook):
         if self.draws_random is False:
@@ -634,9 +631,6 @@ def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous) -> Rank
                        ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
 
 
-
-
-
 def needed_evidence(checks: list[Check], kept: dict, rendezvous: Rendezvous) -> set[str] | None:
     """The evidence keys the parent can need: those of every check that fails on some rank (the diagnosis
     reads the first one's tensors on every rank) and the weights stage's (a loaded bias can explain an
@@ -645,9 +639,6 @@ def needed_evidence(checks: list[Check], kept: dict, rendezvous: Rendezvous) -> 
     calibrated checks, whose bound rank 0 computes: one store exchange carries rank 0's bounds and the
     other ranks' errors for them, in check order, with a digest of that order (AppliedOnRank(r) makes the
     orders differ: then everything is sent)."""
-    def key(c):
-        return f"{c.stage}|{c.step}|{c.name}"
-
     judged = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is not None]
     failing = {(c.stage, c.step, c.name) for c in checks if not c.control and c.bound is not None
                and not c.error <= c.bound}
@@ -657,7 +648,7 @@ def needed_evidence(checks: list[Check], kept: dict, rendezvous: Rendezvous) -> 
     else:
         mine = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is None]
         values = [c.error for c in mine]
-    digest = hashlib.blake2b("\n".join(key(c) for c in mine).encode(), digest_size=16).hexdigest()
+    digest = hashlib.blake2b("\n".join(evidence_key(c.stage, c.step, c.name) for c in mine).encode(), digest_size=16).hexdigest()
     said = [json.loads(t) for t in rendezvous.exchange("evidence", json.dumps({
         "failing": sorted(failing), "digest": digest,
         "values": base64.b64encode(array.array("d", values).tobytes()).decode()}),
@@ -673,7 +664,7 @@ def needed_evidence(checks: list[Check], kept: dict, rendezvous: Rendezvous) -> 
     keys = {k for k in kept if k.startswith("weights|")}
     for stage, step, name in failing:
         if stage == "replicas":  # the replicated tensor's own evidence, under the stage it was compared in
-            keys.update(k for k in kept if k.endswith(f"|{step}|{name}"))
+            keys.update(k for k in kept if k.endswith(evidence_key("", step, name)))
         else:
-            keys.add(f"{stage}|{step}|{name}")
+            keys.add(evidence_key(stage, step, name))
     return keys

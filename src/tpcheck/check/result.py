@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from tpcheck.check import tolerance
 from tpcheck.check.case import CaseSpec
-from tpcheck.check.compare import Check
+from tpcheck.check.compare import Check, evidence_key
 from tpcheck.check.diagnose import diagnose
 from tpcheck.check.failures import failure_fields
 from tpcheck.check.ledger import LedgerEntry, check_ledger
@@ -167,7 +167,7 @@ def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) ->
         if c["passed"]:
             failures.append(f"a planted error of {c['error']:.3g} in {where} was not flagged (bound {c['bound']:.3g})")
         elif c["stage"] != "replicas":
-            kept = evidence[c["rank"]].get(f"{c['stage']}|{c['step']}|{c['name']}")
+            kept = evidence[c["rank"]].get(evidence_key(c["stage"], c["step"], c["name"]))
             shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0)) if kept is not None else None
             if shown is None or not abs(shown - c["error"]) <= 1e-3 * c["error"]:  # float64 vs maxdiff's dtype
                 failures.append(f"the evidence of {where} does not show its planted error "
