@@ -4,7 +4,8 @@ A plan maps every dense parameter name to a `Placement`: how that tensor lives o
 placement is one pure function, `shard(dense, rank, world) -> local`, made only of indexing (no
 arithmetic). Everything else is derived from it by applying `shard` to a tensor of flat indices
 (`arange`): which dense elements rank r holds (`index_map`), the reassembly of rank-local tensors
-into the dense one (`unshard`), the check that the plan covers every element (`validate`), and which
+into the dense one (`unshard`), the check that the plan covers every element (`validate`; our plain
+shards and replicas cover by construction), and which
 elements several ranks must hold identically (replicas). So building TP weights from dense ones and
 reassembling TP gradients for comparison use one source of truth, and a user placement needs only
 `shard`.
@@ -218,12 +219,20 @@ def unshard(placement: Placement, locals_: list[torch.Tensor], shape: tuple[int,
 def validate(placement: Placement, shape: tuple[int, ...], world: int, what: str) -> None:
     """Raise UsageError unless the placement fits `shape` at `world` and covers every dense element."""
     placement.check_divisible(shape, world, what)
+    if type(placement) in _COVERING:  # these shards cover a divisible shape by construction (not a subclass)
+        return
     covered = torch.zeros(math.prod(shape), dtype=torch.bool)
     for rank in range(world):
         covered[placement.index_map(shape, rank, world).reshape(-1)] = True
     if not bool(covered.all()):
         missing = int((~covered).sum())
         raise UsageError(f"{what}: placement {placement} leaves {missing} of {covered.numel()} elements on no rank")
+
+
+# Placements whose shards of a shape that passes `check_divisible` hold every element between them:
+# the identity (Replicate, AppliedOnRank) and `chunk` into equal blocks (Shard). `validate` builds index
+# maps for every other placement (Fused, a user's), ~0.1 s per rank for a 1024 x 4096 weight.
+_COVERING = (Replicate, AppliedOnRank, Shard)
 
 
 def as_placement(p, what: str) -> Placement:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tpcheck.check import capture
+from tpcheck.check.loading import absmax, max_abs_diff
 from tpcheck.errors import UsageError
 from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
@@ -77,8 +78,7 @@ def is_partial_sum(summed: torch.Tensor, dense: torch.Tensor) -> bool:
     """Whether the ranks' outputs summed (float64) are the dense output, up to rounding."""
     if not dense.numel():
         return True
-    scale = float(dense.double().abs().max())
-    return float((summed - dense.double()).abs().max()) <= PARTIAL_RELATIVE * max(scale, 1e-30)
+    return float(max_abs_diff(summed, dense, torch.float64)) <= PARTIAL_RELATIVE * max(absmax(dense), 1e-30)
 
 
 def row_split_linears(dense: nn.Module, plan: Plan) -> dict[str, Shard | Fused]:

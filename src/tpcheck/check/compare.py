@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tpcheck.check import tolerance
 from tpcheck.check.ledger import CollectiveTap
-from tpcheck.check.loading import maxdiff
+from tpcheck.check.loading import absmax, maxdiff
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, copies
@@ -167,7 +167,7 @@ class Comparator:
         self.controlled.add(key)
         planted = ref.detach().clone().reshape(-1)
         i = int(planted.abs().argmax())
-        scale = float(dense.abs().max())
+        scale = absmax(dense)
         shift = tolerance.control_shift(self.dtype, scale)  # the working dtype's claim (masters included)
         if not planted.is_floating_point():
             shift = max(1.0, round(shift))
@@ -225,13 +225,17 @@ class Comparator:
         self.pending_replicas.append((dataclasses.replace(first, name=f"control:{first.name}", control=True),
                                       planted, None))
         flats = [t for _, t, _ in self.pending_replicas]
-        negs = [torch.where(torch.isinf(f) & (f < 0), f, -f) for f in flats]
-        both = torch.cat(flats + negs)
+        sizes = [f.numel() for f in flats]
+        both = torch.empty(2 * sum(sizes), dtype=torch.float64)
+        hi, neg_lo = both.split(both.numel() // 2)
+        torch.cat(flats, out=hi)
+        torch.neg(hi, out=neg_lo)
+        for (_, _, shared), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
+            if shared is not None:  # an element this rank does not hold stays -inf in -x too
+                n.masked_fill_(h == -math.inf, -math.inf)
         self.tap.performing(("all_reduce", "checker:replicas", "optimizer"), dist.all_reduce, both,
                             op=dist.ReduceOp.MAX, group=self.group.pg)
-        hi, neg_lo = both.split(both.numel() // 2)
         b = tolerance.REPLICA
-        sizes = [f.numel() for f in flats]
         for (check, _, shared), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
             d = (h + n).abs() if shared is None else (h + n).abs()[shared]
             spread = float(d.max()) if d.numel() else 0.0

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpcheck.check.loading import absmax, max_abs_diff
+
 MAX_FACTOR = 8.0
 SMALL_NUMEL, SMALL_FACTOR = 64, 16.0  # the max over a handful of elements is a noisier statistic
 FLOOR_ULPS, SMALL_FLOOR_ULPS = 1, 8  # ulps of the scale; tensors under SMALL_NUMEL elements
@@ -76,11 +78,11 @@ REPLICA = Bound(0.0, "exact", "bitwise: replicas come from one all-reduce or ide
 
 def calibrated(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, world_size: int) -> Bound:
     """The bound for a TP tensor in `dtype` against the float64 `truth` (see module docstring)."""
-    scale = float(truth.abs().max()) if truth.numel() else 0.0
+    scale = absmax(truth)
     if dtype == torch.float64:
         value = FP64_FLOOR_ULPS * eps(dtype) * scale
         return Bound(value, "fp64", f"float64: {FP64_FLOOR_ULPS} ulps of scale {scale:.3g}")
-    err_dense = float((dense.double() - truth).abs().max()) if truth.numel() else 0.0
+    err_dense = float(max_abs_diff(dense, truth, torch.float64)) if truth.numel() else 0.0
     f = factor(world_size, truth.numel())
     ulps = FLOOR_ULPS if truth.numel() >= SMALL_NUMEL else SMALL_FLOOR_ULPS
     floor = ulps * eps(dtype) * scale
