@@ -123,6 +123,40 @@ def test_bad_plans_and_bad_references_are_invalid_not_tp_bugs(register_block):
     assert exit_code(results) == 2
 
 
+def _forward_returning(side: str, wrap):
+    """The seed MLP's dense or TP module, its forward's output passed through `wrap`."""
+    def build(case, cfg):
+        original = case.build_tp if side == "tp" else case.build_dense
+
+        def make(*args):
+            module = original(*args)
+            inner = module.forward
+            module.forward = lambda *a, **k: wrap(inner(*a, **k))
+            return module
+        return make
+    return derive(build)
+
+
+def test_a_forward_returning_no_tensor_is_invalid_naming_the_side_and_the_line(register_block):
+    """The checker compares one output tensor; a tuple, a dict or None from either side's forward is
+    refused naming which side, where its forward is and what it returned -- not an AttributeError
+    from the engine. The unwrapped case beside them is equivalent."""
+    register_block("tp_tuple", build_tp=_forward_returning("tp", lambda y: (y,)))
+    register_block("tp_none", build_tp=_forward_returning("tp", lambda y: None))
+    register_block("dense_dict", build_dense=_forward_returning("dense", lambda y: {"logits": y}))
+    names = ["tp_tuple", "tp_none", "dense_dict", "mlp"]
+    by = dict(zip(names, check([CaseSpec(block=n) for n in names], timeout_s=10)))
+    assert by["mlp"]["verdict"] == "equivalent"
+    line = f"test_bad_input.py:{_forward_returning.__code__.co_firstlineno + 8}"  # the wrapping lambda
+    for name, side, what in (("tp_tuple", "TP", "a tuple of 1"), ("tp_none", "TP", "NoneType"),
+                             ("dense_dict", "dense", "a dict of 1")):
+        r = by[name]
+        assert r["verdict"] == "invalid", (name, r["summary"])
+        assert f"the {side} module's forward (" in r["summary"], r["summary"]
+        assert f"{line}) returned {what}, not a tensor" in r["summary"], r["summary"]
+        assert not any("Traceback" in p or "AttributeError" in p for p in r["problems"]), r["problems"]
+
+
 @pytest.mark.slow
 def test_pure_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subprocess():
     """Pure float16 parameters (no float32 masters): AdamW's eps underflows in float16 and the dense

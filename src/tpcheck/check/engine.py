@@ -67,6 +67,18 @@ def _in_float64(value):
     return value.detach().clone().double() if value.is_floating_point() and value.dim() else value.clone()
 
 
+def _one_tensor(out, model: nn.Module, side: str) -> torch.Tensor:
+    """A module's forward output, which must be one tensor: the checker compares it and hands it to the
+    loss. Anything else is refused naming the module's forward and what it returned."""
+    if isinstance(out, torch.Tensor):
+        return out
+    what = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list, dict)) else type(out).__name__
+    raise UsageError(f"the {side} module's forward ({defined_at(model.forward)}) returned {what}, not a tensor: "
+                     "tpcheck compares one output tensor and hands it to the loss; return that tensor (a model that "
+                     "returns a tuple, a dict or a ModelOutput: wrap it in a module whose forward returns the output "
+                     "you train on, its logits say)")
+
+
 class _NoGrad:
     """Stands for a float64 input on ranks that hold no float64 model."""
 
@@ -375,7 +387,7 @@ class Engine:
         handles = capture.attach(model, self._capture_names(), recorder) if self.settings.capture else []
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         with masks:
-            out = model(**kw)
+            out = _one_tensor(model(**kw), model, "dense")
         loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
         loss.backward()
         capture.detach_all(handles)
@@ -396,17 +408,19 @@ class Engine:
         with torch.no_grad():
             rng = rng_states(self.device)
             with self._masks(book.draw, self.dense):
-                out_d = self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()})
+                out_d = _one_tensor(self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()}), self.dense,
+                                    "dense")
             self._drew(book, rng)
             if self.truth is self.dense:
                 out_t = out_d
             elif self.truth is not None:
                 with self._masks(book.replay, self.truth):
-                    out_t = self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()})
+                    out_t = _one_tensor(self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}),
+                                        self.truth, "dense")
             else:
                 out_t = None
             with self.tap.tp_phase("forward"), self._training_rng(step, -1), self._tp_masks(book):
-                out_tp = self.tp(**self._tp_inputs(inputs))
+                out_tp = _one_tensor(self.tp(**self._tp_inputs(inputs)), self.tp, "TP")
         self.cmp.compare("forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement)
         self._check_draws(step, book, "the forward without autograd")
 
@@ -530,7 +544,7 @@ class Engine:
         kw_tp = self._tp_inputs(inputs, wanted)
         with self._training_rng(step, micro):
             with self.tap.tp_phase("forward"), self._tp_masks(book):
-                out_tp = self.tp(**kw_tp)
+                out_tp = _one_tensor(self.tp(**kw_tp), self.tp, "TP")
             # compared before the loss sees it: a loss may work in place on its input (Megatron's
             # vocab-parallel cross-entropy subtracts the max from the logits)
             cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
