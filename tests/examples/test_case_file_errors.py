@@ -124,6 +124,17 @@ RETURNS = {  # name: (the case's changed field, the message)
     "make_batch_tensor": ("make_batch=lambda g, dtype: torch.zeros(3)", "your make_batch ({file}:{line}) returned a "
                           "torch.Tensor; expected a pair ({{forward argument name: tensor}}, target)"),
     "loss_float": ("loss=lambda out, target: 0.5", "your loss ({file}:{line}) returned a float; expected a loss tensor"),
+    "loss_unreduced": ("loss=lambda out, target: (out - target) ** 2", "your loss ({file}:{line}) returned a "
+                       "torch.Tensor; expected a loss with one element, not of shape [4, 2, 16]: reduce it"),
+    "loss_detached": ("loss=lambda out, target: ((out - target) ** 2).mean().detach()", "your loss ({file}:{line}) "
+                      "returned a torch.Tensor; expected a loss that requires grad; this one is cut from the output"),
+    "make_batch_int": ("make_batch=lambda g, dtype: ({'x': torch.randn(4, 2, 16, generator=g).to(dtype), 'n': 3}, "
+                       "torch.zeros(4, 2, 16))", "your make_batch ({file}:{line}) returned a tuple of 2: (dict, "
+                       "Tensor); expected every forward input a tensor; {{'n': 'int'}} are not"),
+    "dense_ignores_dtype": ("build_dense=lambda dtype: own_module.DenseBlock()", "your build_dense ({file}:{line}) "
+                            "returned a own_module.DenseBlock; expected its floating parameters in float64, the dtype it was "
+                            "asked for (the float64 ground truth), but ['fc1.weight', 'fc1.bias', 'fc2.weight', "
+                            "'fc2.bias'] are float32"),
 }
 
 

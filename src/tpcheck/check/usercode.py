@@ -247,7 +247,7 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
         except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
             raise UsageError(f"in your {what} ({user_frame(e, path or _defined_in(fn))}): {type(e).__name__}: {e}") \
                 from None
-        problem = _RETURNS[what](out) if what in _RETURNS else None
+        problem = _RETURNS[what](out, *args) if what in _RETURNS else None
         if problem:
             raise UsageError(f"your {what} ({defined_at(fn)}) returned {_describe(out)}; expected {problem}")
         return out
@@ -257,26 +257,56 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
     return guarded
 
 
-def _module(out) -> str | None:
+def _module(out, *args) -> str | None:
     from torch import nn
 
     return None if isinstance(out, nn.Module) else "a torch.nn.Module"
 
 
-def _batch(out) -> str | None:
-    ok = (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], dict)
-          and all(isinstance(k, str) for k in out[0]))
-    return None if ok else "a pair ({forward argument name: tensor}, target), e.g. ({'x': x}, target)"
-
-
-def _tensor(out) -> str | None:
+def _dense_module(out, dtype=None) -> str | None:
+    """build_dense(dtype): a module; asked for float64 (the ground truth), every floating parameter in
+    float64 (one in float32 would make the truth no more precise than the side it measures)."""
     import torch
 
-    return None if isinstance(out, torch.Tensor) else "a loss tensor"
+    if (problem := _module(out)) is not None or dtype != torch.float64:
+        return problem
+    other = sorted({str(p.dtype).removeprefix("torch.") for p in out.parameters()
+                    if p.is_floating_point() and p.dtype != torch.float64})
+    if not other:
+        return None
+    names = [n for n, p in out.named_parameters() if p.is_floating_point() and p.dtype != torch.float64]
+    return (f"its floating parameters in float64, the dtype it was asked for (the float64 ground truth), but "
+            f"{names[:4]}{' ...' if len(names) > 4 else ''} are {' and '.join(other)}: build them in the dtype "
+            "given (nn.Linear(..., dtype=dtype)) or end with .to(dtype)")
+
+
+def _batch(out, *args) -> str | None:
+    ok = (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], dict)
+          and all(isinstance(k, str) for k in out[0]))
+    if not ok:
+        return "a pair ({forward argument name: tensor}, target), e.g. ({'x': x}, target)"
+    import torch
+
+    odd = {k: type(v).__name__ for k, v in out[0].items() if not isinstance(v, torch.Tensor)}
+    return None if not odd else (f"every forward input a tensor; {odd} are not (a constant argument belongs in the "
+                                 "module, or give it as a tensor)")
+
+
+def _tensor(out, *args) -> str | None:
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        return "a loss tensor"
+    if out.numel() != 1:
+        return f"a loss with one element, not of shape {list(out.shape)}: reduce it (.mean() or .sum())"
+    if torch.is_grad_enabled() and not out.requires_grad:
+        return ("a loss that requires grad; this one is cut from the output (.detach(), .item(), torch.no_grad() "
+                "or a new tensor in the loss), so no gradient could be checked")
+    return None
 
 
 # what each user callable must return (docs/case-files.md); the problem's words, or None when it fits
-_RETURNS = {"build_dense": _module, "build_tp": _module, "make_batch": _batch, "loss": _tensor, "tp_loss": _tensor}
+_RETURNS = {"build_dense": _dense_module, "build_tp": _module, "make_batch": _batch, "loss": _tensor, "tp_loss": _tensor}
 
 
 def _describe(out) -> str:
@@ -285,7 +315,9 @@ def _describe(out) -> str:
     if isinstance(out, (tuple, list)):
         return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(v).__name__ for v in out[:4])})"
     kind = type(out)
-    return f"a {kind.__name__}" if kind.__module__ == "builtins" else f"a {kind.__module__.split('.')[0]}.{kind.__name__}"
+    if kind.__module__ == "builtins" or kind.__module__.startswith("tpcheck_case_"):  # a class of the case file
+        return f"a {kind.__name__}"
+    return f"a {kind.__module__.split('.')[0]}.{kind.__name__}"
 
 
 def defined_at(fn) -> str:
