@@ -1,6 +1,7 @@
 """Bad input ends with exit 2 and a message naming the value and the fix -- never a traceback from
 tpcheck's internals, never a rank process when the parent can tell before forking."""
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,25 @@ def test_bad_plans_and_bad_references_are_invalid_not_tp_bugs(register_block):
         assert "NaN/Inf" in by[name]["summary"] and "not the TP implementation" in by[name]["summary"]
     assert not any("traceback" in p for r in results for p in r["problems"])
     assert exit_code(results) == 2
+
+
+API_BAD = [  # (what is passed to tpcheck.check, words the UsageError must contain)
+    (lambda: CaseSpec(), "not one CaseSpec: tpcheck.check([spec])"),
+    (lambda: ["mlp"], "item 0 is str 'mlp', not a CaseSpec"),
+    (lambda: [CaseSpec(), {"block": "mlp"}], "item 1 is dict"),
+    (lambda: "mlp", "not str 'mlp'"),
+    (lambda: None, "not NoneType None"),
+]
+
+
+@pytest.mark.parametrize("make,words", API_BAD, ids=["one spec", "a name", "a dict", "a string", "None"])
+def test_the_python_api_refuses_anything_but_a_list_of_specs_before_any_fork(make, words, children):
+    from tpcheck.errors import UsageError
+
+    before = children()
+    with pytest.raises(UsageError, match=re.escape(words)):
+        check(make(), timeout_s=10)
+    assert children() == before
 
 
 def _forward_returning(side: str, wrap):
