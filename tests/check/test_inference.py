@@ -97,3 +97,44 @@ def test_a_gqa_attention_loaded_by_its_own_loader_is_checked_with_no_plan_writte
     (r,) = check([CaseSpec(block=mine, world_size=world, steps=1)])
     assert r["verdict"] == "equivalent", r["summary"]
     assert "'qkv.weight': Fused(0, " in r["inferred_plan"]
+
+
+def test_a_weight_split_unevenly_is_named_with_the_world_sizes_that_divide_it():
+    """A loader that splits a [4, 10] weight over 3 ranks (tensor_split: 2, 1, 1 rows): no dim divides by 3,
+    so only a replica can be inferred; the case is invalid naming the parameter, the world size and the
+    world sizes that would divide it -- not "none of replicate" alone."""
+    from torch import nn
+
+    from tpcheck import Case, CaseSpec, check
+    from tpcheck.check.usercode import register
+
+    class TP(nn.Module):
+        def __init__(self, group, dtype):
+            super().__init__()
+            rows = torch.zeros(4).tensor_split(group.world_size)[group.rank].numel()
+            self.lin = nn.Linear(10, rows, dtype=dtype)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    def load_tp(tp, state, group):
+        for name in ("weight", "bias"):
+            getattr(tp.lin, name).copy_(state[f"lin.{name}"].tensor_split(group.world_size)[group.rank])
+
+    case = Case(name="uneven", build_dense=_Dense, build_tp=TP, plan=None, load_tp=load_tp,
+                make_batch=lambda g, dtype: ({"x": torch.randn(3, 10, generator=g).to(dtype)},
+                                            torch.randn(3, 4, generator=g).to(dtype)))
+    (r,) = check([CaseSpec(block=register(case), world_size=3, steps=1)], timeout_s=30)
+    assert r["verdict"] == "invalid", r["summary"]
+    assert ("cannot infer a placement for parameter 'lin.weight' [4, 10] at world size 3: no dim divides by 3, "
+            "so only a replica was tried") in r["summary"], r["summary"]
+    assert "(2, 4, 5 divide one of its dims)" in r["summary"], r["summary"]
+
+
+class _Dense(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin = torch.nn.Linear(10, 4, dtype=dtype)
+
+    def forward(self, x):
+        return self.lin(x)
