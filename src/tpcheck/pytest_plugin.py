@@ -32,7 +32,8 @@ class TPCheckFixture:
     def verify(self, case, world_sizes=None, *, expect: str | None = None, timeout_s: float | None = None,
                device: str | None = None, **fields) -> list[dict]:
         """Check `case` (a tpcheck.Case, "path.py[:NAME]", a CaseSpec or a built-in block name) at each
-        world size (default: the `tpcheck_world_sizes` setting); raise AssertionError with the diagnosis
+        world size (a number or a non-empty list; default: the `tpcheck_world_sizes` setting); raise
+        tpcheck.UsageError for arguments it cannot run, AssertionError with the diagnosis
         unless every case got the verdict expected -- `expect` ("equivalent", "not equivalent" for a
         planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `device`: "cuda" runs
         each rank on its own GPU (default: the CPU). `fields` for a Case or case file: dtype, steps,
@@ -42,17 +43,24 @@ class TPCheckFixture:
         from tpcheck.api import check
         from tpcheck.check.case import Case, CaseSpec
         from tpcheck.check.usercode import file_spec, register
+        from tpcheck.errors import UsageError
 
         if expect is not None and expect not in EXPECTS:
-            raise ValueError(f"expect={expect!r}: give one of {list(EXPECTS)}")
-        world_sizes = self.world_sizes if world_sizes is None else tuple(world_sizes)
+            raise UsageError(f"expect={expect!r}: give one of {list(EXPECTS)}")
+        world_sizes = self._world_sizes(world_sizes)
         if isinstance(case, Case) or (isinstance(case, str) and (case.endswith(".py") or ".py:" in case)):
             target = register(case) if isinstance(case, Case) else case
             specs = [file_spec(target, w, **fields) for w in world_sizes]
-        else:
-            base = dataclasses.replace(case, **fields) if isinstance(case, CaseSpec) else CaseSpec(block=str(case),
-                                                                                                   **fields)
+        elif isinstance(case, (CaseSpec, str)):
+            unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(CaseSpec)})
+            if unknown:
+                raise UsageError(f"tpcheck.verify({case!r}, ..., {unknown[0]}=...): {unknown} are not CaseSpec fields; "
+                                 f"fields: {[f.name for f in dataclasses.fields(CaseSpec)]}")
+            base = dataclasses.replace(case, **fields) if isinstance(case, CaseSpec) else CaseSpec(block=case, **fields)
             specs = [dataclasses.replace(base, world_size=w) for w in world_sizes]
+        else:
+            raise UsageError(f"tpcheck.verify takes a tpcheck.Case, a CaseSpec, a built-in block name or "
+                             f"'path/to/case.py[:NAME]', not {type(case).__name__} {case!r:.60}")
         if expect is not None:
             specs = [dataclasses.replace(s, expected=expect) for s in specs]
         if device is not None:
@@ -62,6 +70,22 @@ class TPCheckFixture:
         if bad:
             raise AssertionError("tpcheck: " + "\n".join(describe(r) for r in bad))
         return results
+
+
+    def _world_sizes(self, given) -> tuple[int, ...]:
+        """The world sizes to check: the setting's by default; one number or a list of them. An empty list
+        is refused: a test that checks no case would pass having proved nothing."""
+        __tracebackhide__ = True
+        from tpcheck.errors import UsageError
+
+        if given is None:
+            return self.world_sizes
+        sizes = (given,) if isinstance(given, int) else tuple(given) if isinstance(given, (list, tuple, range)) \
+            else None
+        if not sizes:
+            raise UsageError(f"tpcheck.verify(..., world_sizes={given!r}): give a world size or a non-empty list of "
+                             "them, e.g. world_sizes=[2, 4] (with none, nothing would be checked)")
+        return sizes
 
 
 def describe(result: dict) -> str:
