@@ -4,11 +4,10 @@ A plan maps every dense parameter name to a `Placement`: how that tensor lives o
 placement is one pure function, `shard(dense, rank, world) -> local`, made only of indexing (no
 arithmetic). Everything else is derived from it by applying `shard` to a tensor of flat indices
 (`arange`): which dense elements rank r holds (`index_map`), the reassembly of rank-local tensors
-into the dense one (`unshard`), the check that the plan covers every element (`validate`; our plain
-shards and replicas cover by construction), and which
-elements several ranks must hold identically (replicas). So building TP weights from dense ones and
-reassembling TP gradients for comparison use one source of truth, and a user placement needs only
-`shard`.
+into the dense one (`unshard`), the check that the plan covers every element (`validate`; plain
+shards and replicas cover by construction), and which elements several ranks must hold identically
+(replicas). So building TP weights from dense ones and reassembling TP gradients for comparison use
+one source of truth, and a user placement needs only `shard`.
 
 Conventions: weights as torch stores them, `[out, in]`; column-parallel shards dim 0 of the weight,
 row-parallel dim 1; activations `[seq, batch, hidden]`, sequence parallelism shards dim 0.

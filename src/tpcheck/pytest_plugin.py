@@ -71,7 +71,6 @@ class TPCheckFixture:
             raise AssertionError("tpcheck: " + "\n".join(describe(r) for r in bad))
         return results
 
-
     def _world_sizes(self, given) -> tuple[int, ...]:
         """The world sizes to check: the setting's by default; one number or a list of them. An empty list
         is refused: a test that checks no case would pass having proved nothing."""
