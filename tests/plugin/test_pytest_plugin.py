@@ -3,7 +3,11 @@ using the `tpcheck` fixture with a Case defined in the test module itself."""
 pytest_plugins = ["pytester"]
 
 TEST_MODULE = '''
+import re
 import sys
+
+import pytest
+from tpcheck.errors import UsageError
 sys.path.insert(0, {examples!r})
 import dataclasses
 import own_module
@@ -28,47 +32,35 @@ def test_world_sizes_from_the_ini(tpcheck):
 
 def test_correct_expected_to_be_caught_fails(tpcheck):
     tpcheck.verify(correct, world_sizes=[2], expect="not equivalent", steps=1, timeout_s=30)
-'''
-INI = "[pytest]\ntpcheck_world_sizes = 1 2\ntpcheck_timeout = 30\n"
-
-
-def test_case_object_in_test_module_pass_and_readable_failure(pytester):
-    from paths import REPO
-
-    pytester.makepyfile(test_inner=TEST_MODULE.format(examples=str(REPO / "examples")))
-    pytester.makeini(INI)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=240)
-    result.assert_outcomes(passed=3, failed=2)
-    result.stdout.fnmatch_lines(["*inline_buggy/tp2/float32: not equivalent*",
-                                 "*first: output (forward, step 1) on rank(s) [[]0, 1[]]*"])
-    result.stdout.fnmatch_lines(["*inline_correct/tp2/float32: equivalent (expected not equivalent)*"])
-    assert "__tracebackhide__" not in result.stdout.str()  # the fixture's own source is not dumped
-
-
-MISUSE = '''
-import re
-
-import pytest
-from tpcheck.errors import UsageError
 
 def test_one_world_size_as_a_number(tpcheck):
     assert [r["world_size"] for r in tpcheck.verify("mlp", 1, steps=1)] == [1]
 
 @pytest.mark.parametrize("args,kw,words", [
-    (("mlp", []), {}, "world_sizes=[]): give a world size or a non-empty list"),
-    (("mlp", [1]), {"bogus": 3}, "['bogus'] are not CaseSpec fields"),
-    ((42, [1]), {}, "not int 42"),
-    (("mlp", [1]), {"expect": "caught"}, "expect='caught': give one of"),
+    (("mlp", []), {{}}, "world_sizes=[]): give a world size or a non-empty list"),
+    (("mlp", [1]), {{"bogus": 3}}, "['bogus'] are not CaseSpec fields"),
+    ((42, [1]), {{}}, "not int 42"),
+    (("mlp", [1]), {{"expect": "caught"}}, "expect='caught': give one of"),
 ])
 def test_misuse(tpcheck, args, kw, words):
     with pytest.raises(UsageError, match=re.escape(words)):
         tpcheck.verify(*args, **kw)
 '''
+INI = "[pytest]\ntpcheck_world_sizes = 1 2\ntpcheck_timeout = 30\n"
 
 
-def test_misused_fixture_arguments_are_refused_and_one_number_is_a_world_size(pytester):
-    """An empty list of world sizes would check nothing and pass: refused, like an unknown field, a case
-    of the wrong type or an unknown `expect`; a single number is one world size."""
-    pytester.makepyfile(test_misuse=MISUSE)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=120)
-    result.assert_outcomes(passed=5)
+def test_case_object_in_test_module_pass_and_readable_failure(pytester):
+    """Also, in the same inner run: a single number is one world size, and misused arguments (an empty list
+    of world sizes, which would check nothing and pass; an unknown field; a case of another type; an
+    unknown `expect`) are refused with tpcheck.UsageError."""
+    from paths import REPO
+
+    pytester.makepyfile(test_inner=TEST_MODULE.format(examples=str(REPO / "examples")))
+    pytester.makeini(INI)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=240)
+    result.assert_outcomes(passed=8, failed=2)
+    result.stdout.fnmatch_lines(["*inline_buggy/tp2/float32: not equivalent*",
+                                 "*first: output (forward, step 1) on rank(s) [[]0, 1[]]*"])
+    result.stdout.fnmatch_lines(["*inline_correct/tp2/float32: equivalent (expected not equivalent)*"])
+    assert "__tracebackhide__" not in result.stdout.str()  # the fixture's own source is not dumped
+
