@@ -20,7 +20,7 @@ demo: $(STAMP)
 # two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures run once)
 PARALLEL := -n 2 --dist loadfile
 
-# every change: lint and every test not marked slow (~3 min here)
+# every change: lint and every test not marked slow (~4 min here)
 test: $(STAMP) lint
 	$(PY) -m pytest -q -ra -m "not slow" $(PARALLEL)
 
