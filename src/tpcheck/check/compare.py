@@ -230,13 +230,14 @@ class Comparator:
         hi, neg_lo = both.split(both.numel() // 2)
         torch.cat(flats, out=hi)
         torch.neg(hi, out=neg_lo)
-        for (_, _, shared), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
+        parts = list(zip(hi.split(sizes), neg_lo.split(sizes)))  # views: the all-reduce fills them in place
+        for (_, _, shared), (h, n) in zip(self.pending_replicas, parts):
             if shared is not None:  # an element this rank does not hold stays -inf in -x too
                 n.masked_fill_(h == -math.inf, -math.inf)
         self.tap.performing(("all_reduce", "checker:replicas", "optimizer"), dist.all_reduce, both,
                             op=dist.ReduceOp.MAX, group=self.group.pg)
         b = tolerance.REPLICA
-        for (check, _, shared), h, n in zip(self.pending_replicas, hi.split(sizes), neg_lo.split(sizes)):
+        for (check, _, shared), (h, n) in zip(self.pending_replicas, parts):
             d = (h + n).abs() if shared is None else (h + n).abs()[shared]
             spread = float(d.max()) if d.numel() else 0.0
             spread = spread if not math.isnan(spread) else math.inf

@@ -125,15 +125,15 @@ def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: in
         for r, theirs in enumerate(said):
             common &= set(theirs[name]["matches"])
             if not common:
-                hint = f" ({theirs[name]['hint']})" if theirs[name]["hint"] else ""
                 if world > 1 and all(n % world for n in p.shape):  # only a replica could be tried
                     fits = [w for w in range(2, 9) if any(n % w == 0 for n in p.shape)]
                     raise UsageError(
                         f"cannot infer a placement for parameter {name!r} {list(p.shape)} at world size {world}: no dim "
                         f"divides by {world}, so only a replica was tried, and rank {r} does not hold the whole tensor "
-                        "(an uneven split, which tpcheck's placements do not express, or values loaded wrong); choose a world "
-                        f"size that divides the dim it is split along ({', '.join(map(str, fits)) or 'none up to 8'} "
-                        "divide one of its dims)")
+                        "(an uneven split, which tpcheck's placements do not express, or values loaded wrong); "
+                        "choose a world size that divides the dim it is split along "
+                        f"({', '.join(map(str, fits)) or 'none up to 8'} divide one of its dims)")
+                hint = f" ({theirs[name]['hint']})" if theirs[name]["hint"] else ""
                 raise UsageError(
                     f"cannot infer a placement for parameter {name!r} {list(p.shape)}: on rank {r} its values are "
                     f"none of {', '.join(map(str, tried))} of the dense tensor{hint}, or not the same one as on "

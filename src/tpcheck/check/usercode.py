@@ -270,11 +270,10 @@ def _dense_module(out, dtype=None) -> str | None:
 
     if (problem := _module(out)) is not None or dtype != torch.float64:
         return problem
-    other = sorted({str(p.dtype).removeprefix("torch.") for p in out.parameters()
-                    if p.is_floating_point() and p.dtype != torch.float64})
-    if not other:
+    odd = {n: p.dtype for n, p in out.named_parameters() if p.is_floating_point() and p.dtype != torch.float64}
+    if not odd:
         return None
-    names = [n for n, p in out.named_parameters() if p.is_floating_point() and p.dtype != torch.float64]
+    other, names = sorted({str(d).removeprefix("torch.") for d in odd.values()}), list(odd)
     return (f"its floating parameters in float64, the dtype it was asked for (the float64 ground truth), but "
             f"{names[:4]}{' ...' if len(names) > 4 else ''} are {' and '.join(other)}: build them in the dtype "
             "given (nn.Linear(..., dtype=dtype)) or end with .to(dtype)")
