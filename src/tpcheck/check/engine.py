@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpcheck.check import activations, capture
+from tpcheck.check import activations, capture, spawn
 from tpcheck.check.case import Case
 from tpcheck.check.compare import Check, Comparator, evidence_key
 from tpcheck.check.devices import rng_states, seed_rng
@@ -77,6 +77,23 @@ def _one_tensor(out, model: nn.Module, side: str) -> torch.Tensor:
                      "tpcheck compares one output tensor and hands it to the loss; return that tensor (a model that "
                      "returns a tuple, a dict or a ModelOutput: wrap it in a module whose forward returns the output "
                      "you train on, its logits say)")
+
+
+@contextlib.contextmanager
+def others_wait():
+    """Around rank 0's float64 passes: every other rank is then blocked at the TP side's first collective,
+    so rank 0 may compute on their CPUs too (`spawn.threads_while_others_wait`; one thread per rank is
+    otherwise all a rank has). The truth's float64 sums may then be ordered differently, which moves a
+    bound by ~1e-16 of itself; the compared sides never run on more threads than the rank's own."""
+    mine, more = torch.get_num_threads(), spawn.THREADS_WHILE_OTHERS_WAIT
+    if more <= mine:
+        yield
+        return
+    torch.set_num_threads(more)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(mine)
 
 
 class _NoGrad:
@@ -414,7 +431,7 @@ class Engine:
             if self.truth is self.dense:
                 out_t = out_d
             elif self.truth is not None:
-                with self._masks(book.replay, self.truth):
+                with self._masks(book.replay, self.truth), others_wait():
                     out_t = _one_tensor(self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}),
                                         self.truth, "dense")
             else:
@@ -517,8 +534,9 @@ class Engine:
         elif self.truth is None:
             kw_t, out_t, loss_t = {k: _NoGrad for k in kw_d}, None, None
         else:
-            kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
-                                                       self._masks(book.replay, self.truth))
+            with others_wait():
+                kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
+                                                           self._masks(book.replay, self.truth))
 
         def compare_act(stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
             d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None

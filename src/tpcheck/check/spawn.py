@@ -58,7 +58,7 @@ class Ranks:
         self.store_path = os.path.join(self.tmpdir, "store")
         self.conns: list[Connection] = []
         self.procs = []
-        self.threads = rank_threads(world)
+        self.threads = (rank_threads(world), threads_while_others_wait(world))
         for r in range(world):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_entry, args=(target, r, world, self.store_path, theirs, list(self.conns),
@@ -122,12 +122,30 @@ def keep_parent_to_one_thread() -> None:
 def rank_threads(world: int) -> int:
     """Intra-op threads for each of `world` ranks forked now: the CPUs this process may run on shared among
     them (at most OMP_NUM_THREADS when set), if this process kept to one thread; else 1."""
+    cpus, cap = _cpus()
+    return min(max(1, cpus // world), cap)
+
+
+def threads_while_others_wait(world: int) -> int:
+    """Intra-op threads for a rank of `world` forked now while every other rank waits for it (rank 0's
+    float64 truth: the others are blocked at the TP side's first collective): the whole group's CPUs, at
+    most OMP_NUM_THREADS; 1 where `rank_threads` is 1 for fork-safety."""
+    cpus, cap = _cpus()
+    return min(cpus, cap, rank_threads(world) * world)
+
+
+def _cpus() -> tuple[int, int]:
+    """(the CPUs ranks forked now may share, the cap on one process's threads); (1, 1) if this process did
+    not keep to one thread (its ranks then compute on one thread: libgomp)."""
     if not _PARENT_KEPT_TO_ONE_THREAD or torch.get_num_threads() != 1:
-        return 1
+        return 1, 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cpus // world)
     cap = os.environ.get("OMP_NUM_THREADS", "")
-    return min(threads, int(cap)) if cap.isdigit() and int(cap) > 0 else threads
+    return cpus, int(cap) if cap.isdigit() and int(cap) > 0 else cpus
+
+
+# Set in each rank by `_entry`: the intra-op threads it may use while the other ranks wait for it.
+THREADS_WHILE_OTHERS_WAIT = 1
 
 
 def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, threads) -> None:
@@ -136,7 +154,9 @@ def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, t
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, _sigint)
     die_with_parent(parent_pid)
-    torch.set_num_threads(threads)  # rank_threads, decided in the parent
+    global THREADS_WHILE_OTHERS_WAIT
+    torch.set_num_threads(threads[0])  # rank_threads and threads_while_others_wait, decided in the parent
+    THREADS_WHILE_OTHERS_WAIT = threads[1]
     for c in inherited:  # the parent's ends of earlier ranks' pipes, inherited by the fork
         c.close()
     code = 0
