@@ -177,7 +177,7 @@ def sizes(quick: bool) -> list[tuple[str, dict, int, float]]:
     large = dict(seq=128, batch=2, hidden=512, ffn=2048) if quick else dict(seq=512, batch=4, hidden=1024, ffn=4096)
     return [("seed", dict(seq=3, batch=2, hidden=8, ffn=12, heads=2, kv_heads=2), 30 if quick else 100, SMALL_TARGET),
             ("tiny", dict(seq=8, batch=2, hidden=32, ffn=64, heads=4, kv_heads=2), 30 if quick else 100, SMALL_TARGET),
-            ("large", dict(large, heads=16, kv_heads=8), 3 if quick else 5, TARGET)]
+            ("large", dict(large, heads=16, kv_heads=8), 3 if quick else 10, TARGET)]
 
 
 def main() -> None:
