@@ -1,7 +1,10 @@
 """Capture of intermediate tensors: each named module's forward output and the gradient flowing
-into that output in backward. The dense and float64 sides store theirs; the TP side compares each one
-as it is produced, so the checks come out in execution order (forward, then backward) and nothing is
-held longer than one step."""
+into that output in backward. The dense and float64 sides store a copy of theirs; the TP side compares
+each one as it is produced, so the checks come out in execution order (forward, then backward) and
+nothing is held longer than one step. Both sides are thus taken as they were produced: a model may go
+on to work in place on a module's output (`h.mul_(s)`, `nn.ReLU(inplace=True)`, an in-place dropout)
+or a backward on a gradient, and the TP side's would then be compared with the dense side's value after
+the change, not the one its module produced."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -44,13 +47,14 @@ def _hook(name: str, sink: Sink):
 
 
 class Recorder:
-    """The dense/float64 side: keeps captured tensors until the TP side asks for them."""
+    """The dense/float64 side: keeps a copy of each captured tensor, as its module produced it, until the
+    TP side asks for it."""
 
     def __init__(self) -> None:
         self.tensors: dict[tuple[str, str], list[torch.Tensor]] = defaultdict(list)
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
-        self.tensors[(stage, name)].append(t)
+        self.tensors[(stage, name)].append(snapshot(t))
 
     def take(self, stage: str, name: str) -> torch.Tensor | None:
         queue = self.tensors.get((stage, name))
@@ -58,6 +62,11 @@ class Recorder:
 
     def clear(self) -> None:
         self.tensors.clear()
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """`t` as it is now, kept apart from the model: what the model does to `t` later does not change it."""
+    return t.detach().clone()
 
 
 def detach_all(handles: list) -> None:

@@ -405,10 +405,11 @@ class Engine:
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         with masks:
             out = _one_tensor(model(**kw), model, "dense")
+        produced = capture.snapshot(out)  # as the model produced it: a loss may work in place on its input
         loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
         loss.backward()
         capture.detach_all(handles)
-        return kw, out.detach(), loss.detach()
+        return kw, produced, loss.detach()
 
     def _tp_inputs(self, inputs: dict, wanted: tuple = ()) -> dict:
         """The TP side's forward inputs: each placed as `input_placements` says (Replicate by default)."""

@@ -93,7 +93,10 @@ def leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t
+    """A copy of `t` for one side: in `dtype` if floating (else its own dtype), never `t` itself, so a
+    model or loss that works in place on its input changes its own copy only, not the batch the other
+    sides take theirs from."""
+    return t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
 
 
 def map_tensors(fn, obj):

@@ -1,0 +1,176 @@
+"""Models that work in place on what tpcheck compares: each side's tensors are taken as they were
+produced. A module's output changed in place after its forward (`h.mul_(2)`), a gradient changed in
+place by the backward that consumes it, a forward input changed in place, the model's output changed in
+place by the loss: in each, a correct TP model must pass, and the same model with a planted bug (the
+row-parallel bias added before the all-reduce) must still be caught. Checker mutants: the dense side
+keeping references instead of copies, or every side sharing the batch's tensors, must fail the correct
+models."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tpcheck import Case, Plan, Replicate, RunSettings, Shard
+from tpcheck.api import check
+from tpcheck.check.usercode import file_spec, register
+
+capture = importlib.import_module("tpcheck.check.capture")
+engine = importlib.import_module("tpcheck.check.engine")
+loading = importlib.import_module("tpcheck.check.loading")
+
+SEQ, BATCH, HIDDEN, FFN = 4, 2, 8, 16
+MODES = ("output", "grad", "input", "loss")
+
+
+class TwiceInBackward(torch.autograd.Function):
+    """Identity forward; its backward doubles the incoming gradient in place (a user's custom backward)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.mul_(2.0)
+
+
+class Twice(nn.Module):
+    def forward(self, h):
+        return TwiceInBackward.apply(h)
+
+
+class Reduce(torch.autograd.Function):
+    """forward: all-reduce of the partial sums; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        out = x.clone()
+        dist.all_reduce(out, group=pg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Copy(torch.autograd.Function):
+    """forward: identity; backward: all-reduce of each rank's partial input grad."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.pg)
+        return grad, None
+
+
+class Block(nn.Module):
+    """x + fc2(gelu(twice(fc1(x)))) * scale; dense when `group` is None, else fc1 column- and fc2
+    row-parallel. `mode` says what it changes in place."""
+
+    def __init__(self, group=None, dtype=None, mode="output", bias_before_reduce=False):
+        super().__init__()
+        tp = 1 if group is None else group.world_size
+        self.pg, self.mode, self.bias_before_reduce = None if group is None else group.pg, mode, bias_before_reduce
+        self.fc1 = nn.Linear(HIDDEN, FFN // tp, dtype=dtype)
+        self.twice = Twice()
+        self.fc2 = nn.Linear(FFN // tp, HIDDEN, dtype=dtype)
+
+    def forward(self, x, scale):
+        h = self.fc1(x if self.pg is None else Copy.apply(x, self.pg))
+        if self.mode == "output":
+            h.mul_(2.0)  # fc1's output, captured, changed after its forward
+        if self.mode == "grad":
+            h = self.twice(h)  # twice's output, captured; its gradient is doubled in place after the hook
+        if self.mode == "input":
+            scale = scale.mul_(2.0)  # a forward input that needs no gradient
+        h = F.gelu(h)
+        if self.pg is None:
+            out = self.fc2(h)
+        elif self.bias_before_reduce:
+            out = Reduce.apply(F.linear(h, self.fc2.weight, self.fc2.bias), self.pg)
+        else:
+            out = Reduce.apply(F.linear(h, self.fc2.weight), self.pg) + self.fc2.bias
+        return x + out * scale
+
+
+def make_batch(g, dtype):
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    scale = torch.rand(HIDDEN, generator=g) + 0.5
+    return {"x": x.to(dtype), "scale": scale.to(dtype)}, torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
+
+
+def loss_in_place(out, target):
+    """A loss that works in place on the model's output (as fused cross-entropies do on the logits)."""
+    d = out.sub_(target)
+    return (d * d).mean()
+
+
+def _case(mode: str, bug: bool) -> Case:
+    plan = Plan(params={"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": Replicate()},
+                activations={"fc1": Shard(2), "twice": Shard(2)} if mode == "grad" else {"fc1": Shard(2)})
+    extra = {"loss": loss_in_place} if mode == "loss" else {}
+    return register(Case(
+        name=f"in_place_{mode}{'_bug' if bug else ''}", build_dense=lambda dtype: Block(None, dtype, mode),
+        build_tp=lambda group, dtype: Block(group, dtype, mode, bias_before_reduce=bug), plan=plan,
+        make_batch=make_batch, grad_inputs=("x",), no_grad_forward=True, run=RunSettings(steps=1), **extra))
+
+
+def _run(cases: list[Case]) -> dict[str, dict]:
+    return {r["name"].split("/")[0]: r for r in check([file_spec(c, 2) for c in cases])}
+
+
+def _failed(result: dict) -> set[str]:
+    return {c["name"] for c in result["checks"] if not c["passed"]}
+
+
+def _bound(result: dict, name: str) -> float:
+    return max(c["bound"] for c in result["checks"] if c["name"] == name)
+
+
+def _calibrated_alike(result: dict) -> bool:
+    """Whether the forward without autograd was held to a bound like the forward's: the same computation
+    on the same batch and weights, so its float64 truth must be the truth of what the dense side ran (a
+    side computing from another side's changed input makes the dense side's own error, and the bound,
+    as large as the change)."""
+    return _bound(result, "output:no_grad") <= 10 * _bound(result, "output")
+
+
+def test_in_place_changes_are_not_divergences_and_a_bug_is_still_caught():
+    results = _run([_case(mode, bug) for mode in MODES for bug in (False, True)])
+    for mode in MODES:
+        ok, bad = results[f"in_place_{mode}"], results[f"in_place_{mode}_bug"]
+        assert ok["verdict"] == "equivalent", (mode, ok["summary"])
+        assert _calibrated_alike(ok), mode
+        assert bad["verdict"] == "not equivalent", (mode, bad["summary"])
+        assert bad["diagnosis"]["signature"] == "offset", (mode, bad["diagnosis"])
+    # what the model changed in place was compared, as its module produced it
+    assert {"act:fc1", "actgrad:twice", "output:no_grad"} <= {
+        c["name"] for r in results.values() for c in r["checks"]}
+
+
+def test_checker_mutant_keeping_references_fails_the_correct_models(monkeypatch):
+    """The dense side keeps the model's own tensors, not copies: each is compared as changed later."""
+    monkeypatch.setattr(capture, "snapshot", lambda t: t.detach())
+    spoiled = {"output": "act:fc1", "grad": "actgrad:twice", "loss": "output"}
+    results = _run([_case(mode, False) for mode in spoiled])
+    for mode, first in spoiled.items():
+        result = results[f"in_place_{mode}"]
+        assert result["verdict"] == "not equivalent", (mode, result["summary"])
+        assert first in _failed(result), (mode, _failed(result))
+
+
+def test_checker_mutant_sharing_the_batch_miscalibrates_the_correct_model(monkeypatch):
+    """Every side takes the batch's own tensors where the dtype matches: the dense side's change to its
+    input reaches the truth and the TP side, which then compute from another input than the dense side."""
+    monkeypatch.setattr(engine, "cast", lambda t, dtype: t.to(dtype) if t.is_floating_point() else t)
+    result = _run([_case("input", False)])["in_place_input"]
+    assert result["verdict"] != "equivalent" or not _calibrated_alike(result), result["summary"]
