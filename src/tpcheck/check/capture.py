@@ -64,6 +64,26 @@ class Recorder:
         self.tensors.clear()
 
 
+class Calibrating(Recorder):
+    """The float64 side: instead of a float64 copy of each captured tensor, what the comparison needs of
+    it, computed as it is produced from it and the dense side's copy of the same capture (the dense pass
+    runs first): `calibrate(dense, t)`, or a copy of `t` where that gives None or the two captures do not
+    pair (another count or shape)."""
+
+    def __init__(self, dense: Recorder, calibrate: Callable[[torch.Tensor, torch.Tensor], object | None]) -> None:
+        super().__init__()
+        self.dense, self.calibrate = dense, calibrate
+        self.seen: dict[tuple[str, str], int] = defaultdict(int)
+
+    def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
+        key = (stage, name)
+        i, self.seen[key] = self.seen[key], self.seen[key] + 1
+        queue = self.dense.tensors.get(key, [])
+        dense = queue[i] if i < len(queue) else None
+        kept = self.calibrate(dense, t) if dense is not None and dense.shape == t.shape else None
+        self.tensors[key].append(snapshot(t) if kept is None else kept)
+
+
 def snapshot(t: torch.Tensor) -> torch.Tensor:
     """`t` as it is now, kept apart from the model: what the model does to `t` later does not change it."""
     return t.detach().clone()

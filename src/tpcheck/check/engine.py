@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import time
 
 import torch
@@ -411,6 +412,13 @@ class Engine:
         capture.detach_all(handles)
         return kw, produced, loss.detach()
 
+    def _truth_bound(self, dense: torch.Tensor, truth: torch.Tensor) -> Bound | None:
+        """The bound of a captured tensor, calibrated when the truth produces it against the dense side's
+        copy (what `Comparator.compare` would calibrate later), so that no float64 copy is held; None (keep
+        the copy) where the truth is not finite, for the comparison to name the bad reference."""
+        bound = calibrated(dense, truth, self.dtype, self.group.world_size)
+        return bound if math.isfinite(bound.value) else None
+
     def _tp_inputs(self, inputs: dict, wanted: tuple = ()) -> dict:
         """The TP side's forward inputs: each placed as `input_placements` says (Replicate by default)."""
         case, group = self.case, self.group
@@ -524,7 +532,8 @@ class Engine:
         case, group, cmp = self.case, self.group, self.cmp
         inputs, target = batch
         wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
-        rec_d, rec_t = capture.Recorder(), capture.Recorder()
+        rec_d = capture.Recorder()
+        rec_t = capture.Calibrating(rec_d, self._truth_bound)
         book = MaskBook(self.mask_gen, case.dropout)
         rng = rng_states(self.device)
         kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted,
@@ -540,11 +549,13 @@ class Engine:
                                                            self._masks(book.replay, self.truth))
 
         def compare_act(stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
-            d, tr = rec_d.take(stage, name), rec_t.take(stage, name) if rec_t is not rec_d else None
+            d = rec_d.take(stage, name)
+            tr = rec_t.take(stage, name) if rec_t is not rec_d else d
             if d is not None:
                 label = "act" if stage == "forward" else "actgrad"
-                check = cmp.compare(stage, step, f"{label}:{name}", t, d, tr if rec_t is not rec_d else d,
-                                    self.case.plan.activations[name])
+                given = {"bound": tr} if isinstance(tr, Bound) else {}  # calibrated as the truth produced it
+                check = cmp.compare(stage, step, f"{label}:{name}", t, d, None if given else tr,
+                                    self.case.plan.activations[name], **given)
                 if seq is not None:  # held until the placements were inferred: its place in execution order
                     check.seq = seq
 
