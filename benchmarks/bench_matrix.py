@@ -33,30 +33,38 @@ def launch(env: dict, args: list[str], report: Path) -> tuple[float, dict]:
     return wall, json.loads(report.read_text())
 
 
-def allreduce_s(group, numel: int, n: int) -> float:
-    """One bare gloo all-reduce of `numel` float32 on this rank, averaged over `n` (after 20 to warm up)."""
+def latency_s(group, numel: int, n: int) -> dict[str, float]:
+    """One bare gloo all-reduce, and one broadcast, of `numel` float32 on this rank, each averaged over `n`
+    (after 20 to warm up): the same tensor between the same ranks, so what the all-reduce costs beyond
+    the broadcast is its algorithm's, not the transport's."""
     import time
 
     import torch
     import torch.distributed as dist
 
     x = torch.ones(numel)
-    for _ in range(20):
-        dist.all_reduce(x, group=group.pg)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        dist.all_reduce(x, group=group.pg)
-    return (time.perf_counter() - t0) / n
+    ops = {"all_reduce": lambda: dist.all_reduce(x, group=group.pg), "broadcast": lambda: dist.broadcast(x, 0, group=group.pg)}
+    out = {}
+    for name, op in ops.items():
+        for _ in range(20):
+            op()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            op()
+        out[name] = (time.perf_counter() - t0) / n
+    return out
 
 
 def collective_floor(cases: list[dict]) -> tuple[int, float, dict]:
     """The model's own collectives in the matrix (each case's ledger, rank 0) and what they cost alone at
     the bare all-reduce latency measured now on ranks forked as the pool forks them (an activation of the
-    tiny preset: 8 x 2 x 32 float32)."""
+    tiny preset: 8 x 2 x 32 float32), with a broadcast's latency beside it."""
     from tpcheck.check.spawn import run_on_ranks
 
     worlds = sorted({c["spec"]["world_size"] for c in cases} - {1})
-    latency = {w: max(run_on_ranks(allreduce_s, w, 512, 300, timeout_s=300)) for w in worlds}
+    per_rank = {w: run_on_ranks(latency_s, w, 512, 300, timeout_s=300) for w in worlds}
+    latency = {w: max(r["all_reduce"] for r in per_rank[w]) for w in worlds}
+    broadcast = {w: max(r["broadcast"] for r in per_rank[w]) for w in worlds}
     count, seconds = 0, 0.0
     for c in cases:
         w = c["spec"]["world_size"]
@@ -64,7 +72,7 @@ def collective_floor(cases: list[dict]) -> tuple[int, float, dict]:
                 for op in phase.values())
         count += n
         seconds += n * latency.get(w, 0.0)
-    return count, seconds, latency
+    return count, seconds, latency, broadcast
 
 
 def main() -> None:
@@ -100,15 +108,17 @@ def main() -> None:
     print(f"what bounds it: each case's own passes and comparisons (in-pool seconds: {total:.1f} of the matrix's "
           f"{big - one:.1f} s beyond a launch; the lm block {lm / total:.0%} of them, world 4 on {os.cpu_count()} "
           f"CPUs {w4 / total:.0%})")
-    count, floor_s, latency = collective_floor(cases)
+    count, floor_s, latency, broadcast = collective_floor(cases)
     print(f"of which the model's own collectives: {count} in the matrix, {floor_s:.1f} s alone at the bare gloo "
-          f"all-reduce latency measured now ({', '.join(f'{v * 1e3:.2f} ms at world {w}' for w, v in latency.items())}); "
+          f"all-reduce latency measured now ({', '.join(f'{v * 1e3:.2f} ms at world {w}' for w, v in latency.items())}; "
+          f"a broadcast of the same tensor: {', '.join(f'{v * 1e3:.2f} ms' for v in broadcast.values())}); "
           f"the target leaves {one / TARGET * (CASES - 1):.1f} s for {CASES - 1} cases")
     target = verdict("marginal case vs one launch", marginal * TARGET <= one, f"{one / marginal:.1f} cases per launch",
                      f">= {TARGET:g} (marginal <= {one / TARGET:.3f} s)")
     write("matrix", {"t36_s": t36, "t1_s": t1, "marginal_s": marginal, "launch_s": one, "all_as_expected": ok,
                      "case_seconds": {k: v for k, v in per_block.items()}, "model_collectives": count,
-                     "collectives_alone_s": floor_s, "allreduce_latency_s": latency, "target": target})
+                     "collectives_alone_s": floor_s, "allreduce_latency_s": latency, "broadcast_latency_s": broadcast,
+                     "target": target})
 
 
 if __name__ == "__main__":
