@@ -8,9 +8,9 @@ side sharing the batch's tensors, must fail the correct models or miscalibrate t
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,6 +19,17 @@ from tpcheck.api import check
 from tpcheck.check.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL, eps
 from tpcheck.check.usercode import file_spec, register
 
+from paths import REPO
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_for_in_place", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EX = _example("own_module")  # its column- and row-parallel autograd functions
 capture = importlib.import_module("tpcheck.check.capture")
 engine = importlib.import_module("tpcheck.check.engine")
 
@@ -43,35 +54,6 @@ class Twice(nn.Module):
         return TwiceInBackward.apply(h)
 
 
-class Reduce(torch.autograd.Function):
-    """forward: all-reduce of the partial sums; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        out = x.clone()
-        dist.all_reduce(out, group=pg)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class Copy(torch.autograd.Function):
-    """forward: identity; backward: all-reduce of each rank's partial input grad."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.pg)
-        return grad, None
-
-
 class Block(nn.Module):
     """x + fc2(gelu(twice(fc1(x)))) * scale; dense when `group` is None, else fc1 column- and fc2
     row-parallel. `mode` says what it changes in place."""
@@ -85,7 +67,7 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(FFN // tp, HIDDEN, dtype=dtype)
 
     def forward(self, x, scale):
-        h = self.fc1(x if self.pg is None else Copy.apply(x, self.pg))
+        h = self.fc1(x if self.pg is None else EX.CopyToTP.apply(x, self.pg))
         if self.mode == "output":
             h.mul_(2.0)  # fc1's output, captured, changed after its forward
         if self.mode == "grad":
@@ -96,9 +78,9 @@ class Block(nn.Module):
         if self.pg is None:
             out = self.fc2(h)
         elif self.bias_before_reduce:
-            out = Reduce.apply(F.linear(h, self.fc2.weight, self.fc2.bias), self.pg)
+            out = EX.ReduceFromTP.apply(F.linear(h, self.fc2.weight, self.fc2.bias), self.pg)
         else:
-            out = Reduce.apply(F.linear(h, self.fc2.weight), self.pg) + self.fc2.bias
+            out = EX.ReduceFromTP.apply(F.linear(h, self.fc2.weight), self.pg) + self.fc2.bias
         return x + out * scale
 
 
