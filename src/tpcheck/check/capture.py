@@ -1,10 +1,10 @@
 """Capture of intermediate tensors: each named module's forward output and the gradient flowing
-into that output in backward. The dense and float64 sides store a copy of theirs; the TP side compares
-each one as it is produced, so the checks come out in execution order (forward, then backward) and
-nothing is held longer than one step. Both sides are thus taken as they were produced: a model may go
-on to work in place on a module's output (`h.mul_(s)`, `nn.ReLU(inplace=True)`, an in-place dropout)
-or a backward on a gradient, and the TP side's would then be compared with the dense side's value after
-the change, not the one its module produced."""
+into that output in backward. The dense side stores a copy of each (`Recorder`), the float64 side the
+bound it calibrates against that copy (`Calibrating`); the TP side compares each one as it is produced,
+so the checks come out in execution order (forward, then backward) and nothing is held longer than one
+step. Every side's tensors are thus taken as they were produced: a model may go on to work in place on
+a module's output (`h.mul_(s)`, `nn.ReLU(inplace=True)`, an in-place dropout) or a backward on a
+gradient, and a stored reference would then be compared as changed, not as its module produced it."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -47,8 +47,8 @@ def _hook(name: str, sink: Sink):
 
 
 class Recorder:
-    """The dense/float64 side: keeps a copy of each captured tensor, as its module produced it, until the
-    TP side asks for it."""
+    """The dense side (and the float64 truth where it is the dense model): keeps a copy of each captured
+    tensor, as its module produced it, until the TP side asks for it."""
 
     def __init__(self) -> None:
         self.tensors: dict[tuple[str, str], list[torch.Tensor]] = defaultdict(list)
