@@ -73,11 +73,10 @@ class Calibrating(Recorder):
     def __init__(self, dense: Recorder, calibrate: Callable[[torch.Tensor, torch.Tensor], object | None]) -> None:
         super().__init__()
         self.dense, self.calibrate = dense, calibrate
-        self.seen: dict[tuple[str, str], int] = defaultdict(int)
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
         key = (stage, name)
-        i, self.seen[key] = self.seen[key], self.seen[key] + 1
+        i = len(self.tensors[key])  # captures of this key so far: nothing is taken before the truth's pass ends
         queue = self.dense.tensors.get(key, [])
         dense = queue[i] if i < len(queue) else None
         kept = self.calibrate(dense, t) if dense is not None and dense.shape == t.shape else None

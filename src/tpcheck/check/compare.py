@@ -90,8 +90,7 @@ class Comparator:
         if exact:
             bound = tolerance.EXACT
         elif bound is None:
-            bound = tolerance.calibrated(dense, truth, dtype or self.dtype, world) if truth is not None \
-                else tolerance.PENDING
+            bound = self.calibrated(dense, truth, dtype) if truth is not None else tolerance.PENDING
         # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
             self._check_reference_finite(stage, step, name, dense, truth)
@@ -110,6 +109,10 @@ class Comparator:
             spread_in[idx] = tp_local.detach().double().reshape(-1).cpu()
             self.pending_replicas.append((check, spread_in, held >= 2))
         return check
+
+    def calibrated(self, dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype | None = None) -> tolerance.Bound:
+        """The calibrated bound of a tensor of this rank's checks, in `dtype` (default: the working dtype)."""
+        return tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
 
     def compare_local(self, stage: str, step: int, name: str, tp_local: torch.Tensor, ref_local: torch.Tensor,
                       placement: Placement, reason: str, weights: torch.Tensor | None = None) -> Check:

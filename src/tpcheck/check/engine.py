@@ -45,7 +45,7 @@ from tpcheck.check.loading import cast, check_names, leaf, load_from_dense, map_
 from tpcheck.check.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.check.result import RankPayload
 from tpcheck.check.sync import Rendezvous
-from tpcheck.check.tolerance import Bound, calibrated
+from tpcheck.check.tolerance import Bound
 from tpcheck.check.usercode import defined_at
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -295,8 +295,7 @@ class Engine:
             truth = truth_val.detach()
             if stage == "optimizer" and self.slack is not None:
                 truth = self.slack.relax_truth(p, truth_p, truth)
-            text = json.dumps(dataclasses.asdict(calibrated(dense_val.detach(), truth, dense_val.dtype,
-                                                                      group.world_size)))
+            text = json.dumps(dataclasses.asdict(self.cmp.calibrated(dense_val.detach(), truth, dense_val.dtype)))
         said = self.rendezvous.exchange("bound", text, label=f"the bound of {name} ({stage}, step {step})")
         return Bound(**json.loads(said[0])) if group.rank == owner and said[0] else None  # else: no verdict
 
@@ -416,7 +415,7 @@ class Engine:
         """The bound of a captured tensor, calibrated when the truth produces it against the dense side's
         copy (what `Comparator.compare` would calibrate later), so that no float64 copy is held; None (keep
         the copy) where the truth is not finite, for the comparison to name the bad reference."""
-        bound = calibrated(dense, truth, self.dtype, self.group.world_size)
+        bound = self.cmp.calibrated(dense, truth)
         return bound if math.isfinite(bound.value) else None
 
     def _tp_inputs(self, inputs: dict, wanted: tuple = ()) -> dict:
