@@ -12,7 +12,15 @@ Beside it, the same check with OMP_NUM_THREADS=1 (rank 0's float64 passes on one
 threads buy. Capture overhead: the same check with `capture=False` vs `capture=True`, each in its own subprocess
 (alternating), timed by the case `seconds` and measured for memory by polling /proc of the process
 tree (benchmarks/_common.watched_run): per-process peak = the kernel's VmHWM (exact), total = peak of
-the summed Pss (pages the forked ranks share with their parent split, not double counted)."""
+the summed Pss (pages the forked ranks share with their parent split, not double counted).
+
+What bounds it, for any arrangement of the work: the reference passes alone (dense, float64 truth) and the
+TP halves, with nothing else of a check (no build of three models, no load, capture, comparison or
+exchange), timed on the same two CPUs in three arrangements (`inner_arrange`): as the check runs them
+today (a dense pass on each rank, then rank 0's float64 on every CPU while the others wait), and the two
+arrangements that run the dense pass once, beside the truth (rank 1 the dense pass, rank 0 the float64
+one, on every CPU or on its own one). The best of them plus what the rest of today's check costs over
+today's arrangement is what a redesign that ran the dense pass once and kept the rest would reach."""
 from __future__ import annotations
 
 import json
@@ -76,6 +84,93 @@ def inner_dense(size, steps: int, device: str = "cpu") -> None:
     print(json.dumps({"step_s": median(times[1:]), "steps": times[1:]}))
 
 
+ARRANGEMENTS = {
+    "today": "a dense pass on each rank, then rank 0's float64 on all CPUs while the others wait",
+    "dense once, float64 on all CPUs": "rank 1's dense pass beside rank 0's float64 on all CPUs",
+    "dense once, one thread each": "rank 1's dense pass beside rank 0's float64 on its own CPU",
+}
+
+
+def _passes_on_rank(group, size, arrangement: str) -> dict:
+    """One rank's share of `arrangement` (ARRANGEMENTS) at `size`, then its TP half's forward and backward;
+    the seconds from a barrier to a barrier after the TP half (building the models is not counted)."""
+    import torch
+    import torch.distributed as dist
+
+    from tpcheck.check import spawn
+    from tpcheck.models.config import preset
+    from tpcheck.models.dense import DenseMLP
+    from tpcheck.models.parallel import ParallelMLP
+
+    cfg = preset("seed").replace(**dict(overrides(size)))
+    g = torch.Generator().manual_seed(group.rank)
+    dense, truth, tp = DenseMLP(cfg), DenseMLP(cfg, torch.float64), ParallelMLP(cfg, group)
+    dense.reset_parameters(g)
+    with torch.no_grad():
+        for p, q in zip(truth.parameters(), dense.parameters()):
+            p.copy_(q)
+        for p in tp.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    batch = [torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g) for _ in range(2)]
+    mine, every = torch.get_num_threads(), spawn.THREADS_WHILE_OTHERS_WAIT
+
+    def step(model, dtype, threads):
+        torch.set_num_threads(threads)
+        x, target = (t.to(dtype) for t in batch)
+        torch.nn.functional.mse_loss(model(x.requires_grad_(True)), target).backward()
+        torch.set_num_threads(mine)
+
+    dist.barrier(group=group.pg)
+    t0 = time.perf_counter()
+    first = group.rank == 0
+    if arrangement == "today":
+        step(dense, torch.float32, mine)
+        if first:
+            step(truth, torch.float64, every)
+    elif first:
+        step(truth, torch.float64, every if "all CPUs" in arrangement else mine)
+    elif group.rank == 1:
+        step(dense, torch.float32, mine)
+    references = time.perf_counter() - t0
+    step(tp, torch.float32, mine)
+    dist.barrier(group=group.pg)
+    return {"references_s": references, "passes_s": time.perf_counter() - t0}
+
+
+def inner_arrange(size, world: int) -> None:
+    """The passes of a check in each arrangement (ARRANGEMENTS), alternating, 2 repeats, beside the
+    one-thread dense step measured in the same process: their ratios to it."""
+    import os
+
+    from tpcheck.check import spawn
+
+    spawn.keep_parent_to_one_thread()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:world])
+    import torch
+
+    from tpcheck.models.config import preset
+    from tpcheck.models.dense import DenseMLP
+
+    cfg = preset("seed").replace(**dict(overrides(size)))
+    g = torch.Generator().manual_seed(0)
+    model = DenseMLP(cfg)
+    model.reset_parameters(g)
+    x, target = (torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g) for _ in range(2))
+    floors, runs = [], {a: [] for a in ARRANGEMENTS}
+    for _ in range(2):
+        for _ in range(2):
+            t0 = time.perf_counter()
+            torch.nn.functional.mse_loss(model(x.requires_grad_(True)), target).backward()
+            floors.append(time.perf_counter() - t0)
+        for a in ARRANGEMENTS:
+            ranks = spawn.run_on_ranks(_passes_on_rank, world, size, a, timeout_s=600)
+            runs[a].append(max(r["passes_s"] for r in ranks))
+    floor = median(floors[1:])
+    print(json.dumps({"dense_step_s": floor, "passes_s": runs,
+                      "ratio": {a: median(v) / floor for a, v in runs.items()}}))
+
+
 PROFILED = {"_reference_pass": "dense + float64 forward/backward (with capture)", "compare": "compare() calls",
             "maxdiff": "  of which maxdiff", "calibrated": "  of which tolerance.calibrated",
             "isfinite": "  of which isfinite checks", "_build": "Engine._build (build, copy, load)",
@@ -117,7 +212,7 @@ def inner_profile(size) -> None:
 
 def child(*args: str, limit_gib: float = 21.0) -> dict:
     env = child_env(OMP_NUM_THREADS="1")
-    if args[1] in ("capture", "nocapture"):  # the check on one CPU per rank, as inner_check sets it; "onethread" the
+    if args[1] in ("capture", "nocapture", "arrange"):  # the check on one CPU per rank, as inner_check sets it; "onethread" the
         del env["OMP_NUM_THREADS"]           # same with OMP_NUM_THREADS=1: rank 0's float64 passes on one thread too
     res = watched_run([PY, __file__, *args], limit_gib=limit_gib, timeout=600, env=env)
     if res["returncode"] != 0 or res["exceeded"]:
@@ -128,7 +223,7 @@ def child(*args: str, limit_gib: float = 21.0) -> dict:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--inner", choices=("capture", "nocapture", "onethread", "dense", "profile"),
+    p.add_argument("--inner", choices=("capture", "nocapture", "onethread", "dense", "profile", "arrange"),
                    help=__import__("argparse").SUPPRESS)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
     p.add_argument("--world-size", type=int, default=2)
@@ -138,6 +233,8 @@ def main() -> None:
         return inner_dense(size, 3 if args.quick else 5, args.device)
     if args.inner == "profile":
         return inner_profile(size)
+    if args.inner == "arrange":
+        return inner_arrange(size, args.world_size)
     if args.inner:
         return inner_check(size, args.inner != "nocapture", args.device, args.world_size)
     q = ["--quick"] if args.quick else []
@@ -184,11 +281,26 @@ def main() -> None:
           f"compares its own shard), the float64 pass ({truth:.1f}), the TP halves (1 together) and the comparisons "
           f"({compares:.1f}): >= {work:.2f}x on {cpus} CPUs spread perfectly; rank 0's path (its dense pass, the "
           f"float64 pass on all {cpus} CPUs at perfect scaling, its TP half, the comparisons) >= {path:.2f}x")
+    arranged = child("--inner", "arrange", *q) if args.world_size == 2 else None
+    if arranged:
+        today = arranged["ratio"]["today"]
+        rest = ratio - today  # what the check costs beyond its passes as arranged today
+        print("the passes alone (dense, float64, the TP halves; nothing else of a check), arranged three ways on "
+              f"the same {cpus} CPUs, vs the dense step measured beside them ({arranged['dense_step_s']:.2f} s), "
+              "median of 2:")
+        print(table(["arrangement", "passes vs dense step", "with the rest of today's check"],
+                    [[f"{a}: {ARRANGEMENTS[a]}", r, r + rest] for a, r in arranged["ratio"].items()]))
+        best = min(arranged["ratio"], key=arranged["ratio"].get)
+        left = TARGET - arranged["ratio"][best]
+        print(f"the rest of today's check (build, load, capture, comparisons, exchanges, optimizer): {rest:.2f}x; "
+              f"the best arrangement ({best}) with it: {arranged['ratio'][best] + rest:.2f}x against {TARGET:g}x; "
+              + (f"meeting the target that way needs the rest at <= {left:.2f}x" if left > 0 else
+                 "its passes alone are over the target"))
     write(name, {"profile_world1": prof, "size": dict(overrides(size)), "repeats": repeats, "runs": runs, "check_s": check_s,
                     "nocapture_s": nocap_s, "float64_one_thread_s": one_s, "dense_step_s": floor_s, "ratio": ratio,
                     "capture_time_ratio": cap_t,
                     "capture_rank_peak_ratio": cap_m, "peak_total_pss_gib": mem, "peak_rank_rss_gib": rank_peak,
-                    "targets": targets})
+                    "arrangements": arranged, "targets": targets})
 
 
 if __name__ == "__main__":

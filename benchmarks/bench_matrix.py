@@ -108,6 +108,10 @@ def main() -> None:
     print(f"what bounds it: each case's own passes and comparisons (in-pool seconds: {total:.1f} of the matrix's "
           f"{big - one:.1f} s beyond a launch; the lm block {lm / total:.0%} of them, world 4 on {os.cpu_count()} "
           f"CPUs {w4 / total:.0%})")
+    alone = [s for k, v in per_block.items() if k.endswith(" w1") for s in v]  # no collective, one CPU each
+    print(f"without any collective: the {len(alone)} world-1 cases (one rank, one CPU) take {sum(alone):.1f} s in the "
+          f"pool, {median(alone):.3f} s each (median; mean {sum(alone) / len(alone):.3f} s), against a marginal "
+          f"{one / TARGET:.3f} s: their own passes and comparisons alone")
     count, floor_s, latency, broadcast = collective_floor(cases)
     print(f"of which the model's own collectives: {count} in the matrix, {floor_s:.1f} s alone at the bare gloo "
           f"all-reduce latency measured now ({', '.join(f'{v * 1e3:.2f} ms at world {w}' for w, v in latency.items())}; "
@@ -117,7 +121,8 @@ def main() -> None:
                      f">= {TARGET:g} (marginal <= {one / TARGET:.3f} s)")
     write("matrix", {"t36_s": t36, "t1_s": t1, "marginal_s": marginal, "launch_s": one, "all_as_expected": ok,
                      "case_seconds": {k: v for k, v in per_block.items()}, "model_collectives": count,
-                     "collectives_alone_s": floor_s, "allreduce_latency_s": latency, "broadcast_latency_s": broadcast,
+                     "collectives_alone_s": floor_s,
+                     "world1_case_s": alone, "allreduce_latency_s": latency, "broadcast_latency_s": broadcast,
                      "target": target})
 
 
