@@ -110,8 +110,8 @@ def main() -> None:
           f"CPUs {w4 / total:.0%})")
     alone = [s for k, v in per_block.items() if k.endswith(" w1") for s in v]  # no collective, one CPU each
     print(f"without any collective: the {len(alone)} world-1 cases (one rank, one CPU) take {sum(alone):.1f} s in the "
-          f"pool, {median(alone):.3f} s each (median; mean {sum(alone) / len(alone):.3f} s), against a marginal "
-          f"{one / TARGET:.3f} s: their own passes and comparisons alone")
+          f"pool, {sum(alone) / len(alone):.3f} s a case on average (median {median(alone):.3f} s), against a "
+          f"marginal {one / TARGET:.3f} s: their own passes and comparisons alone")
     count, floor_s, latency, broadcast = collective_floor(cases)
     print(f"of which the model's own collectives: {count} in the matrix, {floor_s:.1f} s alone at the bare gloo "
           f"all-reduce latency measured now ({', '.join(f'{v * 1e3:.2f} ms at world {w}' for w, v in latency.items())}; "
