@@ -8,7 +8,6 @@ side sharing the batch's tensors, must fail the correct models or miscalibrate t
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +18,9 @@ from tpcheck.api import check
 from tpcheck.check.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL, eps
 from tpcheck.check.usercode import file_spec, register
 
-from paths import REPO
+from paths import example
 
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_for_in_place", REPO / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EX = _example("own_module")  # its column- and row-parallel autograd functions
+EX = example("own_module")  # its column- and row-parallel autograd functions
 capture = importlib.import_module("tpcheck.check.capture")
 engine = importlib.import_module("tpcheck.check.engine")
 

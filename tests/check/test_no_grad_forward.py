@@ -4,8 +4,6 @@ take another path for inference). And an error raised in the code under test nam
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -18,18 +16,9 @@ from tpcheck.check.usercode import file_spec, register
 from tpcheck.errors import UsageError
 from tpcheck.plan import Shard
 
-from paths import REPO
+from paths import example
 
-
-def _examples():
-    sys.path.insert(0, str(REPO / "examples"))
-    spec = importlib.util.spec_from_file_location("own_loader_for_test", REPO / "examples" / "own_loader.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EX = _examples()
+EX = example("own_loader")
 
 
 class InferenceSkipsReduce(EX.TPBlock):

@@ -5,7 +5,7 @@ import pytest
 from tpcheck.api import check
 from tpcheck.check.usercode import file_spec
 
-from paths import REPO
+from paths import REPO, example
 
 EX = REPO / "examples"
 
@@ -68,12 +68,10 @@ def test_own_loader():
 def test_bias_on_rank0_needs_its_placement():
     """The same module with the bias planned Replicate(): refused, naming the rank and the placement."""
     import dataclasses
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("own_loader_for_test", EX / "own_loader.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     from tpcheck.check.usercode import register
+
+    mod = example("own_loader")
 
     case = dataclasses.replace(mod.bias_on_rank0, name="bias_on_rank0_replicate", plan=mod.PLAN)
     (result,) = check([file_spec(register(case), 2)])
