@@ -58,7 +58,9 @@ def inner_check(size, capture: bool, device: str = "cpu", world: int = 2) -> Non
                       "checks": len(r["checks"])}))
 
 
-def inner_dense(size, steps: int, device: str = "cpu") -> None:
+def dense_step_times(size, steps: int, device: str = "cpu") -> list[float]:
+    """Seconds of each of `steps` dense forward + backward + SGD steps of `DenseMLP` at `size` on this
+    process's threads, after one to warm up: the floor every ratio here is taken against."""
     import torch
 
     from tpcheck.models.config import preset
@@ -81,7 +83,12 @@ def inner_dense(size, steps: int, device: str = "cpu") -> None:
         opt.step()
         sync()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_s": median(times[1:]), "steps": times[1:]}))
+    return times[1:]
+
+
+def inner_dense(size, steps: int, device: str = "cpu") -> None:
+    times = dense_step_times(size, steps, device)
+    print(json.dumps({"step_s": median(times), "steps": times}))
 
 
 ARRANGEMENTS = {
@@ -139,7 +146,7 @@ def _passes_on_rank(group, size, arrangement: str) -> dict:
 
 def inner_arrange(size, world: int) -> None:
     """The passes of a check in each arrangement (ARRANGEMENTS), alternating, 2 repeats, beside the
-    one-thread dense step measured in the same process: their ratios to it."""
+    one-thread dense step (`dense_step_times`) measured in the same process: their ratios to it."""
     import os
 
     from tpcheck.check import spawn
@@ -147,26 +154,13 @@ def inner_arrange(size, world: int) -> None:
     spawn.keep_parent_to_one_thread()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:world])
-    import torch
-
-    from tpcheck.models.config import preset
-    from tpcheck.models.dense import DenseMLP
-
-    cfg = preset("seed").replace(**dict(overrides(size)))
-    g = torch.Generator().manual_seed(0)
-    model = DenseMLP(cfg)
-    model.reset_parameters(g)
-    x, target = (torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g) for _ in range(2))
     floors, runs = [], {a: [] for a in ARRANGEMENTS}
     for _ in range(2):
-        for _ in range(2):
-            t0 = time.perf_counter()
-            torch.nn.functional.mse_loss(model(x.requires_grad_(True)), target).backward()
-            floors.append(time.perf_counter() - t0)
+        floors += dense_step_times(size, 1)
         for a in ARRANGEMENTS:
             ranks = spawn.run_on_ranks(_passes_on_rank, world, size, a, timeout_s=600)
             runs[a].append(max(r["passes_s"] for r in ranks))
-    floor = median(floors[1:])
+    floor = median(floors)
     print(json.dumps({"dense_step_s": floor, "passes_s": runs,
                       "ratio": {a: median(v) / floor for a, v in runs.items()}}))
 
