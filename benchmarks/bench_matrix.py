@@ -55,7 +55,7 @@ def latency_s(group, numel: int, n: int) -> dict[str, float]:
     return out
 
 
-def collective_floor(cases: list[dict]) -> tuple[int, float, dict]:
+def collective_floor(cases: list[dict]) -> tuple[int, float, dict, dict]:
     """The model's own collectives in the matrix (each case's ledger, rank 0) and what they cost alone at
     the bare all-reduce latency measured now on ranks forked as the pool forks them (an activation of the
     tiny preset: 8 x 2 x 32 float32), with a broadcast's latency beside it."""
