@@ -6,7 +6,7 @@ diagnosis). Its `seconds` field is the slower rank's time for the whole case (bu
 Floor: one dense forward + backward + SGD step of `DenseMLP` at the same size, timed in one process on
 one thread (OMP_NUM_THREADS=1). The check runs as the `tpcheck` command runs it, on one CPU per rank (its
 process kept to one thread, its affinity `world` CPUs): each rank computes on one thread, and rank 0's
-float64 passes on all `world` while the other ranks wait for it (check/spawn.py).
+float64 passes on all `world` while the other ranks wait for it (checker/pool/spawn.py).
 
 Beside it, the same check with OMP_NUM_THREADS=1 (rank 0's float64 passes on one thread too): what those
 threads buy. Capture overhead: the same check with `capture=False` vs `capture=True`, each in its own subprocess
@@ -42,7 +42,7 @@ def overrides(size) -> tuple:
 def inner_check(size, capture: bool, device: str = "cpu", world: int = 2) -> None:
     import os
 
-    from tpcheck.check import spawn
+    from tpcheck.checker.pool import spawn
 
     spawn.keep_parent_to_one_thread()  # as the `tpcheck` command does, before any torch op
     if hasattr(os, "sched_setaffinity"):
@@ -104,7 +104,7 @@ def _passes_on_rank(group, size, arrangement: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tpcheck.check import spawn
+    from tpcheck.checker.pool import spawn
     from tpcheck.models.config import preset
     from tpcheck.models.dense import DenseMLP
     from tpcheck.models.parallel import ParallelMLP
@@ -149,7 +149,7 @@ def inner_arrange(size, world: int) -> None:
     one-thread dense step (`dense_step_times`) measured in the same process: their ratios to it."""
     import os
 
-    from tpcheck.check import spawn
+    from tpcheck.checker.pool import spawn
 
     spawn.keep_parent_to_one_thread()
     if hasattr(os, "sched_setaffinity"):
@@ -178,9 +178,9 @@ def inner_profile(size) -> None:
     import pstats
 
     import tpcheck
-    from tpcheck.check.engine import run_case_on_rank
-    from tpcheck.check.ledger import CollectiveTap
-    from tpcheck.check.sync import Rendezvous
+    from tpcheck.checker.rank.engine import run_case_on_rank
+    from tpcheck.checker.rank.ledger import CollectiveTap
+    from tpcheck.checker.sync import Rendezvous
     from tpcheck.parallel.group import TPGroup
     from tpcheck.resolve import RESOLVER
 

@@ -59,7 +59,7 @@ def collective_floor(cases: list[dict]) -> tuple[int, float, dict, dict]:
     """The model's own collectives in the matrix (each case's ledger, rank 0) and what they cost alone at
     the bare all-reduce latency measured now on ranks forked as the pool forks them (an activation of the
     tiny preset: 8 x 2 x 32 float32), with a broadcast's latency beside it."""
-    from tpcheck.check.spawn import run_on_ranks
+    from tpcheck.checker.pool.spawn import run_on_ranks
 
     worlds = sorted({c["spec"]["world_size"] for c in cases} - {1})
     per_rank = {w: run_on_ranks(latency_s, w, 512, 300, timeout_s=300) for w in worlds}

@@ -153,7 +153,7 @@ def _rank(group, blocks, cfgs, warmup, steps):
 
 
 def run_tp(world, blocks, cfgs, warmup, steps, device="cpu") -> list[dict]:
-    from tpcheck.check.spawn import run_on_ranks
+    from tpcheck.checker.pool.spawn import run_on_ranks
 
     return run_on_ranks(_rank, world, blocks, cfgs, warmup, steps, timeout_s=1800, device=device)
 
@@ -162,7 +162,7 @@ def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int, device="cpu"
     """The dense block in this process (on "cuda": in a forked child, so this process never starts CUDA
     before the ranks are forked)."""
     if device != "cpu":
-        from tpcheck.check.spawn import run_on_ranks
+        from tpcheck.checker.pool.spawn import run_on_ranks
 
         return run_on_ranks(lambda group: dense_w1(block, cfg, warmup, steps, group.device), 1, timeout_s=1800,
                             device=device)[0]

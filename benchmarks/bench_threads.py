@@ -2,7 +2,7 @@
 
 libgomp is not fork-safe, so a rank forked from a process that may have run OpenMP on several threads
 computes on one thread. The `tpcheck` command keeps its own process to one thread and gives each rank
-its share of the CPUs (check/spawn.py: `rank_threads`), and rank 0's float64 passes, while the other ranks
+its share of the CPUs (checker/pool/spawn.py: `rank_threads`), and rank 0's float64 passes, while the other ranks
 wait for it, the group's (`threads_while_others_wait`). Measured: one check (the MLP at (256, 4, 512,
 2048), SGD, one step, one micro-batch) through `tpcheck.check` from a process that kept to one thread
 (as the command does) against the same from a process that did not (ranks on one thread), alternating,
@@ -22,7 +22,7 @@ SIZE = (("seq", 256), ("batch", 4), ("hidden", 512), ("ffn", 2048))
 
 
 def inner(world: int, kept: bool) -> None:
-    from tpcheck.check import spawn
+    from tpcheck.checker.pool import spawn
 
     if kept:
         spawn.keep_parent_to_one_thread()

@@ -2,7 +2,7 @@
 world size 1-8, SP on/off, 1-3 micro-batches, 1-3 steps, SGD and AdamW (`tpcheck.blocks.sampling`).
 
 For every calibrated check it records error / bound and the factor the check needed,
-(error - floor) / ref_error (bound = factor * ref_error + floor, check/tolerance.py), and the bound
+(error - floor) / ref_error (bound = factor * ref_error + floor, checker/rank/tolerance.py), and the bound
 relative to the tensor's scale (what the self-test's planted error must exceed). Prints, per dtype
 and world size, the largest of each and the 10 largest needed factors. Results:
 benchmarks/results/bounds.json.
@@ -33,7 +33,7 @@ def sweep(n: int, seed: int) -> dict:
 
     import tpcheck
     from tpcheck.blocks.sampling import random_specs
-    from tpcheck.check.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL
+    from tpcheck.checker.rank.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL
 
     specs = random_specs(seed, n)
     t0 = time.perf_counter()
@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from tpcheck.check.tolerance import MAX_FACTOR
+    from tpcheck.checker.rank.tolerance import MAX_FACTOR
 
     out = sweep(60 if args.quick else args.n, args.seed)
     rows = [[k, v["cases"], v["max_needed_factor"], v["max_error_over_bound"], v["max_relative_bound"], v["worst"]]

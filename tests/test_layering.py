@@ -11,9 +11,13 @@ own package `__init__`.
 Rules on the real package:
 1. the library half (`tpcheck.parallel.*`, `tpcheck.plan`, `tpcheck.models.*`) imports only itself
    and `tpcheck.errors`;
-2. `tpcheck.check.*` imports none of the layers above it (blocks, faults, resolve, cli, seed,
+2. `tpcheck.checker.*` imports none of the layers above it (blocks, faults, resolve, cli, seed,
    adapters, report, pytest_plugin);
-3. collapsed to sub-packages (`tpcheck.check`, ...; a top-level module is its own node; `tpcheck` is
+2b. the checker's three rooms (`tpcheck.checker.pool`, `.rank`, `.verdict`): `rank` (one case on one
+   rank) imports neither `pool` nor `verdict`; `verdict` (payloads to a result, in the parent) imports
+   no `pool`; `pool` (processes) imports no comparison module: of `rank`, only its entry point
+   (`engine.run_case_on_rank`) and the collective tap (`ledger`);
+3. collapsed to sub-packages (`tpcheck.checker`, ...; a top-level module is its own node; `tpcheck` is
    the package `__init__`), the import graph is acyclic;
 4. module by module, the import graph is acyclic.
 The tests below those check the reader and the cycle finder on fake packages written to tmp_path.
@@ -119,7 +123,7 @@ def read_imports(src_root: Path, package: str, rel_to: Path | None = None) -> li
 
 
 def node_of(module: str) -> str:
-    """A module's sub-package (`tpcheck.check.case` -> `tpcheck.check`); a top-level module is its own
+    """A module's sub-package (`tpcheck.checker.rank.compare` -> `tpcheck.checker`); a top-level module is its own
     node, and the package `__init__` is `tpcheck`."""
     return ".".join(module.split(".")[:2])
 
@@ -230,6 +234,37 @@ def forbidden_imports(edges: list[Import], src_nodes: set[str], *, deny: set[str
     return bad
 
 
+def room_of(module: str, checker: str) -> str | None:
+    """The room of a module of the checker package `checker` (`pool`, `rank`, `verdict`), None for the
+    checker's own top-level modules (case, usercode, payload, devices, sync) and for modules outside it."""
+    if not module.startswith(checker + "."):
+        return None
+    rest = module[len(checker) + 1:].split(".")
+    return rest[0] if len(rest) > 1 and rest[0] in ROOMS else None
+
+
+ROOMS = ("pool", "rank", "verdict")
+# the modules of `rank` that `pool` may import: the entry point of a case on a rank, and the collective tap
+POOL_MAY_IMPORT_OF_RANK = {"engine", "ledger"}
+
+
+def room_violations(edges: list[Import], checker: str) -> list[tuple[Import, str]]:
+    """Imports that break the rooms' rules: rank -> pool | verdict, verdict -> pool, pool -> a comparison
+    module of rank (anything but its entry point and tap)."""
+    bad = []
+    for e in edges:
+        src, dst = room_of(e.src, checker), room_of(e.dst, checker)
+        if src is None or dst is None or src == dst:
+            continue
+        if src == "rank" and dst in ("pool", "verdict"):
+            bad.append((e, f"rank/ runs one case on one rank and imports no {dst}/"))
+        elif src == "verdict" and dst == "pool":
+            bad.append((e, "verdict/ reads payloads and imports no pool/"))
+        elif src == "pool" and dst == "rank" and e.dst.split(".")[-1] not in POOL_MAY_IMPORT_OF_RANK:
+            bad.append((e, f"pool/ imports of rank/ only {sorted(POOL_MAY_IMPORT_OF_RANK)}, no comparison module"))
+    return bad
+
+
 def format_imports(edges: list[Import]) -> str:
     return "\n".join(f"  {e.where()}: {e.src} imports {e.dst}" for e in edges)
 
@@ -255,11 +290,17 @@ def test_library_imports_only_itself_and_errors():
         f"{len(bad)} import(s) reach further:\n{format_imports(bad)}")
 
 
-def test_check_imports_no_layer_above_it():
-    bad = forbidden_imports(_real_edges(), {"tpcheck.check"}, deny=CHECK_MUST_NOT_IMPORT)
+def test_checker_imports_no_layer_above_it():
+    bad = forbidden_imports(_real_edges(), {"tpcheck.checker"}, deny=CHECK_MUST_NOT_IMPORT)
     assert not bad, (
-        f"tpcheck.check must not import {', '.join(sorted(CHECK_MUST_NOT_IMPORT))}; "
+        f"tpcheck.checker must not import {', '.join(sorted(CHECK_MUST_NOT_IMPORT))}; "
         f"{len(bad)} import(s) do:\n{format_imports(bad)}")
+
+
+def test_checker_rooms_import_as_the_rules_say():
+    bad = room_violations(_real_edges(), "tpcheck.checker")
+    assert not bad, "the checker's rooms import across their rules:\n" + "\n".join(
+        f"  {e.where()}: {e.src} imports {e.dst} ({why})" for e, why in bad)
 
 
 def test_no_cycle_between_subpackages():
@@ -471,3 +512,29 @@ def test_forbidden_imports_flags_the_offending_import(tmp_path):
     assert [(e.src, e.dst, e.where()) for e in bad] == [("p.lib.a", "p.app.run", "src/p/lib/a.py:5")]
     assert forbidden_imports(edges, {"p.lib"}, deny={"p.app"}) == bad
     assert forbidden_imports(edges, {"p.app"}, deny={"p.errors"}) == []
+
+
+def test_room_rules_catch_each_crossing_on_a_fake_checker(tmp_path):
+    """Mutants of a checker package: each forbidden crossing is reported with its file and line, and the
+    allowed ones (pool -> rank's entry point and tap, verdict -> rank, anyone -> the checker's top level) are not."""
+    src = _write_package(tmp_path, {
+        "fk/__init__.py": "",
+        "fk/checker/__init__.py": "",
+        "fk/checker/payload.py": "",
+        "fk/checker/pool/__init__.py": "",
+        "fk/checker/pool/launch.py": "from fk.checker.rank import engine, ledger\nfrom fk.checker import payload\n",
+        "fk/checker/pool/worker.py": "def f():\n    from fk.checker.rank.compare import x\n",
+        "fk/checker/rank/__init__.py": "",
+        "fk/checker/rank/engine.py": "from fk.checker.payload import y\nfrom fk.checker.verdict import result\n",
+        "fk/checker/rank/ledger.py": "import fk.checker.pool.launch\n",
+        "fk/checker/rank/compare.py": "",
+        "fk/checker/verdict/__init__.py": "",
+        "fk/checker/verdict/result.py": "from fk.checker.rank import compare\nfrom fk.checker.pool import worker\n",
+    })
+    bad = room_violations(read_imports(src, "fk"), "fk.checker")
+    assert sorted((e.src, e.dst, e.where()) for e, _ in bad) == [
+        ("fk.checker.pool.worker", "fk.checker.rank.compare", "src/fk/checker/pool/worker.py:2"),
+        ("fk.checker.rank.engine", "fk.checker.verdict.result", "src/fk/checker/rank/engine.py:2"),
+        ("fk.checker.rank.ledger", "fk.checker.pool.launch", "src/fk/checker/rank/ledger.py:1"),
+        ("fk.checker.verdict.result", "fk.checker.pool.worker", "src/fk/checker/verdict/result.py:2"),
+    ]

@@ -1,7 +1,7 @@
 """tpcheck: prove a tensor-parallel implementation computes what its dense model computes."""
 from tpcheck._version import __version__
 from tpcheck.api import check, exit_code
-from tpcheck.check.case import Case, CaseSpec, Injection, RunSettings
+from tpcheck.checker.case import Case, CaseSpec, Injection, RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import AppliedOnRank, Fused, Placement, Plan, Replicate, Shard

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tpcheck.check.case import CaseSpec
-from tpcheck.check.launch import DEFAULT_TIMEOUT_S
-from tpcheck.check.result import exit_code
-from tpcheck.check.session import Progress, run_specs
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S
+from tpcheck.checker.pool.session import Progress, run_specs
+from tpcheck.checker.verdict.result import exit_code
 from tpcheck.errors import UsageError
 from tpcheck.resolve import launcher
 

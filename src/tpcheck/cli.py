@@ -215,8 +215,8 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 def entry() -> None:
     """The `tpcheck` command: `main`, then exit without torch's slow interpreter teardown (about a
     second; gloo sometimes aborts in it), once stdout and stderr are flushed. Its own process computes
-    on one thread, so that the ranks it forks may share the CPUs (check/spawn.py)."""
-    from tpcheck.check.spawn import keep_parent_to_one_thread
+    on one thread, so that the ranks it forks may share the CPUs (checker/pool/spawn.py)."""
+    from tpcheck.checker.pool.spawn import keep_parent_to_one_thread
 
     keep_parent_to_one_thread()
     code = main()
@@ -309,7 +309,7 @@ class StopOnSignals:
     def _handle(self, signum: int, frame) -> None:
         self.count += 1
         if self.count > 1:
-            from tpcheck.check.spawn import kill_all
+            from tpcheck.checker.pool.spawn import kill_all
 
             kill_all()
             print(f"tpcheck: interrupted again by {signal.Signals(signum).name}: stopped at once", file=sys.stderr)
@@ -372,7 +372,7 @@ def refuse_options_the_mode_ignores(args: argparse.Namespace) -> None:
 
 def check_inspect_world_size(world_size: int) -> None:
     """inspect shows the seed MLP split over `world_size` ranks: refuse a world size a run would refuse."""
-    from tpcheck.check.case import CaseSpec
+    from tpcheck.checker.case import CaseSpec
     from tpcheck.resolve import RESOLVER
 
     RESOLVER.validate(CaseSpec(block="mlp", preset="seed", world_size=world_size))
@@ -448,7 +448,7 @@ def exit_after_outputs(failed: list[str], code: int) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tpcheck.check.launch import under_torchrun
+    from tpcheck.checker.pool.launch import under_torchrun
 
     check_common_flags(args)
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
@@ -468,7 +468,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
-    from tpcheck.check.case import CaseSpec
+    from tpcheck.checker.case import CaseSpec
     from tpcheck.faults import CATALOGUE, get_fault
     from tpcheck.resolve import feasible
 
@@ -521,8 +521,8 @@ def split_world_sizes_from_targets(args: argparse.Namespace) -> None:
 def target_spec(target: str, world_size: int, dtype: str | None, given: dict, broken: dict):
     """The spec of one case-file target; for a target that cannot be loaded, a spec that fails again
     (with the same message) when the launcher validates it: one invalid case, the other targets still run."""
-    from tpcheck.check.case import CaseSpec
-    from tpcheck.check.usercode import FILE_PREFIX, file_spec
+    from tpcheck.checker.case import CaseSpec
+    from tpcheck.checker.usercode import FILE_PREFIX, file_spec
 
     try:
         return file_spec(target, world_size, dtype=dtype, **given)
@@ -535,8 +535,8 @@ def target_spec(target: str, world_size: int, dtype: str | None, given: dict, br
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Case files: the world size is the launcher's; flags given override the Case's own values."""
-    from tpcheck.check.launch import under_torchrun
-    from tpcheck.check.usercode import expand_target
+    from tpcheck.checker.pool.launch import under_torchrun
+    from tpcheck.checker.usercode import expand_target
 
     check_common_flags(args)
     split_world_sizes_from_targets(args)
@@ -595,7 +595,7 @@ def cmd_hf(args: argparse.Namespace) -> int:
 def on_device(specs: list, device: str, torchrun: bool) -> list:
     """The specs with `--device`; on "cuda", refused at once (exit 2) where this machine has no GPU for
     every rank (under torchrun each rank checks its own machine)."""
-    from tpcheck.check.devices import check_device
+    from tpcheck.checker.devices import check_device
 
     if device == "cpu":
         return specs
@@ -609,9 +609,9 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
     """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit code.
     seed_mode: the seed's JSON for that mode goes to stdout (inspect: for `seed_world_size` ranks).
     finish_report(report): adds to the report before it is written (the HF sweep's table)."""
-    from tpcheck.check.launch import DEFAULT_TIMEOUT_S, under_torchrun
-    from tpcheck.check.result import exit_code
-    from tpcheck.check.session import run_specs
+    from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, under_torchrun
+    from tpcheck.checker.pool.session import run_specs
+    from tpcheck.checker.verdict.result import exit_code
     from tpcheck.report.console import print_summary, progress_printer
     from tpcheck.report.schema import build_report
     from tpcheck.resolve import RESOLVER, torchrun_launcher

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 
 from tpcheck.adapters import transformers as hf
-from tpcheck.check.case import CaseSpec
+from tpcheck.checker.case import CaseSpec
 from tpcheck.errors import UsageError
 
 SWEEP_STEPS = 2  # optimizer steps per architecture (each with its micro-batches): the sweep's default

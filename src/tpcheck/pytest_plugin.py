@@ -5,7 +5,7 @@
         tpcheck.verify("path/to/case.py:NAME", world_sizes=[2])  # or a case file, or a CaseSpec
 
 A Case holds lambdas and cannot be pickled to the rank processes; it does not need to be: `verify`
-registers it in this process (`tpcheck.check.usercode.register`) before the rank pool is forked, and the ranks,
+registers it in this process (`tpcheck.checker.usercode.register`) before the rank pool is forked, and the ranks,
 forked copies of this process, look it up by id (`CaseSpec(block="registered:ID")`).
 
 A check that does not go as expected fails the test with the verdict and the diagnosis (first
@@ -41,8 +41,8 @@ class TPCheckFixture:
         field."""
         __tracebackhide__ = True  # a failure shows the test's line and the diagnosis, not this function
         from tpcheck.api import check
-        from tpcheck.check.case import Case, CaseSpec
-        from tpcheck.check.usercode import file_spec, register
+        from tpcheck.checker.case import Case, CaseSpec
+        from tpcheck.checker.usercode import file_spec, register
         from tpcheck.errors import UsageError
 
         if expect is not None and expect not in EXPECTS:

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from tpcheck.blocks import BLOCKS, config_for
-from tpcheck.check.case import CaseSpec
+from tpcheck.checker.case import CaseSpec
 from tpcheck.parallel.group import TPGroup
 
 SEED_MODES = ("equivalence", "missing_forward_reduce", "missing_backward_reduce")

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from tpcheck.api import check
-from tpcheck.check.usercode import file_spec
+from tpcheck.checker.usercode import file_spec
 from tpcheck.plan import Replicate, Shard
 
 from paths import REPO
@@ -61,7 +61,7 @@ def test_dropout_in_a_dtensor_plan_replicated_region_passes_sequence_shards_are_
 
     import dtensor_llama as L
     from tpcheck import CaseSpec
-    from tpcheck.check.usercode import register
+    from tpcheck.checker.usercode import register
 
     class Block(L.Block):
         def __init__(self, dtype=None):

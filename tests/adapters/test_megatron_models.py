@@ -10,7 +10,7 @@ import pytest
 
 from tpcheck import Injection
 from tpcheck.api import check
-from tpcheck.check.usercode import file_spec, register
+from tpcheck.checker.usercode import file_spec, register
 
 from paths import REPO
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers", reason="the extra tpcheck[transformers] is not installed")
 from tpcheck.adapters import transformers as hf  # noqa: E402
-from tpcheck.check.session import run_specs  # noqa: E402
+from tpcheck.checker.pool.session import run_specs  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
 pytestmark = pytest.mark.skipif(transformers.__version__ != hf.PINNED,

@@ -11,7 +11,7 @@ from tpcheck import CaseSpec, check
 from tpcheck.blocks import BLOCKS
 from tpcheck.blocks.attention import attention_plan
 from tpcheck.blocks.mlp import mlp_plan
-from tpcheck.check.spawn import run_on_ranks
+from tpcheck.checker.pool.spawn import run_on_ranks
 from tpcheck.models.config import preset
 from tpcheck.models.dense import DenseAttention
 from tpcheck.models.parallel import ParallelAttention
@@ -155,7 +155,7 @@ def _nudge_kv_grad_on_rank1(module, group):
 def test_gqa_kv_replicas_are_compared_bitwise(monkeypatch):
     """kv_heads < world: ranks share a KV head, and their copies of it (weights, grads, updates) are
     compared bitwise across ranks like any replicated tensor."""
-    from tpcheck.check.case import Injection
+    from tpcheck.checker.case import Injection
 
     base = BLOCKS["attention"]
 

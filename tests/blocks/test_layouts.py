@@ -6,7 +6,7 @@ import torch
 from tpcheck.blocks import BLOCKS, config_for
 from tpcheck.blocks.attention import attention_plan
 from tpcheck.blocks.lm import lm_plan
-from tpcheck.check.case import CaseSpec
+from tpcheck.checker.case import CaseSpec
 from tpcheck.errors import UsageError
 from tpcheck.models.config import preset
 from tpcheck.models.parallel import ParallelAttention, ParallelLM, ParallelQKV

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tpcheck import CaseSpec, check
 from tpcheck.blocks.sampling import random_specs
-from tpcheck.check.session import run_specs
+from tpcheck.checker.pool.session import run_specs
 from tpcheck.resolve import launcher as pool_launcher
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tpcheck import Plan, __version__
-from tpcheck.check.case import seeded_init
+from tpcheck.checker.case import seeded_init
 from tpcheck.cli import main
 from tpcheck.errors import UsageError
 

@@ -137,8 +137,8 @@ def test_learning_rate_up_to_the_limit_is_accepted(command, launcher):
 
 def test_the_cli_and_run_settings_share_the_lr_limit():
     """Case files and the Python API get the limit from RunSettings; the CLI says it before any import."""
-    from tpcheck.check.case import MAX_LR as SETTINGS_MAX_LR
-    from tpcheck.check.case import RunSettings
+    from tpcheck.checker.case import MAX_LR as SETTINGS_MAX_LR
+    from tpcheck.checker.case import RunSettings
     from tpcheck.errors import UsageError
 
     assert SETTINGS_MAX_LR == MAX_LR

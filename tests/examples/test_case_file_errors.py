@@ -69,7 +69,7 @@ def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):
     assert "'fc1.weight'" in err and "shape" in err
     lineno = HEAD.count("\n") + 4  # the `raise` line in one_rank_raises.py
     assert "in your build_tp (" in err and f"one_rank_raises.py:{lineno}): ValueError: rank one is unhappy" in err
-    # a mask tpcheck cannot replay (F.dropout and torch.bernoulli masks are replayed: tests/check/test_dropout.py)
+    # a mask tpcheck cannot replay (F.dropout and torch.bernoulli masks are replayed: tests/checker/test_dropout.py)
     assert "other than through the calls tpcheck replays" in err and "torch.rand/rand_like" in err
     assert "draw the mask with torch.bernoulli or F.dropout" in err
     assert "checker self-test failed" not in err  # the model's randomness, not the checker, is named

@@ -3,7 +3,7 @@ first-divergent tensor. One launch per example file (a pool per world size serve
 import pytest
 
 from tpcheck.api import check
-from tpcheck.check.usercode import file_spec
+from tpcheck.checker.usercode import file_spec
 
 from paths import REPO, example
 
@@ -69,7 +69,7 @@ def test_bias_on_rank0_needs_its_placement():
     """The same module with the bias planned Replicate(): refused, naming the rank and the placement."""
     import dataclasses
 
-    from tpcheck.check.usercode import register
+    from tpcheck.checker.usercode import register
 
     mod = example("own_loader")
 
@@ -145,7 +145,7 @@ def test_bias_applied_on_rank1_without_its_bound_is_no_verdict(monkeypatch):
     bound, so the case has no verdict (error), never a pass."""
     import importlib
 
-    engine = importlib.import_module("tpcheck.check.engine")
+    engine = importlib.import_module("tpcheck.checker.rank.engine")
     monkeypatch.setattr(engine.Engine, "_owner_bound", lambda self, *args: None)
     r = _run([("own_loader.py:bias_on_rank1", 2)])
     result = r["own_loader_bias_on_rank1/tp2/float32"]

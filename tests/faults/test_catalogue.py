@@ -14,7 +14,7 @@ WORLDS = (2, 4)
 DTYPES = ("float32", "bfloat16", "float16")
 # the step where a fault first acts: a stale weight cache and a reset optimizer state need a step before
 FIRST_STEP = {"weight_cached_at_first_forward": 2, "state_reset_on_sharded": 2}
-# the stages of a step in the order the engine compares them (check/engine.py)
+# the stages of a step in the order the engine compares them (checker/rank/engine.py)
 ORDER = ("weights", "forward", "loss", "backward", "replicas", "grads", "optimizer")
 
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tpcheck.check.spawn import run_on_ranks
+from tpcheck.checker.pool.spawn import run_on_ranks
 from tpcheck.parallel import collectives as C
 from tpcheck.parallel.group import TPGroup
 

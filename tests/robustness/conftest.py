@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from tpcheck.blocks import BLOCKS, Block
-from tpcheck.check.case import Injection
+from tpcheck.checker.case import Injection
 
 from robust_helpers import child_pids
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tpcheck.api import check, exit_code
-from tpcheck.check.case import CaseSpec, max_world_size
+from tpcheck.checker.case import CaseSpec, max_world_size
 from tpcheck.cli import main
 from tpcheck.plan import Replicate, Shard
 

@@ -5,7 +5,7 @@ import os
 import signal
 
 from tpcheck.api import check, exit_code
-from tpcheck.check.case import CaseSpec
+from tpcheck.checker.case import CaseSpec
 from tpcheck.cli import main
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpcheck.api import check
-from tpcheck.check.case import CaseSpec
+from tpcheck.checker.case import CaseSpec
 from tpcheck.cli import main
 
 FLAGS = {  # flag -> values (valid and garbage); a list value means nargs="+"

@@ -6,9 +6,9 @@ import os
 import time
 
 from tpcheck.api import check, exit_code
-from tpcheck.check.case import CaseSpec
-from tpcheck.check.result import merge
-from tpcheck.check.usercode import file_spec
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.verdict.result import merge
 from tpcheck.cli import main
 from tpcheck.resolve import launcher as pool_launcher
 

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tpcheck.check.case import Case
+from tpcheck.checker.case import Case
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, Plan, Replicate, Shard

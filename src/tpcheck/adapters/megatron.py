@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck.check.case import Case, RunSettings
+from tpcheck.checker.case import Case, RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.losses import sp_mse_loss

@@ -21,7 +21,7 @@ causal-LM class):
   100+ models keeps a constant number of threads). Its parameters become DTensors, or stay plain for
   replicated ones; `TransformersTP` shows the engine their local shards (`adapters.dtensor.LocalShards`).
 - **Checked as a tpcheck case** with no plan written: each parameter's placement is inferred from the
-  values transformers put on each rank (check/inference.py), so a rule that shards a weight
+  values transformers put on each rank (checker/rank/inference.py), so a rule that shards a weight
   inconsistently is reported by name; the output of every module the plan parallelizes (placed as its
   style lays it out) and of every decoder layer; logits, loss, every gradient, AdamW state and weights
   over the steps, with gradient accumulation; and the **no-grad forward**, which transformers runs
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck.adapters.dtensor import LocalShards
-from tpcheck.check.case import Case, CaseSpec
-from tpcheck.check.usercode import HF_PREFIX
+from tpcheck.checker.case import Case, CaseSpec
+from tpcheck.checker.usercode import HF_PREFIX
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Fused, Placement, Replicate, Shard

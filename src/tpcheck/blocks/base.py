@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck.check.case import Case, CaseSpec
+from tpcheck.checker.case import Case, CaseSpec
 from tpcheck.errors import UsageError
 from tpcheck.models.config import ModelConfig, preset
 from tpcheck.parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from tpcheck.blocks import BLOCKS
-from tpcheck.check.case import CaseSpec
+from tpcheck.checker.case import CaseSpec
 
 WORLDS = (1, 2, 3, 4, 5, 6, 7, 8)
 DTYPES = ("float32", "bfloat16", "float16")

@@ -2,14 +2,14 @@
 
 An entry names the bug class in one sentence, where it is injected, and what the checker must say:
 the stage of the first divergent tensor and the signature computed from its numbers (see
-check/diagnose.py). `inject(case, spec) -> case` turns a correct Case into the faulty one."""
+checker/verdict/diagnose.py). `inject(case, spec) -> case` turns a correct Case into the faulty one."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tpcheck.check.case import Case, CaseSpec
+from tpcheck.checker.case import Case, CaseSpec
 from tpcheck.errors import UsageError
 from tpcheck.faults import injectors as inj
 

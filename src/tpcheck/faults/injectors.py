@@ -9,7 +9,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from tpcheck.check.case import Case, CaseSpec
+from tpcheck.checker.case import Case, CaseSpec
 from tpcheck.models.parallel import DEFAULT_RNG_SEED
 from tpcheck.parallel.collectives import (
     all_reduce_grad_,

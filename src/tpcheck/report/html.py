@@ -249,7 +249,7 @@ def _inferred_plan(case: dict) -> str:
 
 
 def ledger_rows(ledger: dict) -> tuple[list[str], list[tuple[str, str]], dict, dict]:
-    """From the case's ledger ({expected, per_rank, problems}, see check/ledger.py): ranks, rows
+    """From the case's ledger ({expected, per_rank, problems}, see checker/rank/ledger.py): ranks, rows
     (phase, op) in phase order, expected {(phase, op): (count, sites)} per step, per-rank cells
     {(phase, op, rank): {"count", "bytes"}}."""
     per_rank = ledger.get("per_rank") or {}

@@ -1,0 +1,341 @@
+"""What the checker is handed: a `Case` (what is checked), its `RunSettings` (how it is run) and its
+`Injection` (what a fault changes, empty for a real check); and the `CaseSpec`, the small picklable
+name of a case that travels to rank processes.
+
+The engine knows no layer: it builds the dense module, builds the TP module, loads TP weights from
+the dense ones through the plan, feeds both the same batches (TP inputs placed by
+`input_placements`), and compares through the plan. Who turns a CaseSpec into a Case (a built-in
+block, a user's case file, a registered Case, plus a fault) is not the checker's business: the
+launcher is handed a resolver (`tpcheck.resolve`).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpcheck.checker.devices import check_device
+from tpcheck.errors import UsageError
+from tpcheck.parallel.group import TPGroup
+from tpcheck.plan import Placement, Plan, Replicate, as_placement
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+OPTIMIZERS = ("sgd", "adamw")
+VERDICTS_EXPECTED = ("equivalent", "not equivalent", "hang")
+MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+MAX_LR = 10.0  # above, the weights and the dense reference itself overflow within a few steps (= cli.MAX_LR)
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # (forward kwargs, target)
+# (op, site, phase, x, perform) -> tensor: replaces one collective (see parallel/group.py's Tap)
+Interceptor = Callable[[str, str, str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+
+
+def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def seeded_init(module: nn.Module, g: torch.Generator) -> None:
+    """The default `Case.init`: the module's own `reset_parameters(generator)` when it takes one (the
+    built-in blocks), else every parameter drawn from `g` in `named_parameters()` order -- matrices
+    N(0, 1/fan_in) (fan_in: the last dim), vectors named `*weight` (norm gains) 1 + N(0, 0.1^2), other
+    vectors (biases) N(0, 0.1^2). Random, not torch's zeros and ones, so that a bias added twice or a
+    gain applied on one rank shows."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        try:
+            takes_generator = len(inspect.signature(reset).parameters) >= 1
+        except (TypeError, ValueError):
+            takes_generator = False
+        if takes_generator:
+            reset(g)
+            return
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.dim() >= 2:
+                value = noise / math.sqrt(max(p.shape[-1], 1))
+            elif name.rsplit(".", 1)[-1] == "weight":
+                value = 1 + 0.1 * noise
+            else:
+                value = 0.1 * noise
+            p.copy_(value.to(p.dtype))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation: the
+    micro-batch losses are averaged, grads accumulate), optimizer and learning rate (None: 0.05 for
+    SGD, 1e-3 for AdamW), seed of the weights and batches, and whether module outputs are captured to
+    localize the first divergence. Validated on creation: this is the one place where these values are
+    checked.
+
+    master_weights: with a 16-bit dtype, both sides train as Megatron-Core and torchtitan do: the
+    modules compute in the 16-bit dtype, the optimizer steps float32 master copies of the weights
+    (grads upcast to float32, float32 optimizer state), and the modules get the masters rounded back
+    after each step. False: pure 16-bit parameters and optimizer state (updates below half an ulp of a
+    weight round away on both sides, so the post-step check sees much less; see docs/tolerances.md).
+    No effect in float32/float64."""
+
+    dtype: str = "float32"
+    steps: int = 3
+    micro_batches: int = 2
+    optimizer: str = "adamw"
+    lr: float | None = None
+    seed: int = 31
+    capture: bool = True
+    master_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UsageError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)} (complex and integer dtypes "
+                             "cannot be checked: the tolerances are for real floating point)")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}")
+        for name in ("steps", "micro_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
+                raise UsageError(f"{name} must be an integer in 1..{MAX_STEPS}, got {value!r} (a check needs a few "
+                                 "steps; drift over many steps shows within tens)")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr)
+                                        and 0 < self.lr <= MAX_LR):
+            raise UsageError(f"learning rate {self.lr!r} must be a finite number in (0, {MAX_LR:g}]: larger steps make "
+                             "the weights, and the dense reference itself, overflow to Inf/NaN within a few steps")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise UsageError(f"seed {self.seed!r} must be an integer in torch's range [-2**63, 2**64)")
+        if not isinstance(self.master_weights, bool):
+            raise UsageError(f"master_weights {self.master_weights!r} must be True or False")
+
+    @property
+    def uses_masters(self) -> bool:
+        """Whether the optimizer steps float32 master copies (16-bit dtype with master_weights)."""
+        return self.master_weights and self.torch_dtype in (torch.bfloat16, torch.float16)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.learning_rate)
+        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=0.01)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injection:
+    """What a planted fault (or a robustness test) changes on the TP side; empty for a real check.
+
+    tamper(tp_module, group): called on every rank after the TP module is built and loaded.
+    intercept(group) -> Interceptor: handed every collective the TP module issues (through the tap).
+    load_plan: the plan the TP side loads its weights with, when it differs from `Case.plan` (a TP
+        implementation with its own checkpoint loading); the checks always use `Case.plan`.
+    tp_optimizer(tp_params, group, default_factory) -> Optimizer: the TP side's own optimizer over
+        `tp_params.named_parameters()` (the TP module, or its float32 masters under master weights).
+    """
+
+    tamper: Callable[[nn.Module, TPGroup], None] | None = None
+    intercept: Callable[[TPGroup], Interceptor] | None = None
+    load_plan: Plan | None = None
+    tp_optimizer: Callable | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """What is checked: one dense module and its TP twin, how to feed them and how they relate.
+
+    build_dense(dtype) -> dense module; its parameters are initialised by `init(module, generator)`
+        (default `seeded_init`: the module's `reset_parameters(generator)`, else seeded random values).
+    plan: how each dense parameter lives on the ranks; None with `load_tp`: inferred from what it loads
+        (checker/rank/inference.py).
+    build_tp(group, dtype) -> TP module whose parameters are named as in the dense one (or renamed by
+        `plan.tp_names`); the engine fills them from the dense weights through `plan`, unless:
+    load_tp(tp_module, dense_state_dict, group): the user's own loading (a checkpoint loader), called
+        instead, with the dense weights as full float32 tensors; what it loads is checked bitwise
+        against the plan's shards at the weights stage and is not overwritten (each later step restarts
+        from the dense weights through `load_tp` again).
+    make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the target may be a tensor or
+        a dict/list/tuple of them (labels and a mask, say), handed to the loss as it is.
+    loss(out, target) -> scalar for the dense side; tp_loss(out_local, target, group) for the TP side
+        (defaults to `loss`, valid when the TP output is placed `Replicate`).
+    input_placements: how each forward input reaches the TP module (default Replicate; Shard(0) for
+        sequence parallelism). output_placement: how the TP output relates to the dense one;
+        target_placement: which part of the target the TP loss sees.
+    grad_inputs: forward inputs whose gradients are checked (each must get one); None (the default):
+        every floating-point input that gets a gradient on the dense side.
+    expected_collectives: (phase, op, site) the TP module should issue per micro-batch (forward,
+        backward) and per step (optimizer); None when unknown. The ledger is checked against it.
+    activations: placements of module outputs to check, for a case whose plan is inferred (plan=None);
+        a written plan carries its own (`Plan.activations`). Empty with plan=None: inferred from the
+        first micro-batch where the layout decides it (checker/rank/activations.py).
+    dropout: placements of random masks whose part on each rank tpcheck cannot tell from the shapes, by
+        the draw's label (an `nn.Dropout` module's name, else "module: dropout #n"); see
+        checker/rank/masks.py: every mask is drawn once in the dense layout and each rank gets its part.
+    no_grad_forward: also run each step's first micro-batch without autograd (torch.no_grad) on both
+        sides and compare that output ("output:no_grad"): for TP code that takes another path when no
+        gradient is needed (HuggingFace's local-matmul inference path).
+    run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
+    """
+
+    name: str
+    build_dense: Callable[[torch.dtype], nn.Module]
+    build_tp: Callable[[TPGroup, torch.dtype], nn.Module]
+    plan: Plan | None
+    make_batch: Callable[[torch.Generator, torch.dtype], Batch]
+    init: Callable[[nn.Module, torch.Generator], None] = seeded_init
+    load_tp: Callable[[nn.Module, dict[str, torch.Tensor], TPGroup], None] | None = None
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse_loss
+    tp_loss: Callable[[torch.Tensor, torch.Tensor, TPGroup], torch.Tensor] | None = None
+    input_placements: dict[str, Placement] = field(default_factory=dict)
+    output_placement: Placement = Replicate()
+    target_placement: Placement = Replicate()
+    grad_inputs: tuple[str, ...] | None = None
+    expected_collectives: tuple | None = None
+    activations: dict[str, Placement] = field(default_factory=dict)
+    dropout: dict[str, Placement] = field(default_factory=dict)
+    no_grad_forward: bool = False
+    run: RunSettings = RunSettings()
+    inject: Injection = Injection()
+
+    def __post_init__(self) -> None:
+        if self.plan is None and self.load_tp is None:
+            raise UsageError(f"Case {self.name!r} has no plan: give plan=Plan(...), or give load_tp (your own loading) "
+                             "and tpcheck infers the plan from what it loads")
+        if self.plan is not None and self.activations:
+            raise UsageError(f"Case {self.name!r}: activations are given twice; with a written plan, put them in "
+                             "Plan(activations=...)")
+        if not isinstance(self.dropout, dict):
+            raise UsageError(f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
+                             f"{type(self.dropout).__name__}")
+        object.__setattr__(self, "dropout", {label: as_placement(p, f"Case {self.name!r} dropout[{label!r}]")
+                                             for label, p in self.dropout.items()})
+        for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
+            if name == "plan" and self.plan is None:
+                continue
+            if not isinstance(getattr(self, name), cls):
+                raise UsageError(f"Case {self.name!r}: {name} must be a tpcheck {cls.__name__}, not "
+                                 f"{type(getattr(self, name)).__name__}")
+
+    def grad_input_names(self, inputs: dict) -> tuple[str, ...]:
+        """The forward inputs whose gradients are checked, for a batch's `inputs`."""
+        if self.grad_inputs is None:
+            return tuple(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        unknown = [k for k in self.grad_inputs if k not in inputs]
+        if unknown:
+            raise UsageError(f"grad_inputs names {unknown} but make_batch gives the forward inputs {sorted(inputs)}; "
+                             "list those whose gradients to check, or leave grad_inputs out (every floating input)")
+        return tuple(self.grad_inputs)
+
+    def compute_tp_loss(self, out_local: torch.Tensor, target: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        if self.tp_loss is not None:
+            return self.tp_loss(out_local, target, group)
+        return self.loss(out_local, target)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaseSpec:
+    """The picklable name of a case. `block` is a built-in block name, "file:PATH[:NAME]" (a case
+    file) or "registered:ID" (a Case registered in this process).
+
+    overrides: for a built-in block, ModelConfig field overrides; for a case file, the run settings the
+    caller gave (they replace the Case's own). `device`: where every rank computes, "cpu" (gloo) or
+    "cuda" (one GPU per rank, NCCL; checker/devices.py). `expected`: the verdict this case should get; None
+    means "equivalent" without a fault, "not equivalent" with one (the resolver fills in a fault's own).
+    """
+
+    block: str = "mlp"
+    preset: str = "seed"
+    world_size: int = 2
+    dtype: str = "float32"
+    steps: int = 3
+    optimizer: str = "adamw"
+    lr: float | None = None
+    micro_batches: int = 2
+    sequence_parallel: bool = False
+    fault: str | None = None
+    seed: int = 31
+    overrides: tuple[tuple[str, object], ...] = ()
+    capture: bool = True
+    master_weights: bool = True
+    label: str = ""
+    expected: str | None = None
+    device: str = "cpu"
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        parts = [self.block, self.preset, f"tp{self.world_size}", self.dtype]
+        if not self.master_weights and self.dtype in ("bfloat16", "float16"):
+            parts.append("pure")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.fault:
+            parts.append(self.fault)
+        if self.device != "cpu":
+            parts.append(str(self.device))
+        return "/".join(parts)
+
+    @property
+    def expected_verdict(self) -> str:
+        if self.expected is not None:
+            return self.expected
+        return "equivalent" if self.fault is None else "not equivalent"
+
+    def run_settings(self) -> RunSettings:
+        """This spec's run settings (validated: raises UsageError naming a bad value)."""
+        return RunSettings(dtype=self.dtype, steps=self.steps, micro_batches=self.micro_batches,
+                           optimizer=self.optimizer, lr=self.lr, seed=self.seed, capture=self.capture,
+                           master_weights=self.master_weights)
+
+    def validate(self) -> None:
+        """What can be checked without building anything; raises UsageError naming the value and the fix.
+        (Block, preset and fault names are the resolver's to check.)"""
+        check_world_size(self.world_size)
+        check_device(self.device, self.world_size)
+        self.run_settings()
+        if self.expected is not None and self.expected not in VERDICTS_EXPECTED:
+            raise UsageError(f"expected verdict {self.expected!r} is not one of {list(VERDICTS_EXPECTED)}")
+
+
+# Each rank is a process on this machine. Beyond ~8 ranks per core, gloo's rendezvous and collectives
+# are slow enough to trip the collective timeout, and a false "hang" is worse than a clear refusal.
+# (Under torchrun the ranks are torchrun's business: this limit is not applied there.)
+MAX_WORLD_SIZE = 64
+RANKS_PER_CPU = 8
+
+
+def max_world_size() -> int:
+    return min(MAX_WORLD_SIZE, RANKS_PER_CPU * (os.cpu_count() or 1))
+
+
+def check_world_size(world: int) -> None:
+    limit = max_world_size()
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= limit:
+        raise UsageError(f"world size {world} is outside 1..{limit}: each rank is a process on this machine "
+                         f"({os.cpu_count()} CPUs, at most {RANKS_PER_CPU} ranks per CPU and {MAX_WORLD_SIZE} "
+                         "in all); choose a smaller world size or run under torchrun on more machines")
+
+
+class Resolver(Protocol):
+    """Turns CaseSpecs into Cases: handed to the launcher (tpcheck.resolve provides the default one,
+    which knows the built-in blocks, case files, registered Cases and the fault catalogue)."""
+
+    def prepare(self, spec: CaseSpec) -> CaseSpec:
+        """The spec as it will run (e.g. a fault's own sequence parallelism and expected verdict)."""
+
+    def validate(self, spec: CaseSpec) -> None:
+        """In the parent, before any rank: raise UsageError naming the bad value and the fix."""
+
+    def build(self, spec: CaseSpec) -> Case:
+        """On every rank: the Case to run."""

@@ -1,0 +1,98 @@
+"""What crosses the pipe from a rank to the parent: the `Check` records of one case on one rank, the
+rank's `RankPayload` (its checks, its ledger of collectives, the evidence kept for the diagnosis) and
+the ledger's entries and how two ranks' ledgers differ. Plain data: no tensor maths, no process."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class Check:
+    """One comparison on one rank. error: max |TP - dense| (the dense model in the working dtype);
+    diff_vs_dense: the same number (the seed's metric); bound/passed: None until rank 0's bound for the
+    same `seq` is filled in (calibrated checks on ranks > 0); seq: position in execution order (a
+    replica check shares the seq of the tensor it checks)."""
+
+    stage: str  # weights | forward | loss | backward | grads | optimizer | replicas
+    step: int
+    name: str
+    rank: int
+    error: float
+    diff_vs_dense: float
+    bound: float | None
+    kind: str  # exact | calibrated | fp64 | replica
+    reason: str
+    passed: bool | None
+    placement: str = "replicate"
+    seq: int = 0
+    # set where an allowance excused part of the difference: the raw max |TP - dense| (`error` is then
+    # what the allowance left unexplained, the figure held against the bound)
+    raw_error: float | None = None
+    # calibrated bounds: bound = factor(world) * ref_error + floor (tolerance.py)
+    ref_error: float | None = None
+    floor: float | None = None
+    numel: int = 0  # elements compared on this rank
+    # a control (self-test): a copy of the reference with one element moved by a known amount, compared
+    # through the same path; it must be flagged (checker/verdict/result.py turns an unflagged control into "error")
+    control: bool = False
+
+
+def evidence_key(stage: str, step: int, name: str) -> str:
+    """Where a check's evidence is kept (in a rank's payload, and read back by the parent)."""
+    return f"{stage}|{step}|{name}"
+
+
+PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint", "where")
+
+
+@dataclass
+class RankPayload:
+    """What one rank reports for one case. status: ok | usage (bad input) | error (raised) | crash
+    (died) | hang (a wait timed out) | aborted (stopped after another rank's failure)."""
+
+    status: str
+    rank: int
+    message: str = ""
+    checks: list[Check] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    expected_collectives: tuple | None = None
+    seconds: float = 0.0
+    traceback: str | None = None
+    last_collective: tuple | None = None
+    waiting_in: str | None = None  # collective | checkpoint | compute | unresponsive (hangs)
+    checkpoint: str | None = None
+    where: dict | None = None  # the launcher's evidence of where the rank was (heartbeat.py)
+    inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code
+    has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
+
+    def problem_json(self) -> dict:
+        return {k: getattr(self, k) for k in PROBLEM_KEYS if getattr(self, k) not in (None, "")
+                or k in ("status", "rank", "message")}
+
+    def ledger_lines(self) -> list[str] | None:
+        return [e.line() for e in self.ledger] if self.has_ledger else None
+
+
+@dataclass
+class LedgerEntry:
+    rank: int
+    phase: str
+    op: str
+    site: str
+    nbytes: int
+
+    def line(self) -> str:
+        return f"{self.phase} {self.op} at {self.site!r}"
+
+
+def ledger_diff(ledgers: dict[int, list[str]]) -> str:
+    """Where the ranks' lists of issued collectives ("phase op at 'site'" each) first part."""
+    counts = ", ".join(f"rank {r}: {len(ld)}" for r, ld in sorted(ledgers.items()))
+    longest = max((len(ld) for ld in ledgers.values()), default=0)
+    for i in range(longest):
+        at = {r: ld[i] if i < len(ld) else "nothing" for r, ld in sorted(ledgers.items())}
+        if len(set(at.values())) > 1:
+            which = "; ".join(f"rank {r}: {a}" for r, a in at.items())
+            return f"collectives issued ({counts}) first differ at #{i + 1}: {which}"
+    return f"collectives issued ({counts}) agree"

@@ -1,0 +1,212 @@
+"""Where each rank is, as evidence: heartbeats up, blame down.
+
+Every rank's heartbeat thread samples its main thread's Python stack a few times a second and sends
+the parent a `Beat`: what the rank is doing ("collective" -- inside a torch.distributed call, tapped
+by tpcheck or the user's own; "checkpoint" -- waiting at the checker's store rendezvous; "compute" --
+anything else), where (the innermost frame that is not torch's or Python's own: the user's file:line,
+or tpcheck's), for how long it has been in that spot, and the collectives it issued since the last
+beat. A stopped process (SIGSTOP, a debugger) sends nothing, which is evidence too.
+
+When a rank's collective or checkpoint times out, the parent (`Watch`) does not wait for the others'
+own timeouts: it reads their latest beats and names the culprit at once -- a rank computing, or silent,
+while the others wait in a collective; or the ranks that wait somewhere else than the rest. A case in
+which no rank waits and no rank's stack moves for `timeout + STALL_EXTRA_S` is a hang as well (every
+rank spinning); world 1, which has no collective, gets `WORLD1_FACTOR` times that.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+
+from tpcheck.checker.usercode import short_path
+
+BEAT_S = 0.25            # a rank's heartbeat period
+STALE_S = 2.0            # no beat for this long: the rank is not responding
+STALL_EXTRA_S = 4.0      # no rank waits and no stack moves for timeout + this: a hang
+WORLD1_FACTOR = 10       # world 1 (no collective to time out) waits this many times longer
+STACK_FRAMES = 8         # frames of a stuck rank's stack kept in the report
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(__import__("torch").__file__)) + os.sep
+_STDLIB = tuple({sysconfig.get_paths()["stdlib"] + os.sep, os.path.dirname(os.__file__) + os.sep})
+_COLLECTIVE_FILES = (os.path.join("torch", "distributed", "distributed_c10d.py"),
+                     os.path.join("torch", "distributed", "_functional_collectives.py"),
+                     os.path.join("torch", "distributed", "c10d_logger.py"))
+_SYNC_FILE = os.path.join("tpcheck", "checker", "sync.py")
+# tpcheck's collective plumbing: a collective issued through a TPGroup is placed at its caller
+_PLUMBING = tuple(os.path.join("tpcheck", *p) for p in (("parallel", "group.py"), ("parallel", "collectives.py"),
+                                                         ("checker", "rank", "ledger.py"), ("faults", "injectors.py")))
+
+
+@dataclass
+class Spot:
+    """What a rank's main thread is doing: state (collective | checkpoint | compute), `call` (the
+    torch.distributed function, for a collective), `at` (file:line in function) and its stack."""
+
+    state: str
+    at: str
+    call: str | None = None
+    stack: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Beat:
+    """One heartbeat of one rank, for case number `case`. `label` names a tapped collective (op, site,
+    phase) or the checkpoint waited at; `since_s` is how long the rank has been at this spot (its own
+    clock); `ledger` the collectives tapped since the previous beat of this case."""
+
+    rank: int
+    case: int
+    progress: tuple
+    spot: Spot
+    label: tuple | str | None
+    since_s: float
+    ledger: list = field(default_factory=list)
+
+
+def _is_library(path: str) -> bool:
+    return path.startswith(_TORCH_DIR) or path.startswith(_STDLIB) or path.startswith("<")
+
+
+def _where(f: tuple[str, int, str]) -> str:
+    """A frame (file, line, function) as "file:line in function", the file relative to the cwd."""
+    return f"{short_path(f[0])}:{f[1]} in {f[2]}"
+
+
+def spot_of(frame, tapped: tuple | None, checkpoint: str | None) -> Spot:
+    """Classify the main thread's stack (`frame`: its innermost frame, or None). `tapped` is the
+    collective the checker's tap is inside, `checkpoint` the rendezvous waited at, if any."""
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    mine = [f for f in frames if not _is_library(f[0])]
+    stack = [_where(f) for f in mine[:STACK_FRAMES]]
+    placed = [f for f in mine if not f[0].endswith(_PLUMBING)] or mine or frames
+    at = _where(placed[0]) if placed else "?"
+    in_c10d = next((i for i, f in enumerate(frames) if f[0].endswith(_COLLECTIVE_FILES)), None)
+    if checkpoint is not None and any(f[0].endswith(_SYNC_FILE) for f in frames):
+        return Spot("checkpoint", at, None, stack)
+    if in_c10d is not None:
+        # the caller of the outermost c10d frame of that run: the line that issued the collective
+        first = in_c10d
+        while first + 1 < len(frames) and frames[first + 1][0].endswith(_COLLECTIVE_FILES):
+            first += 1
+        callers = [f for f in frames[first + 1:] if not _is_library(f[0]) and not f[0].endswith(_PLUMBING)]
+        call = next((f[2] for f in frames[in_c10d:first + 1] if f[2] != "wrapper"), frames[in_c10d][2])
+        return Spot("collective", _where(callers[0]) if callers else at, call, stack)
+    if tapped is not None:
+        return Spot("collective", at, tapped[0], stack)
+    return Spot("compute", at, None, stack)
+
+
+class BeatMaker:
+    """The rank side: turns the rank's state into beats (one per call of `beat`)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._tap = None
+        self._sent = 0
+        self._key, self._since = None, time.monotonic()
+
+    def beat(self, case: int, tap, rendezvous, frame) -> Beat:
+        if tap is not self._tap:
+            self._tap, self._sent = tap, 0
+        new = list(tap.ledger[self._sent:]) if tap is not None else []
+        self._sent += len(new)
+        tapped = getattr(tap, "inside", None)
+        checkpoint = getattr(rendezvous, "waiting_at", None)
+        spot = spot_of(frame, tapped, checkpoint)
+        label = checkpoint if spot.state == "checkpoint" else (tapped if spot.state == "collective" else None)
+        progress = (len(tap.ledger) if tap is not None else 0, getattr(rendezvous, "rounds", 0))
+        key = (case, spot.state, spot.at, spot.call, label, progress)
+        now = time.monotonic()
+        if key != self._key:
+            self._key, self._since = key, now
+        return Beat(self.rank, case, progress, spot, label, now - self._since, new)
+
+
+def main_frame():
+    """The innermost frame of this process's main thread (the heartbeat thread is another)."""
+    import threading
+
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+# ---------------------------------------------------------------------------- the parent side
+
+
+def process_state(pid: int) -> str | None:
+    """Linux's one-letter state of `pid` (R running, S sleeping, T stopped, t traced, D disk, Z zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+STATE_WORDS = {"T": "stopped by a signal (SIGSTOP/SIGTSTP)", "t": "stopped by a debugger", "D": "in uninterruptible I/O",
+               "Z": "exited (zombie)", "R": "running, but its heartbeat thread gets no time",
+               "S": "sleeping, but its heartbeat thread is silent"}
+
+
+class Watch:
+    """The parent's view of one case's ranks: their latest beats, and when the case is stuck."""
+
+    def __init__(self, world: int, case: int, timeout_s: float, clock=time.monotonic,
+                 stall_s: float | None = None) -> None:
+        self.world, self.case, self.timeout_s, self.clock, self.stall_s = world, case, timeout_s, clock, stall_s
+        self.beats: dict[int, Beat] = {}
+        self.beat_at: dict[int, float] = {}
+        self.ledgers: dict[int, list] = {r: [] for r in range(world)}
+        self.started = self.moved = clock()
+        self._keys: dict[int, tuple] = {}
+
+    def note(self, beat: Beat) -> None:
+        if beat.case != self.case:
+            return  # a late beat of the previous case
+        now = self.clock()
+        self.ledgers[beat.rank].extend(beat.ledger)
+        key = (beat.progress, beat.spot.state, beat.spot.at, beat.label)
+        if self._keys.get(beat.rank) != key:
+            self._keys[beat.rank] = key
+            self.moved = now
+        self.beats[beat.rank] = beat
+        self.beat_at[beat.rank] = now
+
+    def stall_limit(self) -> float:
+        if self.stall_s is not None:  # the caller's own limit (tests)
+            return self.stall_s
+        limit = self.timeout_s + STALL_EXTRA_S
+        return limit * WORLD1_FACTOR if self.world == 1 else limit
+
+    def deadline(self) -> float:
+        """When the case counts as stuck if nothing moves: no stack moved and no rank progressed."""
+        return self.moved + self.stall_limit()
+
+    def silent_for(self, rank: int) -> float:
+        return self.clock() - self.beat_at.get(rank, self.started)
+
+    def evidence(self, rank: int, pid: int | None) -> dict:
+        """What the parent knows of `rank` now: state, where, for how long, its stack."""
+        beat = self.beats.get(rank)
+        silent = self.silent_for(rank)
+        if beat is None or silent > STALE_S:
+            proc = process_state(pid) if pid else None
+            how = STATE_WORDS.get(proc or "", "gone") if proc else "gone"
+            out = {"rank": rank, "state": "unresponsive", "seconds": round(silent, 1), "process": how}
+            if beat is not None:
+                out.update(at=beat.spot.at, stack=beat.spot.stack)
+            return out
+        out = {"rank": rank, "state": beat.spot.state, "at": beat.spot.at, "seconds": round(beat.since_s, 1),
+               "stack": beat.spot.stack}
+        if beat.spot.state == "collective":
+            out["call"] = beat.spot.call
+            if isinstance(beat.label, tuple):
+                out["op"], out["site"], out["phase"] = beat.label
+        elif beat.spot.state == "checkpoint":
+            out["checkpoint"] = beat.label
+        return out
+

@@ -1,0 +1,250 @@
+"""Forking ranks: the one helper behind the launcher's pool, the tests and the benchmarks.
+
+`Ranks` forks `world` processes from this one (after `import torch`, so a rank starts in
+milliseconds), each with its own duplex pipe to the parent; `join_group` is how a rank joins the group
+(a FileStore in a fresh temp directory: no port to pick, so concurrent runs cannot collide): gloo, or
+on GPUs gloo and NCCL (checker/devices.py).
+`run_on_ranks(fn, world, *args)` runs `fn(group, *args)` on every rank and returns their values.
+
+Pipes carry plain payloads: `send_plain` pickles with the standard pickler into bytes. Tensors then
+travel as bytes, not as shared-memory handles (what `multiprocessing`'s own pickler does with torch
+tensors): a handle whose owner calls `os._exit` right after sending is the race that made a queue of
+tensors fail with ConnectionResetError on a loaded machine. `Connection.send_bytes` is synchronous,
+so nothing is left in flight when a rank exits.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from tpcheck.checker.devices import backend, rank_device
+from tpcheck.parallel.group import TPGroup
+
+
+def send_plain(conn: Connection, obj) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_plain(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+LIVE: set[Ranks] = set()  # every Ranks not yet killed: what `kill_all` stops
+TEMP_DIRS: set[str] = set()  # other private temp dirs of this process that `kill_all` removes
+
+
+class Ranks:
+    """`world` forked processes, each running `target(rank, world, store_path, conn, *args)`. Each
+    rank leads its own process group, so what it spawns dies with it (`kill`), and a Ctrl-C at the
+    terminal reaches the parent only (which then stops every rank at once)."""
+
+    def __init__(self, world: int, target: Callable, args: tuple = (), name: str = "tpcheck-rank") -> None:
+        ctx = mp.get_context("fork")
+        self.world = world
+        self.tmpdir = tempfile.mkdtemp(prefix="tpcheck-")
+        self.store_path = os.path.join(self.tmpdir, "store")
+        self.conns: list[Connection] = []
+        self.procs = []
+        self.threads = (rank_threads(world), threads_while_others_wait(world))
+        for r in range(world):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_entry, args=(target, r, world, self.store_path, theirs, list(self.conns),
+                                                  os.getpid(), args, self.threads), daemon=True, name=f"{name}{r}")
+            p.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(p)
+        LIVE.add(self)
+
+    def kill(self, join_s: float = 5.0) -> None:
+        """Kill every rank and whatever it spawned (its process group), reap them (waiting at most
+        `join_s` for each), close the pipes, remove the store."""
+        self.signal_all()
+        for p in self.procs:
+            p.join(timeout=join_s)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        LIVE.discard(self)  # last: a second Ctrl-C during the joins still finds this one (kill_all)
+
+    def signal_all(self) -> None:
+        """SIGKILL to every rank's process group at once (a group outlives its rank while the rank's
+        children live)."""
+        for p in self.procs:
+            if p.pid is None:
+                continue
+            if p.exitcode is None:
+                p.kill()  # also before the rank made its group (setpgid), which killpg would miss
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def kill_all() -> None:
+    """Stop every rank of this process now and remove their temp dirs, without waiting for anything
+    (a second Ctrl-C)."""
+    for ranks in list(LIVE):  # SIGKILL is not instant: reap briefly, so that no rank outlives us
+        ranks.kill(join_s=0.2)
+    for path in list(TEMP_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+    TEMP_DIRS.clear()
+
+
+# libgomp is not fork-safe: once a process has run an OpenMP region on several threads (a large
+# softmax, a matmul), a process forked from it hangs in its first parallel region. A parent that ran
+# every op on one thread never started that thread team, and its ranks may use several threads.
+_PARENT_KEPT_TO_ONE_THREAD = False
+
+
+def keep_parent_to_one_thread() -> None:
+    """Called first thing by the `tpcheck` command (before any torch op): this process then computes on one
+    thread, and the ranks it forks share the CPUs (`rank_threads`). Any other parent (a pytest process, a
+    script calling `tpcheck.check`) may have started the thread team, so its ranks run one thread each."""
+    global _PARENT_KEPT_TO_ONE_THREAD
+    torch.set_num_threads(1)
+    _PARENT_KEPT_TO_ONE_THREAD = True
+
+
+def rank_threads(world: int) -> int:
+    """Intra-op threads for each of `world` ranks forked now: the CPUs this process may run on shared among
+    them (at most OMP_NUM_THREADS when set), if this process kept to one thread; else 1."""
+    cpus, cap = _cpus()
+    return min(max(1, cpus // world), cap)
+
+
+def threads_while_others_wait(world: int) -> int:
+    """Intra-op threads for a rank of `world` forked now while every other rank waits for it (rank 0's
+    float64 truth: the others are blocked at the TP side's first collective): the whole group's CPUs, at
+    most OMP_NUM_THREADS; 1 where `rank_threads` is 1 for fork-safety."""
+    cpus, cap = _cpus()
+    return min(cpus, cap, rank_threads(world) * world)
+
+
+def _cpus() -> tuple[int, int]:
+    """(the CPUs ranks forked now may share, the cap on one process's threads); (1, 1) if this process did
+    not keep to one thread (its ranks then compute on one thread: libgomp)."""
+    if not _PARENT_KEPT_TO_ONE_THREAD or torch.get_num_threads() != 1:
+        return 1, 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return cpus, int(cap) if cap.isdigit() and int(cap) > 0 else cpus
+
+
+# Set in each rank by `_entry`: the intra-op threads it may use while the other ranks wait for it.
+THREADS_WHILE_OTHERS_WAIT = 1
+
+
+def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, threads) -> None:
+    os.setpgid(0, 0)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the parent's handlers are not the rank's
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, _sigint)
+    die_with_parent(parent_pid)
+    global THREADS_WHILE_OTHERS_WAIT
+    torch.set_num_threads(threads[0])  # rank_threads and threads_while_others_wait, decided in the parent
+    THREADS_WHILE_OTHERS_WAIT = threads[1]
+    for c in inherited:  # the parent's ends of earlier ranks' pipes, inherited by the fork
+        c.close()
+    code = 0
+    try:
+        target(rank, world, store_path, conn, *args)
+    except BaseException:  # noqa: BLE001 - the target reports its own failures; this is the last resort
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip torch's slow (and, with gloo, sometimes aborting) interpreter exit
+
+
+_SIGINT_SEEN = False
+
+
+def _sigint(signum, frame) -> None:
+    """A rank's SIGINT: KeyboardInterrupt, as by default, remembering that a signal raised it."""
+    global _SIGINT_SEEN
+    _SIGINT_SEEN = True
+    raise KeyboardInterrupt
+
+
+def interrupt_is_a_signal() -> bool:
+    """Whether a KeyboardInterrupt caught now may come from a real SIGINT (else user code raised it):
+    in a rank, only if one arrived; in the CLI, never (its SIGINT raises its own Interrupted); under
+    Python's default handler, it may."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is _sigint:
+        return _SIGINT_SEEN
+    return handler is signal.default_int_handler
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this rank when the parent goes (even by SIGKILL)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def join_group(rank: int, world: int, store_path: str, timeout_s: float, device: str = "cpu") -> dist.Store:
+    """Join the group of `world` ranks rendezvousing at `store_path` (gloo; on "cuda", this rank's GPU
+    made current and NCCL for CUDA tensors beside gloo); returns the store."""
+    rank_device(device, rank)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return store
+
+
+# ---------------------------------------------------------------------------- run a function on ranks
+
+
+def _run_fn(rank, world, store_path, conn, fn, args, timeout_s, device) -> None:
+    try:
+        join_group(rank, world, store_path, timeout_s, device)
+        out = fn(TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD, device=rank_device(device, rank)), *args)
+        send_plain(conn, ("ok", out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it there
+        send_plain(conn, ("error", traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0, device: str = "cpu") -> list:
+    """`fn(group, *args)` on `world` forked ranks (gloo; on "cuda" one GPU each, NCCL beside gloo); the
+    ranks' return values, in rank order. A rank that raises or dies fails the call with its traceback;
+    none waits past `timeout_s`."""
+    ranks = Ranks(world, _run_fn, (fn, args, timeout_s, device))
+    results: dict[int, object] = {}
+    try:
+        pending = {c: r for r, c in enumerate(ranks.conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(ranks.procs)}
+        while pending:
+            ready = wait([*pending, *(s for s, r in sentinels.items() if r not in results)], timeout=timeout_s)
+            if not ready:
+                raise TimeoutError(f"rank(s) {sorted(pending.values())} gave no result within {timeout_s:g} s")
+            for obj in ready:
+                if obj in pending:
+                    r = pending.pop(obj)
+                    status, out = recv_plain(obj)
+                    if status != "ok":
+                        raise AssertionError(f"rank {r} failed:\n{out}")
+                    results[r] = out
+                elif sentinels[obj] in pending.values() and not ranks.conns[sentinels[obj]].poll():
+                    r = sentinels[obj]
+                    raise AssertionError(f"rank {r} died (exit code {ranks.procs[r].exitcode}) before reporting")
+    finally:
+        ranks.kill()
+    return [results[r] for r in range(world)]

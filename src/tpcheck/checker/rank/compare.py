@@ -1,0 +1,216 @@
+"""Comparing one rank's TP tensors with the plan's shard of the dense reference.
+
+Each rank checks its own local tensors (so every rank is checked, not only rank 0); replicated
+tensors are also compared across ranks, bitwise, batched into one all-reduce per flush, outside the
+model's collectives (CPU tensors, on gloo, whatever device the model computes on). Every comparison
+becomes a `Check` that records its error, its bound and the reason for the bound; small tensors are
+kept as evidence for the diagnosis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tpcheck.checker.payload import Check, evidence_key
+from tpcheck.checker.rank import tolerance
+from tpcheck.checker.rank.ledger import CollectiveTap
+from tpcheck.checker.rank.loading import absmax, maxdiff
+from tpcheck.errors import UsageError
+from tpcheck.parallel.group import TPGroup
+from tpcheck.plan import Placement, copies
+
+EVIDENCE_MAX_NUMEL = 1 << 16  # tensors up to this size are sent to the parent for diagnosis
+EVIDENCE_BUDGET = 1 << 21  # total elements per rank and case
+
+
+class Comparator:
+    """The checks of one case on one rank, in execution order, and the evidence kept for diagnosis."""
+
+    def __init__(self, group: TPGroup, tap: CollectiveTap, dtype: torch.dtype, dtype_name: str) -> None:
+        self.group, self.tap, self.dtype, self.dtype_name = group, tap, dtype, dtype_name
+        self.checks: list[Check] = []
+        # (check, values in float64, mask of the elements several ranks hold; None: all of them)
+        self.pending_replicas: list[tuple[Check, torch.Tensor, torch.Tensor | None]] = []
+        self.evidence: dict[str, dict] = {}
+        self.evidence_left = EVIDENCE_BUDGET
+        self.seq = 0
+        self.controlled: set[tuple[str, int, str]] = set()  # (stage, step, bound kind) with a control
+
+    def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
+                truth: torch.Tensor | None, placement: Placement, exact: bool = False,
+                dtype: torch.dtype | None = None, bound: tolerance.Bound | None = None) -> Check:
+        """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
+        are compared across ranks later, in `flush_replicas`, outside the model's collectives.
+        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING), or is
+        given (`bound`: rank 0 computed it for a tensor only this rank compares, AppliedOnRank).
+        `dtype`: the dtype the compared values were rounded to (default: the working dtype)."""
+        rank, world = self.group.rank, self.group.world_size
+        ref = placement.shard(dense, rank, world)
+        diff = maxdiff(tp_local, ref)
+        if exact:
+            bound = tolerance.EXACT
+        elif bound is None:
+            bound = self.calibrated(dense, truth, dtype) if truth is not None else tolerance.PENDING
+        # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
+        if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
+            self._check_reference_finite(stage, step, name, dense, truth)
+        self.seq += 1
+        check = self._record(stage, step, name, diff, bound, placement)
+        check.numel = ref.numel()
+        self._keep_evidence(check, tp_local, ref, dense)
+        self._control(check, ref, dense, bound, placement)
+        if world > 1 and placement.replicated:
+            self.pending_replicas.append((check, tp_local.detach().double().reshape(-1).cpu(), None))
+        elif world > 1 and (held := copies(placement, tuple(dense.shape), world)) is not None:
+            # some elements live on several ranks (GQA KV heads replicated over ranks): their copies
+            # must agree bitwise too; compared in the dense layout, on the elements held twice or more
+            idx = placement.index_map(tuple(dense.shape), rank, world).reshape(-1)
+            spread_in = torch.full((held.numel(),), -math.inf, dtype=torch.float64)
+            spread_in[idx] = tp_local.detach().double().reshape(-1).cpu()
+            self.pending_replicas.append((check, spread_in, held >= 2))
+        return check
+
+    def calibrated(self, dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype | None = None) -> tolerance.Bound:
+        """The calibrated bound of a tensor of this rank's checks, in `dtype` (default: the working dtype)."""
+        return tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
+
+    def compare_local(self, stage: str, step: int, name: str, tp_local: torch.Tensor, ref_local: torch.Tensor,
+                      placement: Placement, reason: str, weights: torch.Tensor | None = None) -> Check:
+        """Bitwise comparison of this rank's tensor with a reference computed on this rank from the TP
+        side's own inputs (the optimizer replay): no cross-rank replica check, exact bound. `weights`
+        (the parameter the tensor belongs to) is kept as evidence: a difference proportional to it
+        names weight decay."""
+        diff = maxdiff(tp_local, ref_local)
+        self.seq += 1
+        bound = tolerance.Bound(0.0, "exact", reason)
+        check = self._record(stage, step, name, diff, bound, placement)
+        self._keep_evidence(check, tp_local, ref_local, ref_local, weights)
+        self._control(check, ref_local, ref_local, bound, placement)
+        return check
+
+    def record_rng(self, step: int, name: str, seq: int, error: int, reason: str, placement: str, info: dict,
+                   control: bool = False) -> Check:
+        """An RNG placement check (checker/rank/masks.py): `error` counts the ranks whose draw breaks the rule
+        against this rank's (bound 0); `info` (the rule, those ranks, a mismatch with the dense side's
+        draw) is kept as evidence for the diagnosis."""
+        check = Check(stage="forward", step=step, name=name, rank=self.group.rank, error=float(error),
+                      diff_vs_dense=float(error), bound=0.0, kind="rng", reason=reason, passed=error <= 0,
+                      placement=placement, seq=seq, control=control)
+        self.checks.append(check)
+        zero = np.zeros(1)
+        self.evidence[evidence_key("forward", step, name)] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
+                                                   "placement": placement, "eps": 0.0, "rng": info}
+        return check
+
+    def next_seq(self) -> int:
+        """A position in execution order for a check recorded later (an RNG check, known after the exchange)."""
+        self.seq += 1
+        return self.seq
+
+    def _record(self, stage: str, step: int, name: str, error: float, bound: tolerance.Bound, placement: Placement,
+                control: bool = False) -> Check:
+        """One comparison's Check, appended in execution order. `passed` is provisional: the parent fills
+        in pending bounds and judges every check (`result.judge`)."""
+        check = Check(stage=stage, step=step, name=name, rank=self.group.rank, error=error, diff_vs_dense=error,
+                      bound=bound.value, kind=bound.kind, reason=bound.reason,
+                      passed=None if bound.value is None else error <= bound.value, placement=str(placement),
+                      seq=self.seq, ref_error=bound.ref_error, floor=bound.floor, control=control)
+        self.checks.append(check)
+        return check
+
+    def _control(self, real: Check, ref: torch.Tensor, dense: torch.Tensor, bound: tolerance.Bound,
+                 placement: Placement) -> None:
+        """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the reference with
+        its largest element moved by `tolerance.control_shift` (the largest error the checker claims to
+        flag in this dtype) goes through the same maxdiff -> record -> bound -> judge path as `real`,
+        with `real`'s bound. If it is not flagged, the checker cannot see errors of that size here."""
+        key = (real.stage, real.step, real.kind)
+        if key in self.controlled or ref.numel() == 0:
+            return
+        self.controlled.add(key)
+        planted = ref.detach().clone().reshape(-1)
+        i = int(planted.abs().argmax())
+        scale = absmax(dense)
+        shift = tolerance.control_shift(self.dtype, scale)  # the working dtype's claim (masters included)
+        if not planted.is_floating_point():
+            shift = max(1.0, round(shift))
+        planted[i] = planted[i].double().add(shift).to(planted.dtype)
+        planted = planted.reshape(ref.shape)
+        check = self._record(real.stage, real.step, f"control:{real.name}", maxdiff(planted, ref), bound, placement,
+                             control=True)
+        lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
+        near = ref.detach().reshape(-1)[lo:i + 4]
+        self._keep_evidence(check, planted.reshape(-1)[lo:i + 4], near, near)
+
+    def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
+        """Bad input is reported as such (exit 2), not as a TP bug."""
+        if truth is not None and not bool(torch.isfinite(truth).all()):
+            raise UsageError(f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
+                             "the inputs or weights are bad, not the TP implementation")
+        if not bool(torch.isfinite(dense).all()):
+            raise UsageError(f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
+                             "NaN/Inf (pure float16 parameters with AdamW, whose eps underflows in float16, are a known "
+                             "cause: drop --no-master-weights / master_weights=False, or use --optimizer sgd). The "
+                             "reference is bad, not the TP implementation")
+
+    def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
+        """Small tensors (and every control's few elements, outside the budget) are kept for diagnosis."""
+        if not check.control:
+            if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
+                return
+            self.evidence_left -= 3 * dense.numel()
+        # copies (later steps change these tensors in place), made numpy in `evidence_for` if needed
+        kept = self.evidence[evidence_key(check.stage, check.step, check.name)] = {
+            "tp": tp_local.detach().clone(), "ref": ref.detach().clone(), "dense": dense.detach().clone(),
+            "placement": check.placement,
+            "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
+        if weights is not None:
+            kept["weights"] = weights.detach().clone()
+
+    def evidence_for(self, keys: set[str] | None) -> dict[str, dict]:
+        """The evidence sent to the parent, as float64 arrays: the entries in `keys` (None: every one),
+        every control's (the self-test reads them) and every RNG check's."""
+        out = {}
+        for key, e in self.evidence.items():
+            if keys is None or key in keys or "|control:" in key or "rng" in e:
+                out[key] = {k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+        return out
+
+    def flush_replicas(self) -> None:
+        """Compare every pending replicated tensor (and every element several ranks hold) across ranks,
+        bitwise: max - min over ranks, for all of them in one all-reduce (MAX of [x; -x]; an element a
+        rank does not hold enters as -inf in x and in -x, so it drops out of both maxima)."""
+        if not self.pending_replicas:
+            return
+        # the control: one element that the last rank holds 1 larger than the others must be flagged
+        first = self.pending_replicas[0][0]
+        planted = torch.tensor([1.0 if self.group.rank == self.group.world_size - 1 else 0.0], dtype=torch.float64)
+        self.pending_replicas.append((dataclasses.replace(first, name=f"control:{first.name}", control=True),
+                                      planted, None))
+        flats = [t for _, t, _ in self.pending_replicas]
+        sizes = [f.numel() for f in flats]
+        both = torch.empty(2 * sum(sizes), dtype=torch.float64)
+        hi, neg_lo = both.split(both.numel() // 2)
+        torch.cat(flats, out=hi)
+        torch.neg(hi, out=neg_lo)
+        parts = list(zip(hi.split(sizes), neg_lo.split(sizes)))  # views: the all-reduce fills them in place
+        for (_, _, shared), (h, n) in zip(self.pending_replicas, parts):
+            if shared is not None:  # an element this rank does not hold stays -inf in -x too
+                n.masked_fill_(h == -math.inf, -math.inf)
+        self.tap.performing(("all_reduce", "checker:replicas", "optimizer"), dist.all_reduce, both,
+                            op=dist.ReduceOp.MAX, group=self.group.pg)
+        b = tolerance.REPLICA
+        for (check, _, shared), (h, n) in zip(self.pending_replicas, parts):
+            d = (h + n).abs() if shared is None else (h + n).abs()[shared]
+            spread = float(d.max()) if d.numel() else 0.0
+            spread = spread if not math.isnan(spread) else math.inf
+            self.checks.append(Check(stage="replicas", step=check.step, name=check.name, rank=check.rank,
+                                     error=spread, diff_vs_dense=spread, bound=b.value, kind="replica",
+                                     reason=b.reason, passed=spread <= b.value, placement=check.placement,
+                                     seq=check.seq, control=check.control))
+        self.pending_replicas.clear()
+

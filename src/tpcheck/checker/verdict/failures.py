@@ -1,0 +1,83 @@
+"""Case results for runs that did not finish on every rank: a hang, a crash, or bad input.
+
+One rank's failure usually drags the others down with it (a peer blocked in a collective with a dead
+rank times out, or is killed by the launcher), so the verdict follows the *root* problem, by this
+priority: bad input ("invalid") > a rank that died or raised ("error") > a hang > the knock-on
+failures (peers that lost their connection or were stopped by the launcher).
+
+A hang is told rank by rank from the launcher's evidence (heartbeat.py): who waited in which
+collective (op, site, phase, and the file:line that issued it), who waited at the checker's
+checkpoint, who was computing or silent -- the culprits, named first -- and where the ranks' ledgers
+of issued collectives first differ (the rank-dependent branch that skipped a collective is usually
+right there).
+"""
+from __future__ import annotations
+
+import re
+
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.usercode import short_path
+from tpcheck.checker.verdict.hangs import hang_details, hang_summary
+
+# status -> (priority, verdict); lower priority wins
+STATUS = {"usage": (0, "invalid"), "crash": (1, "error"), "error": (2, "error"), "hang": (3, "hang"),
+          "peer": (4, "error"), "aborted": (5, "error")}
+PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
+TRACEBACK_LINES = 12
+
+
+def failure_fields(spec: CaseSpec, payloads: list) -> dict:
+    """verdict, as_expected, problems, summary (and `hang` for hangs) of a CaseResult from payloads
+    (`RankPayload`s), some not "ok"."""
+    failed = [p for p in payloads if p.status != "ok"]
+    primary = min(failed, key=lambda p: (STATUS[_kind(p)][0], p.rank))
+    verdict = STATUS[_kind(primary)][1]
+    out = {"verdict": verdict, "problems": [p.problem_json() for p in failed],
+           "as_expected": verdict == "hang" and spec.expected_verdict == "hang"}
+    if verdict == "hang":
+        out["hang"] = hang_details(payloads)
+        out["summary"] = hang_summary(out["hang"])
+    elif verdict == "invalid":
+        out["summary"] = f"invalid: {primary.message}"
+    else:
+        out["summary"] = error_summary(primary)
+    return out
+
+
+def _kind(p) -> str:
+    if p.status == "error" and any(s in p.message.lower() for s in PEER_LOST):
+        return "peer"  # lost its connection because another rank died: a consequence, not a cause
+    return p.status if p.status in STATUS else "error"
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+_NOT_UNDER_TEST = ("/torch/", "/tpcheck/", "/multiprocessing/", "/threading.py", "/contextlib.py", "/functools.py")
+
+
+def raised_in(tb: str) -> str | None:
+    """The innermost frame of a traceback in the code under test (not torch's, not tpcheck's, not the
+    standard library's plumbing): 'file.py:LINE in func: source', or None."""
+    lines = tb.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.match(lines[i])
+        if m and not any(part in m["path"] for part in _NOT_UNDER_TEST):
+            source = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            path = m["path"].split("site-packages/", 1)[-1] if "site-packages/" in m["path"] else short_path(m["path"])
+            where = f"{path}:{m['line']} in {m['func']}"
+            return f"{where}: {source}" if source else where
+    return None
+
+
+def error_summary(p) -> str:
+    text = f"error: rank {p.rank}: {p.message}"
+    where = raised_in(p.traceback) if p.traceback else None
+    if where and where.split(":", 1)[0] not in p.message:
+        text += f" (raised at {where})"
+    if p.traceback:
+        tail = p.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
+        text += "\n" + "\n".join("       " + line for line in tail)
+    return text
+
+
+# ---------------------------------------------------------------------------- hangs
+

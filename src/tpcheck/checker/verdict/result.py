@@ -1,0 +1,218 @@
+"""Typed results, from a rank to the report: a `RankPayload` per rank and case, merged into one
+`CaseResult` with a verdict; `CaseResult.to_json()` is what reports and the Python API see.
+
+Verdicts: "equivalent" (every check on every rank passed), "not equivalent" (some check failed),
+"hang" (a collective wait timed out: some ranks issued a collective the others did not),
+"error" (a rank raised or died), "invalid" (the input was wrong: a usage error).
+
+Expectation: a case with an injected fault is expected to be "not equivalent" (or a hang, for a fault
+whose signature is one: `CaseSpec.expected`), any other case "equivalent". `as_expected` says whether
+it was; the process exit code follows from it (`exit_code`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.payload import RankPayload, evidence_key
+from tpcheck.checker.rank import tolerance
+from tpcheck.checker.verdict.collectives import check_ledger
+from tpcheck.checker.verdict.diagnose import diagnose
+from tpcheck.checker.verdict.failures import failure_fields
+from tpcheck.errors import EXIT_EQUIVALENT, EXIT_ERROR, EXIT_NOT_EQUIVALENT, EXIT_USAGE
+
+
+@dataclass
+class CaseResult:
+    """One case, merged over its ranks. `to_json()` gives the report's case object (report-schema.md)."""
+
+    spec: CaseSpec
+    verdict: str
+    as_expected: bool
+    summary: str
+    seconds: float
+    checks: list[dict] | None = None
+    ledger: dict | None = None
+    self_test: dict | None = None
+    first_divergence: dict | None = None
+    diagnosis: dict | None = None
+    problems: list[dict] | None = None
+    hang: dict | None = None
+    inferred_plan: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def expected(self) -> str:
+        return "equivalent" if self.spec.expected_verdict == "equivalent" else "not equivalent"
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "spec": spec_json(self.spec), "world_size": self.spec.world_size,
+               "dtype": self.spec.dtype, "expected": self.expected, "seconds": self.seconds,
+               "verdict": self.verdict, "as_expected": self.as_expected, "summary": self.summary,
+               "first_divergence": self.first_divergence}
+        for key in ("checks", "ledger", "diagnosis", "problems", "hang", "inferred_plan"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.checks is not None:
+            out["self_test"] = self.self_test
+            out["diagnosis"] = self.diagnosis
+        return out
+
+
+def spec_json(spec: CaseSpec) -> dict:
+    d = asdict(spec)
+    d["overrides"] = dict(spec.overrides)
+    return d
+
+
+def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
+    """One CaseResult from every rank's payload: bounds filled in, every check judged here (one rule,
+    `judge`), the controls (the self-test) held to having failed, then the verdict."""
+    seconds = max((p.seconds for p in payloads), default=0.0)
+    if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
+        return CaseResult(spec=spec, seconds=seconds, **failure_fields(spec, payloads))
+    every = [dict(vars(c)) for p in payloads for c in p.checks]  # flat: asdict's deep copy is slow
+    unbounded = _fill_bounds(every)
+    if unbounded:
+        c = unbounded[0]
+        return CaseResult(spec=spec, verdict="error", as_expected=False, seconds=seconds,
+                          summary=f"the checker failed: no bound from rank 0 for {c['name']} ({c['stage']}, step "
+                                  f"{c['step']}) on rank {c['rank']}, {len(unbounded)} check(s) in all; no verdict can "
+                                  "be trusted (a bug in tpcheck: please report it with this case)")
+    for c in every:
+        c["passed"] = judge(c)
+    checks = [c for c in every if not c["control"]]
+    controls = [c for c in every if c["control"]]
+    for c in every:
+        del c["control"]
+    failed = sorted((c for c in checks if not c["passed"]),
+                    key=lambda c: (c["seq"], c["stage"] == "replicas", c["rank"]))
+    verdict = "not equivalent" if failed else "equivalent"
+    entries = [asdict(e) for p in payloads for e in p.ledger]
+    ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, spec.steps,
+                          spec.micro_batches)
+    result = CaseResult(spec=spec, verdict=verdict, as_expected=False, summary="",
+                        seconds=seconds, checks=checks, ledger=ledger,
+                        self_test=self_test(checks, controls, [p.evidence for p in payloads]),
+                        inferred_plan=payloads[0].inferred_plan)
+    result.as_expected = verdict == result.expected
+    if result.self_test["failures"]:
+        result.verdict, result.as_expected = "error", False
+        result.summary = (f"the checker failed its control: {result.self_test['failures'][0]}; no verdict can be "
+                          "trusted (a bug in tpcheck: please report it with this case)")
+        return result
+    if failed:
+        result.first_divergence = _first(failed)
+        result.diagnosis = diagnose(result.first_divergence, [p.evidence for p in payloads], spec.world_size,
+                                    spec.micro_batches)
+    result.summary = _summary(result, failed)
+    return result
+
+
+def judge(check: dict) -> bool:
+    """A check passes when its error is within its bound (a NaN error never passes)."""
+    return check["error"] <= check["bound"]
+
+
+def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) -> dict:
+    """The controls must all have been flagged, every rank must have one at every stage and step where it
+    has checks, and each non-replica control's evidence must show the planted error.
+
+    A calibrated control is skipped (counted, named) where the dense model's own error is already
+    over 1/(2 x tolerance.SMALL_FACTOR) of the planted one: an ill-conditioned tensor (e.g. an RMSNorm
+    of a near-zero input in 16 bits) whose bound is honestly too wide for the planted error; a checker
+    whose bounds are too wide everywhere still fails every other control."""
+    failures, skipped = [], []
+    for c in controls:
+        where = f"{c['name']} ({c['stage']}, step {c['step']}, rank {c['rank']})"
+        if c["kind"] == "calibrated" and c["ref_error"] is not None \
+                and c["ref_error"] * 2 * tolerance.SMALL_FACTOR > c["error"]:
+            skipped.append(where)
+            continue
+        if c["passed"]:
+            failures.append(f"a planted error of {c['error']:.3g} in {where} was not flagged (bound {c['bound']:.3g})")
+        elif c["stage"] != "replicas":
+            kept = evidence[c["rank"]].get(evidence_key(c["stage"], c["step"], c["name"]))
+            shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0)) if kept is not None else None
+            if shown is None or not abs(shown - c["error"]) <= 1e-3 * c["error"]:  # float64 vs maxdiff's dtype
+                failures.append(f"the evidence of {where} does not show its planted error "
+                                f"({'missing' if shown is None else f'{shown:.3g}'} instead of {c['error']:.3g})")
+    have = {(c["rank"], c["stage"], c["step"]) for c in controls}
+    failures += [f"no control on rank {r} for the {s} checks of step {t}"
+                 for r, s, t in sorted({(c["rank"], c["stage"], c["step"]) for c in checks} - have)]
+    return {"controls": len(controls), "flagged": sum(not c["passed"] for c in controls), "failures": failures,
+            "skipped": skipped}
+
+
+def _fill_bounds(checks: list[dict]) -> list[dict]:
+    """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor: the same
+    (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch), a
+    calibrated one (never an exact check rank 0 made of the same name: AppliedOnRank's zero gradient).
+    Keyed by tensor, not by position, so a rank that compares fewer tensors (AppliedOnRank) still matches.
+    Returns the checks left without a bound (none, unless the checker is broken)."""
+    def keyed(rank_checks):
+        seen: dict[tuple, int] = {}
+        for c in rank_checks:
+            key = (c["stage"], c["step"], c["name"], c["control"])
+            seen[key] = seen.get(key, -1) + 1
+            yield (*key, seen[key]), c
+
+    rank0 = dict(keyed(c for c in checks if c["rank"] == 0 and c["stage"] != "replicas"))
+    by_rank: dict[int, list[dict]] = {}
+    for c in checks:
+        if c["stage"] != "replicas":
+            by_rank.setdefault(c["rank"], []).append(c)
+    missing = []
+    for rank_checks in by_rank.values():
+        for key, c in keyed(rank_checks):
+            if c["bound"] is None:
+                ref = rank0.get(key)
+                if ref is None or ref["bound"] is None or ref["kind"] == "exact":
+                    missing.append(c)
+                    continue
+                c.update(bound=ref["bound"], reason=ref["reason"], kind=ref["kind"], ref_error=ref["ref_error"],
+                         floor=ref["floor"])
+    return missing
+
+
+def _first(failed: list[dict]) -> dict:
+    first = failed[0]
+    ranks = sorted({c["rank"] for c in failed if c["name"] == first["name"] and c["step"] == first["step"]
+                    and c["stage"] == first["stage"]})
+    out = {"stage": first["stage"], "step": first["step"], "name": first["name"], "ranks": ranks,
+           "error": first["error"], "bound": first["bound"], "kind": first["kind"], "reason": first.get("reason")}
+    if first.get("raw_error") is not None:
+        out["raw_error"] = first["raw_error"]
+    return out
+
+
+def _summary(result: CaseResult, failed: list[dict]) -> str:
+    if not failed:
+        return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
+    f, d = result.first_divergence, result.diagnosis
+    return (f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
+            f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
+            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{_loaded_by(f)}")
+
+
+def _loaded_by(first: dict) -> str:
+    """A failed weights check of a case that loads its own weights names the loader."""
+    reason = first.get("reason") or ""
+    return f" ({reason.split(', ', 1)[1]})" if first["stage"] == "weights" and "load_tp" in reason else ""
+
+
+def exit_code(results: Sequence[dict]) -> int:
+    """The one exit-code rule: 2 if any case was invalid (bad input: the user's to fix first), else 3 if
+    any errored (a rank raised or died, or the checker failed its control), else 1 if any case did not
+    go as expected, else 0."""
+    if any(r["verdict"] == "invalid" for r in results):
+        return EXIT_USAGE
+    if any(r["verdict"] == "error" for r in results):
+        return EXIT_ERROR
+    if not all(r["as_expected"] for r in results):
+        return EXIT_NOT_EQUIVALENT
+    return EXIT_EQUIVALENT

@@ -1,0 +1,108 @@
+"""The launcher's evidence of where ranks are (tpcheck.checker.pool.heartbeat), on synthetic beats and stacks,
+with a fake clock: the stall deadline, stale beats, the culprit rules, and the stack classification."""
+import os
+import sys
+
+import pytest
+
+from tpcheck.checker.pool import heartbeat as hb
+from tpcheck.checker.pool.heartbeat import Beat, Spot, Watch, spot_of
+from tpcheck.checker.verdict.hangs import culprits, describe
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat(rank, state="compute", at="case.py:3 in forward", case=1, progress=(0, 0), since=0.0, label=None, call=None):
+    return Beat(rank=rank, case=case, progress=progress, spot=Spot(state, at, call, [at]), label=label, since_s=since)
+
+
+def test_stall_deadline_is_timeout_plus_at_most_5_s_after_the_last_movement():
+    clock = Clock()
+    w = Watch(world=2, case=1, timeout_s=20, clock=clock)
+    assert w.deadline() - clock.t <= 20 + 5
+    clock.t += 3
+    w.note(beat(0, at="case.py:3 in forward"))
+    first = w.deadline()
+    assert first == pytest.approx(clock.t + 20 + hb.STALL_EXTRA_S)
+    clock.t += 10
+    w.note(beat(0, at="case.py:3 in forward"))  # the same spot again: no movement
+    assert w.deadline() == first
+    w.note(beat(0, at="case.py:4 in forward"))  # a new line: movement
+    assert w.deadline() == pytest.approx(clock.t + 20 + hb.STALL_EXTRA_S)
+    w.note(beat(1, state="collective", progress=(1, 0)))  # progress on another rank moves the case too
+    assert w.deadline() == pytest.approx(clock.t + 20 + hb.STALL_EXTRA_S)
+
+
+def test_world_1_waits_longer_and_beats_of_another_case_are_ignored():
+    clock = Clock()
+    solo = Watch(world=1, case=2, timeout_s=20, clock=clock)
+    assert solo.deadline() - clock.t == pytest.approx(hb.WORLD1_FACTOR * (20 + hb.STALL_EXTRA_S))
+    clock.t += 50
+    solo.note(beat(0, case=1, at="elsewhere.py:1 in f"))  # a late beat of the previous case
+    assert solo.beats == {} and solo.deadline() - clock.t < hb.WORLD1_FACTOR * (20 + hb.STALL_EXTRA_S)
+
+
+def test_a_rank_without_recent_beats_is_unresponsive_with_its_process_state():
+    clock = Clock()
+    w = Watch(world=2, case=1, timeout_s=5, clock=clock)
+    w.note(beat(0, state="checkpoint", label="building the TP module", since=1))
+    w.note(beat(1, at="case.py:9 in forward"))
+    clock.t += hb.STALE_S + 0.5
+    w.note(beat(0, state="checkpoint", label="building the TP module", since=3.5))
+    e0, e1 = w.evidence(0, None), w.evidence(1, os.getpid())
+    assert e0["state"] == "checkpoint" and e0["checkpoint"] == "building the TP module"
+    assert e1["state"] == "unresponsive" and e1["at"] == "case.py:9 in forward" and e1["seconds"] >= hb.STALE_S
+    assert e1["process"] == hb.STATE_WORDS["R"]  # this very process: running
+    assert "rank 1 sent no heartbeat" in describe(e1)
+    never = Watch(world=2, case=1, timeout_s=5, clock=clock).evidence(1, None)
+    assert never["state"] == "unresponsive" and never["process"] == "gone"
+
+
+@pytest.mark.parametrize("states, blamed, words", [
+    (["collective", "compute"], [1], "stuck in compute"),
+    (["checkpoint", "unresponsive"], [1], "stopped responding"),
+    (["collective", "compute", "unresponsive"], [1, 2], "stuck in compute"),
+    (["compute", "compute"], [0, 1], "no rank entered a collective"),
+    (["collective", "collective", "checkpoint", "collective"], [2], "different places"),
+    (["collective", "checkpoint"], [], "different places"),
+    (["collective", "collective"], [], "same place"),
+])
+def test_culprits(states, blamed, words):
+    evidence = [{"rank": r, "state": s, "call": "all_reduce" if s == "collective" else None}
+                for r, s in enumerate(states)]
+    who, why = culprits(evidence)
+    assert who == blamed and words in why
+
+
+def _frames_from(path: str, src: str, fn: str):
+    """The frame of `fn` defined in a module compiled as if it lived at `path`, called from here."""
+    scope: dict = {"sys": sys}
+    exec(compile(src, path, "exec"), scope)
+    return scope[fn]()
+
+
+def test_spot_of_tells_a_users_collective_from_compute_and_places_it_at_the_calling_line():
+    c10d = os.path.join(hb._TORCH_DIR, "distributed", "distributed_c10d.py")
+    inner = _frames_from(c10d, "def all_reduce():\n    return sys._getframe()\n", "all_reduce")
+
+    spot = spot_of(inner, tapped=None, checkpoint=None)
+    assert spot.state == "collective" and spot.call == "all_reduce"
+    assert spot.at.endswith(f"test_heartbeat.py:{_spot_line()} in _frames_from"), spot.at
+    here = sys._getframe()
+    compute = spot_of(here, tapped=None, checkpoint=None)
+    assert compute.state == "compute" and "test_heartbeat.py" in compute.at
+    tapped = spot_of(here, tapped=("all_reduce", "down", "forward"), checkpoint=None)
+    assert tapped.state == "collective" and tapped.call == "all_reduce"
+    # a checkpoint label without a frame in sync.py is not a checkpoint wait
+    assert spot_of(here, tapped=None, checkpoint="x").state == "compute"
+
+
+def _spot_line() -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if "return scope[fn]()" in line)

@@ -1,0 +1,144 @@
+"""`tpcheck.checker.rank.tolerance` on synthetic tensors, without processes: the calibrated bound equals the
+formula of docs/tolerances.md (computed here independently), does not depend on the world size, keeps
+an ulp floor, and on a matmul split in two it accepts the reordered sum while rejecting a 1% fault."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tpcheck.checker.rank import tolerance
+from tpcheck.checker.rank.tolerance import EXACT, REPLICA, calibrated
+
+# Machine epsilons written out, not taken from the module, so that the formula is checked independently.
+EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float64: 2.0**-52}
+
+
+def expected_bound(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> float:
+    """F * err_dense + k * eps(dtype) * scale: F = 8 and k = 1 ulp for 64 elements or more, F = 16 and
+    k = 8 ulps below (docs/tolerances.md), written out here, not taken from the module."""
+    d, t = dense.double().numpy(), truth.numpy()
+    err_dense = float(np.abs(d - t).max())
+    scale = float(np.abs(t).max())
+    f, k = (8.0, 1) if t.size >= 64 else (16.0, 8)
+    return f * err_dense + k * EPS[dtype] * scale
+
+
+def _pair(dtype: torch.dtype, seed: int, shape=(16, 24)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 truth and the same values rounded to `dtype` (the dense model's error is the rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(shape, generator=g, dtype=torch.float64) * 3.0
+    return truth.to(dtype), truth
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 24), (64,), (63,), (4, 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_calibrated_value_is_the_documented_formula(dtype, shape, seed):
+    dense, truth = _pair(dtype, seed, shape)
+    b = calibrated(dense, truth, dtype, 2)
+    assert b.kind == "calibrated"
+    assert b.value == pytest.approx(expected_bound(dense, truth, dtype), rel=1e-12)
+    assert b.value == pytest.approx(b.ref_error * (8 if truth.numel() >= 64 else 16) + b.floor, rel=1e-12)
+    # Sanity of the synthetic data: the rounding error is really there and of the dtype's order.
+    err = float((dense.double() - truth).abs().max())
+    assert 0 < err <= EPS[dtype] * float(truth.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_does_not_depend_on_the_world_size(dtype):
+    """Measured: the factor a correct case needs shows no trend with the world size (docs/tolerances.md)."""
+    dense, truth = _pair(dtype, 3)
+    values = {calibrated(dense, truth, dtype, w).value for w in (1, 2, 4, 8)}
+    assert len(values) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_equal_to_truth_keeps_the_ulp_floor(dtype):
+    # Values exactly representable in bf16 (and so in fp32): the dense error is 0, only the floor remains.
+    truth = torch.tensor([[0.5, -4.0], [1.25, 3.0]], dtype=torch.float64)
+    dense = truth.to(dtype)
+    b = calibrated(dense, truth, dtype, 2)
+    assert b.value == pytest.approx(8 * EPS[dtype] * 4.0, rel=1e-12)  # 4 elements: 8 ulps of the scale
+    assert b.value > 0 and b.ref_error == 0
+
+
+def test_reason_names_dtype_and_numbers():
+    dense, truth = _pair(torch.bfloat16, 5)
+    b = calibrated(dense, truth, torch.bfloat16, 2)
+    err = float((dense.double() - truth).abs().max())
+    scale = float(truth.abs().max())
+    assert "bfloat16" in b.reason
+    assert "8 x" in b.reason  # 384 elements
+    assert f"{err:.3g}" in b.reason
+    assert f"{scale:.3g}" in b.reason
+    assert "1 ulp(s)" in b.reason
+
+
+def test_float64_uses_the_fp64_floor():
+    truth = torch.tensor([[1.0, -7.5], [2.0, 0.25]], dtype=torch.float64)
+    dense = truth + 1e-3  # the dense error is ignored in float64: there is no finer truth
+    b = calibrated(dense, truth, torch.float64, 4)
+    assert b.kind == "fp64"
+    assert b.value == pytest.approx(tolerance.FP64_FLOOR_ULPS * EPS[torch.float64] * 7.5, rel=1e-12)
+    assert "float64" in b.reason and "7.5" in b.reason
+    # About 1e-10 relative, as the docstring says: far above fp64 reordering noise, far below a fault.
+    assert 1e-11 < b.value / 7.5 < 1e-9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_zero_size_tensor_gives_a_finite_bound(dtype):
+    truth = torch.empty(0, 8, dtype=torch.float64)
+    b = calibrated(truth.to(dtype), truth, dtype, 2)
+    assert b.value is not None and math.isfinite(b.value)
+    assert b.value == 0.0
+
+
+def test_exact_bounds_are_zero():
+    assert EXACT.value == 0 and EXACT.kind == "exact"
+    assert REPLICA.value == 0 and REPLICA.kind == "exact"
+
+
+def _chunked(a: torch.Tensor, b: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+    """a @ b accumulated chunk by chunk in float32: another kernel's summation order."""
+    acc = torch.zeros(a.shape[0], b.shape[1])
+    for s in range(0, a.shape[1], chunk):
+        acc = acc + a[:, s:s + chunk] @ b[s:s + chunk]
+    return acc
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_matmul_split_in_two_is_accepted_and_a_one_percent_fault_is_not(seed):
+    """A row-parallel matmul at tp 2, simulated: the inner dimension is split in two, each half is a
+    float32 matmul (one rank's partial), and the partials are summed in float32 (the all-reduce).
+
+    Why the correct result passes: it only reorders the float32 sum. Its distance from the float64 truth
+    is of the order of the dense float32 model's own (err_dense, a few ulps of the outputs), so
+    |TP - dense| <= |TP - truth| + |dense - truth| ~ 2 err_dense, well inside 8 x err_dense plus the
+    1-ulp floor. (Some BLAS block the inner dim so that the plain split is bitwise equal to the
+    dense matmul; the chunk-accumulated variant always reorders, so the check is never vacuous.)
+
+    Why the fault fails: scaling one partial by 1.01 moves each output by 1% of that partial, i.e.
+    ~1e-2 relative, while the float32 bound is ~1e-6 relative: thousands of bounds apart."""
+    g = torch.Generator().manual_seed(100 + seed)
+    m, k, n = 32, 256, 48
+    a = torch.randn(m, k, generator=g)
+    b = torch.randn(k, n, generator=g)
+    dense = a @ b
+    truth = a.double() @ b.double()
+    bound = calibrated(dense, truth, torch.float32, 2).value
+
+    h = k // 2
+    p0, p1 = a[:, :h] @ b[:h], a[:, h:] @ b[h:]
+    tp_ok = p0 + p1
+    tp_reordered = _chunked(a[:, :h], b[:h]) + _chunked(a[:, h:], b[h:])
+    tp_bad = p0 * 1.01 + p1
+
+    assert float((tp_ok - dense).abs().max()) <= bound
+    reordered = float((tp_reordered - dense).abs().max())
+    assert 0 < reordered <= 0.5 * bound  # really different from dense, yet well inside (docstring: < 0.5)
+    assert float((tp_bad - dense).abs().max()) > 100 * bound  # not a near miss: far outside
+    # The bound is tight in relative terms (fp32: ~1e-6 of the output scale), so a 1% fault is visible.
+    assert bound / float(truth.abs().max()) < 1e-5
+    # And a missing reduction (a rank keeps its own partial) is an O(1) error, a fortiori outside.
+    assert float((p0 - dense).abs().max()) > 1e4 * bound

@@ -1,0 +1,389 @@
+"""`tpcheck.checker.verdict.diagnose.diagnose` on synthetic evidence, without processes: for each signature of the
+module docstring, per-rank tensors built to have exactly that numerical shape must be named by it, and
+near misses (a correct-ish tensor, a world-size factor, evidence from only some ranks) must not be
+misnamed."""
+import numpy as np
+import pytest
+
+from tpcheck.checker.verdict.diagnose import CAUSES, diagnose
+
+FP32_EPS = float(np.finfo(np.float32).eps)
+BF16_EPS = 2.0**-7
+KEY = "forward|1|act:down"
+SHAPE = (8, 16)
+
+
+def first(stage="forward", step=1, name="act:down", ranks=(0, 1)) -> dict:
+    return {"stage": stage, "step": step, "name": name, "ranks": list(ranks)}
+
+
+def evidence(tps, refs, placement, dense=None, key=KEY, eps=FP32_EPS, weights=None) -> list[dict]:
+    """One evidence dict per rank; `weights` = {param name: dense value} added as "weights|0|param:NAME"."""
+    dense = refs[0] if dense is None else dense
+    out = []
+    for tp, ref in zip(tps, refs):
+        e = {key: {"tp": np.asarray(tp, dtype=np.float64), "ref": np.asarray(ref, dtype=np.float64),
+                   "dense": dense, "placement": placement, "eps": eps}}
+        for name, value in (weights or {}).items():
+            e[f"weights|0|param:{name}"] = {"tp": value, "ref": value, "dense": value, "placement": "replicate",
+                                            "eps": eps}
+        out.append(e)
+    return out
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def sharded_refs(world, seed=0, shape=SHAPE):
+    """The plan's shards of a dense tensor split along dim 0: one distinct reference per rank."""
+    dense = rng(seed).standard_normal((shape[0] * world, *shape[1:]))
+    return dense, list(np.split(dense, world, axis=0))
+
+
+def run(tps, refs, placement, world, micro_batches=1, **kw):
+    f = kw.pop("first", None) or first(ranks=range(world))
+    return diagnose(f, evidence(tps, refs, placement, **kw), world, micro_batches)
+
+
+# --- one test per signature -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_partial_sum(world):
+    ref = rng(1).standard_normal(SHAPE)
+    partials = [rng(10 + r).standard_normal(SHAPE) for r in range(world - 1)]
+    partials.append(ref - np.sum(partials, axis=0))  # the partials add up to the reference
+    d = run(partials, [ref] * world, "replicate", world)
+    assert d["signature"] == "partial_sum"
+    assert d["evidence"]["sum_over_ranks_error"] < 1e-12
+    assert d["cause"] == CAUSES["partial_sum"]
+
+
+def test_partial_sum_with_a_bias_added_on_every_rank_names_the_bias():
+    # Row-parallel output whose replicated bias was added on each rank before the (missing) reduction:
+    # the partials sum to ref + (world - 1) x bias.
+    world = 2
+    ref = rng(2).standard_normal(SHAPE)
+    bias = rng(3).standard_normal(SHAPE[-1])
+    p0 = rng(4).standard_normal(SHAPE)
+    partials = [p0, ref + (world - 1) * bias - p0]
+    d = run(partials, [ref] * world, "replicate", world, weights={"down.bias": bias})
+    assert d["signature"] == "partial_sum"
+    assert "down.bias" in d["evidence"]["plus"]
+
+
+def test_partial_sums_rounded_in_16_bit_at_their_own_scale():
+    # Partials much larger than their sum (cancellation), each rounded to float16 at its own scale: the
+    # sum misses the reference by more than rounding at the *reference's* scale, not at the partials'.
+    world, eps = 2, 2.0**-10
+    ref = rng(30).standard_normal(SHAPE)
+    p0 = 64 * rng(31).standard_normal(SHAPE)
+    partials = [np.float16(p0).astype(np.float64), np.float16(ref - p0).astype(np.float64)]
+    assert np.abs(sum(partials) - ref).max() > 16 * eps * np.abs(ref).max()  # the case this is about
+    d = run(partials, [ref] * world, "replicate", world, eps=eps)
+    assert d["signature"] == "partial_sum"
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_scaled_by_micro_batches(micro_batches):
+    ref = rng(32).standard_normal(SHAPE)
+    world = 4  # not a multiple that scaled_by_world could also explain
+    d = run([micro_batches * ref] * world, [ref] * world, "replicate", world, micro_batches=micro_batches)
+    assert d["signature"] == "scaled_by_micro_batches"
+    assert d["evidence"]["factor"] == pytest.approx(micro_batches)
+    # without accumulation, the same numbers are a plain scale
+    assert run([micro_batches * ref] * world, [ref] * world, "replicate", world)["signature"] == "scaled"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("placement", ["replicate", "shard(dim=0)"])
+def test_scaled_by_world(world, placement):
+    refs = sharded_refs(world, seed=5)[1] if placement != "replicate" else [rng(5).standard_normal(SHAPE)] * world
+    d = run([world * r for r in refs], refs, placement, world)
+    assert d["signature"] == "scaled_by_world"
+    assert d["evidence"]["factor"] == pytest.approx(world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scaled_by_one_over_world(world):
+    ref = rng(6).standard_normal(SHAPE)
+    d = run([ref / world] * world, [ref] * world, "replicate", world)
+    assert d["signature"] == "scaled_by_1/world"
+    assert d["evidence"]["factor"] == pytest.approx(1 / world)
+
+
+def test_scaled_by_another_constant():
+    world = 2
+    _, refs = sharded_refs(world, seed=7)
+    d = run([1.7 * r for r in refs], refs, "shard(dim=0)", world)
+    assert d["signature"] == "scaled"
+    assert d["evidence"]["factor"] == pytest.approx(1.7)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_offset_names_the_bias(world):
+    # A bias added before the reduction is counted `world` times: (world - 1) x bias too much, broadcast
+    # over every token (row).
+    ref = rng(8).standard_normal(SHAPE)
+    bias = rng(9).standard_normal(SHAPE[-1])
+    tp = ref + (world - 1) * bias
+    d = run([tp] * world, [ref] * world, "replicate", world, weights={"down.bias": bias})
+    assert d["signature"] == "offset"
+    assert d["evidence"]["offset_is"] == "(world - 1) x down.bias"
+    assert d["evidence"]["offset_norm"] == pytest.approx(np.linalg.norm((world - 1) * bias))
+
+
+def test_offset_without_a_matching_parameter_is_still_offset():
+    world = 2
+    ref = rng(8).standard_normal(SHAPE)
+    vec = rng(9).standard_normal(SHAPE[-1])
+    other = rng(10).standard_normal(SHAPE[-1])  # a bias that does not explain the offset
+    d = run([ref + vec] * world, [ref] * world, "replicate", world, weights={"up.bias": other})
+    assert d["signature"] == "offset"
+    assert "offset_is" not in d["evidence"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank0_shard(world):
+    _, refs = sharded_refs(world, seed=11)
+    d = run([refs[0].copy() for _ in range(world)], refs, "shard(dim=0)", world,
+            first=first(ranks=range(1, world)))
+    assert d["signature"] == "rank0_shard"
+
+
+def test_permuted_within_a_rank():
+    world = 2
+    _, refs = sharded_refs(world, seed=12)
+    tps = [r.T.reshape(r.shape) for r in refs]  # same values, transposed layout
+    d = run(tps, refs, "shard(dim=0)", world)
+    assert d["signature"] == "permuted"
+
+
+def test_permuted_across_ranks():
+    # Shards swapped between ranks (a wrong shard index): no rank holds its own values, all values exist.
+    world = 2
+    _, refs = sharded_refs(world, seed=13)
+    d = run([refs[1], refs[0]], refs, "shard(dim=0)", world)
+    assert d["signature"] == "permuted"
+
+
+def test_replicas_differ_at_the_replicas_stage():
+    world = 2
+    ref = rng(14).standard_normal(SHAPE)
+    off = ref + 0.3 * rng(15).standard_normal(SHAPE)
+    ev = evidence([ref, off], [ref, ref], "replicate")  # keyed by the stage that produced the tensor
+    d = diagnose(first(stage="replicas", ranks=[1]), ev, world)
+    assert d["signature"] == "replicas_differ"
+    assert d["evidence"]["ranks_off"] == [1]
+    assert d["stage"] == "replicas"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_differ_on_a_replicated_tensor(world):
+    ref = rng(16).standard_normal(SHAPE)
+    tps = [ref.copy() for _ in range(world)]
+    tps[-1] = ref + 0.3 * rng(17).standard_normal(SHAPE)
+    d = run(tps, [ref] * world, "replicate", world)
+    assert d["signature"] == "replicas_differ"
+    assert d["evidence"]["ranks_off"] == [world - 1]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_inf(bad):
+    world = 2
+    _, refs = sharded_refs(world, seed=18)
+    tps = [r.copy() for r in refs]
+    tps[1][3, 4] = bad
+    d = run(tps, refs, "shard(dim=0)", world)
+    assert d["signature"] == "nan_inf"
+    assert d["evidence"]["ranks"] == [1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_near_bound(world):
+    _, refs = sharded_refs(world, seed=19)
+    tps = [r + 1e-6 * np.abs(r).max() * rng(20 + i).uniform(-1, 1, r.shape) for i, r in enumerate(refs)]
+    d = run(tps, refs, "shard(dim=0)", world)
+    assert d["signature"] == "near_bound"
+
+
+def test_mismatch():
+    world = 2
+    _, refs = sharded_refs(world, seed=21)
+    tps = [rng(22 + i).standard_normal(r.shape) for i, r in enumerate(refs)]
+    d = run(tps, refs, "shard(dim=0)", world)
+    assert d["signature"] == "mismatch"
+    assert d["evidence"]["relative_error"] > 0.1
+
+
+@pytest.mark.parametrize(("rel", "eps"), [(1e-4, FP32_EPS), (5e-4, BF16_EPS)], ids=["fp32", "bf16"])
+def test_rounding_level_noise_within_1e_3_is_near_bound(rel, eps):
+    # Docstring: near_bound = "every rank within 1e-3 relative of the reference". Every element is within
+    # `rel` (<= 5e-4) relative; the noise moves the fitted factor off 1 (c ~ 1.00002), but a scale does
+    # not explain the difference, so this is not "scaled".
+    world = 2
+    _, refs = sharded_refs(world, seed=34)
+    tps = [r + rel * np.abs(r).max() * rng(35 + i).uniform(-1, 1, r.shape) for i, r in enumerate(refs)]
+    assert run(tps, refs, "shard(dim=0)", world, eps=eps)["signature"] == "near_bound"
+
+
+# --- the returned record -----------------------------------------------------------------------------
+
+
+def test_record_fields():
+    ref = rng(23).standard_normal(SHAPE)
+    f = {"stage": "backward", "step": 3, "name": "grad:mlp.down", "ranks": [0, 1]}
+    ev = evidence([2 * ref] * 2, [ref] * 2, "replicate", key="backward|3|grad:mlp.down")
+    d = diagnose(f, ev, 2)
+    assert d["signature"] == "scaled_by_world"
+    assert (d["tensor"], d["location"], d["stage"], d["step"], d["ranks"]) == \
+        ("grad:mlp.down", "mlp.down", "backward", 3, [0, 1])
+    assert d["cause"] == CAUSES["scaled_by_world"]
+    assert d["sentence"].startswith("grad:mlp.down (backward, step 3) diverges first: ")
+    assert d["sentence"].endswith(CAUSES["scaled_by_world"])
+    assert set(CAUSES) == {"partial_sum", "scaled_by_world", "scaled_by_1/world", "scaled", "offset",
+                           "rank0_shard", "permuted", "replicas_differ", "nan_inf", "near_bound", "mismatch", "not_applied",
+                           "decay", "scaled_by_micro_batches", "rng_not_forked", "rng_diverged",
+                           "dropout_mismatch"}
+
+
+@pytest.mark.parametrize("rule,problem,signature", [("differ", None, "rng_not_forked"), ("same", None, "rng_diverged"),
+                                                    ("same", "the TP side drops with p=0.2", "dropout_mismatch"),
+                                                    (None, "a mask where the dense side drew none",
+                                                     "dropout_mismatch")])
+def test_an_rng_check_is_named_by_the_rule_it_broke(rule, problem, signature):
+    f = {"stage": "forward", "step": 1, "name": "rng:layers.0.attention.attn_dropout", "ranks": [0, 1],
+         "kind": "rng"}
+    info = {"rule": rule, "ranks": [1], "problem": problem}
+    ev = [{"forward|1|rng:layers.0.attention.attn_dropout": {"tp": np.array([1.0]), "ref": np.zeros(1),
+                                                               "dense": np.zeros(1), "rng": info}}] * 2
+    d = diagnose(f, ev, 2)
+    assert d["signature"] == signature and d["cause"] == CAUSES[signature]
+    assert d["location"] == "layers.0.attention.attn_dropout"
+    assert d["evidence"]["with_ranks"] == [1] and d["evidence"].get("problem") == problem
+
+
+# --- checker mutants: near misses that must not be misnamed -------------------------------------------
+
+
+def test_correct_ish_replicated_tensor_is_not_a_partial_sum():
+    # Both ranks within rounding of the reference, not bitwise equal: their sum is 2 x ref, and each is
+    # already right, so no all-reduce is missing.
+    world = 2
+    ref = rng(24).standard_normal(SHAPE)
+    tps = [ref + 1e-7 * rng(25 + i).standard_normal(SHAPE) for i in range(world)]
+    d = run(tps, [ref] * world, "replicate", world)
+    assert d["signature"] != "partial_sum"
+    assert d["signature"] == "replicas_differ"  # replicas must be bitwise equal
+
+
+def test_identical_halves_are_not_a_partial_sum():
+    # Every rank holds ref / 2, identically: that is a scale, not per-rank partials.
+    ref = rng(26).standard_normal(SHAPE)
+    d = run([ref / 2] * 2, [ref] * 2, "replicate", 2)
+    assert d["signature"] == "scaled_by_1/world"
+
+
+def test_world_factor_at_world_4_is_recognised_not_generic_scale():
+    world = 4
+    _, refs = sharded_refs(world, seed=27)
+    d = run([4 * r for r in refs], refs, "shard(dim=0)", world)
+    assert d["signature"] == "scaled_by_world"
+    # ... while a factor of 2 at world 4 is neither world nor 1/world.
+    d2 = run([2 * r for r in refs], refs, "shard(dim=0)", world)
+    assert d2["signature"] == "scaled"
+    assert d2["evidence"]["factor"] == pytest.approx(2)
+
+
+def test_correct_shards_are_not_rank0_shard():
+    world = 2
+    _, refs = sharded_refs(world, seed=28)
+    tps = [r * (1 + 1e-7) for r in refs]
+    assert run(tps, refs, "shard(dim=0)", world)["signature"] == "near_bound"
+
+
+def test_bf16_eps_widens_the_tolerance_for_partial_sums():
+    # A partial sum whose total is off by 5% is still a partial sum in bf16 (16 ulps = 12.5%), not in fp32.
+    world = 2
+    ref = rng(29).standard_normal(SHAPE)
+    p0 = rng(30).standard_normal(SHAPE)
+    noise = 0.05 * np.abs(ref).max() * rng(31).uniform(-1, 1, SHAPE)
+    partials = [p0, ref - p0 + noise]
+    assert run(partials, [ref] * world, "replicate", world, eps=BF16_EPS)["signature"] == "partial_sum"
+    assert run(partials, [ref] * world, "replicate", world, eps=FP32_EPS)["signature"] != "partial_sum"
+
+
+@pytest.mark.parametrize("present", [[0], [1]])
+def test_evidence_from_only_some_ranks_still_gives_a_signature(present):
+    world = 2
+    _, refs = sharded_refs(world, seed=32)
+    full = evidence([2 * r for r in refs], refs, "shard(dim=0)")
+    partial = [e if r in present else {} for r, e in enumerate(full)]
+    d = diagnose(first(ranks=present), partial, world)
+    # The failing rank's own tensor still shows the factor.
+    assert d["signature"] == "scaled_by_world"
+
+
+def test_evidence_missing_the_failing_rank_falls_back_to_mismatch():
+    world = 4
+    _, refs = sharded_refs(world, seed=33)
+    full = evidence([2 * r for r in refs], refs, "shard(dim=0)")
+    d = diagnose(first(ranks=[3]), full[:2], world)  # ranks 2 and 3 never reported
+    assert d["signature"] == "mismatch"
+    assert d["evidence"] == {}
+
+
+def test_no_evidence_at_all():
+    d = diagnose(first(ranks=[]), [], 2)
+    assert d["signature"] == "mismatch"
+    assert d["sentence"].startswith("act:down (forward, step 1)")
+
+
+def test_not_applied_names_the_ranks_where_nothing_happened():
+    """An update (or grad) that never happened on some ranks: zero there, the reference is not. Checked
+    before the replicated-tensor signatures, where a zero on one rank would read as a partial sum."""
+    world = 2
+    ref = rng(40).standard_normal(SHAPE)
+    d = run([ref, np.zeros_like(ref)], [ref, ref], "replicate", world)
+    assert d["signature"] == "not_applied" and d["evidence"]["ranks"] == [1]
+    _, refs = sharded_refs(world, seed=41)
+    d = run([refs[0], np.zeros_like(refs[1])], refs, "shard(dim=0)", world)
+    assert d["signature"] == "not_applied"
+    # a zero reference is not "not applied"
+    d = run([np.zeros(SHAPE)] * 2, [np.zeros(SHAPE)] * 2, "replicate", world)
+    assert d["signature"] != "not_applied"
+
+
+def test_decay_is_a_difference_proportional_to_the_weights():
+    """Optimizer-stage evidence carries the parameter's weights: an update that differs by k * w (weight
+    decay applied twice, or as L2) is named so; an update that differs otherwise is not."""
+    world = 2
+    w = [rng(50 + r).standard_normal(SHAPE) for r in range(world)]
+    upd = [rng(60 + r).standard_normal(SHAPE) * 1e-3 for r in range(world)]
+    tps = [u - 1e-5 * wr for u, wr in zip(upd, w)]
+    ev = evidence(tps, upd, "shard(dim=0)", key="optimizer|1|update:fc.weight")
+    for r in range(world):
+        ev[r]["optimizer|1|update:fc.weight"]["weights"] = w[r]
+    d = diagnose({"stage": "optimizer", "step": 1, "name": "update:fc.weight", "ranks": [0, 1]}, ev, world)
+    assert d["signature"] == "decay" and abs(d["evidence"]["difference_over_weights"] + 1e-5) < 1e-7
+    for r in range(world):  # the same difference without weights as evidence: no such claim
+        del ev[r]["optimizer|1|update:fc.weight"]["weights"]
+    d = diagnose({"stage": "optimizer", "step": 1, "name": "update:fc.weight", "ranks": [0, 1]}, ev, world)
+    assert d["signature"] != "decay"
+
+
+def test_small_but_far_over_the_bound_is_not_near_bound():
+    """A 5e-6 relative error (an RMSNorm eps of 1e-5 instead of 1e-6) is within 1e-3 relative, but 7x a
+    tight float32 bound: that is a real difference, not rounding."""
+    world = 2
+    _, refs = sharded_refs(world, seed=70)
+    tps = [r * (1 + 5e-6 * rng(71 + i).uniform(0.5, 1, r.shape)) for i, r in enumerate(refs)]
+    ev = evidence(tps, refs, "shard(dim=0)")
+    scale = max(float(np.abs(r).max()) for r in refs)
+    near = {"stage": "forward", "step": 1, "name": "act:down", "ranks": [0, 1], "error": 5e-6 * scale,
+            "bound": 4e-6 * scale}
+    assert diagnose(near, ev, world)["signature"] == "near_bound"
+    far = dict(near, bound=5e-6 * scale / 7)
+    d = diagnose(far, ev, world)
+    assert d["signature"] == "mismatch" and d["evidence"]["error_over_bound"] > 6

@@ -1,0 +1,94 @@
+"""The self-test can fail where it matters: on every rank, at every stage and step, a control (a copy of
+the reference with one element moved by a known amount) goes through the same compare -> bound ->
+merge -> verdict path as the real tensors. Broken checkers (mutants of that path) turn a buggy case's
+run into verdict "error" (exit 3) saying the checker failed its control; the real checker does not."""
+import dataclasses
+
+import pytest
+import torch
+
+from tpcheck import CaseSpec, check, exit_code
+from tpcheck.checker.rank import tolerance
+from tpcheck.checker.rank.compare import Comparator
+from tpcheck.checker.verdict import result as result_module
+
+# a bug at the bound's scale (one rank's partial sum 3% off) and its correct twin, at world 2
+BUGGY = CaseSpec(block="mlp", preset="tiny", world_size=2, fault="partial_sum_off_by_3pct")
+CORRECT = dataclasses.replace(BUGGY, fault=None)
+STAGES = {"weights", "forward", "loss", "backward", "grads", "optimizer", "replicas"}
+
+
+def _records_zero(monkeypatch):
+    """compare records an error of 0, whatever it measured."""
+    record = Comparator._record
+
+    def zero(self, stage, step, name, error, bound, placement, control=False):
+        return record(self, stage, step, name, 0.0, bound, placement, control)
+
+    monkeypatch.setattr(Comparator, "_record", zero)
+
+
+def _tolerance_times_1000(monkeypatch):
+    calibrated = tolerance.calibrated
+
+    def loose(*args, **kwargs):
+        bound = calibrated(*args, **kwargs)
+        return dataclasses.replace(bound, value=bound.value * 1000)
+
+    monkeypatch.setattr(tolerance, "calibrated", loose)
+
+
+def _factor_times_1000(monkeypatch):
+    factor = tolerance.factor
+    monkeypatch.setattr(tolerance, "factor", lambda *args: 1000 * factor(*args))
+
+
+def _ranks_above_0_pass(monkeypatch):
+    judge = result_module.judge
+    monkeypatch.setattr(result_module, "judge", lambda c: c["rank"] > 0 or judge(c))
+
+
+def _evidence_dropped(monkeypatch):
+    monkeypatch.setattr(Comparator, "_keep_evidence", lambda self, *args, **kwargs: None)
+
+
+MUTANTS = [_records_zero, _tolerance_times_1000, _factor_times_1000, _ranks_above_0_pass, _evidence_dropped]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.__name__.strip("_"))
+def test_a_broken_checker_ends_in_error_not_a_verdict(monkeypatch, mutant):
+    mutant(monkeypatch)
+    results = check([BUGGY, CORRECT])
+    for r in results:
+        assert r["verdict"] == "error", (mutant.__name__, r["summary"])
+        assert r["summary"].startswith("the checker failed its control"), r["summary"]
+        assert r["self_test"]["failures"]
+    assert exit_code(results) == 3
+
+
+def test_the_real_checker_passes_its_controls_on_every_rank_stage_and_step():
+    buggy, correct = check([BUGGY, CORRECT])
+    assert buggy["verdict"] == "not equivalent" and buggy["as_expected"], buggy["summary"]
+    assert correct["verdict"] == "equivalent" and correct["as_expected"], correct["summary"]
+    for r in (buggy, correct):
+        st = r["self_test"]
+        assert st["failures"] == [] and st["skipped"] == [] and st["controls"] == st["flagged"] > 0
+        # every (rank, stage, step) with checks has its own control (self_test would list it otherwise),
+        # and every stage is represented
+        assert {c["stage"] for c in r["checks"]} == STAGES
+        assert not any(c["name"].startswith("control:") for c in r["checks"])  # controls are not checks
+
+
+def test_a_control_that_is_not_flagged_names_where(monkeypatch):
+    """Only float64 bounds are loosened (x 1e6, far above the float64 control's 1e-8 relative shift): a
+    float64 run ends in "error" and the message names the control that was not flagged."""
+    calibrated = tolerance.calibrated
+
+    def loose_in_float64(dense, truth, dtype, world):
+        bound = calibrated(dense, truth, dtype, world)
+        return dataclasses.replace(bound, value=bound.value * 1e6) if dtype == torch.float64 else bound
+
+    monkeypatch.setattr(tolerance, "calibrated", loose_in_float64)
+    (r,) = check([dataclasses.replace(CORRECT, dtype="float64")])
+    assert r["verdict"] == "error"
+    assert "control:" in r["summary"] and "was not flagged" in r["summary"]
