@@ -1,6 +1,7 @@
 """(d) What a full check costs over the bare dense step, and what capture costs (issue 5).
 
-Check: `tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, steps=1, optimizer="sgd", micro_batches=1)])`
+Check: `tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, run=RunSettings(steps=1, optimizer="sgd",
+micro_batches=1))])`
 (the dense model and the TP shard on every rank, the float64 truth on rank 0; compare everything, capture activations for the
 diagnosis). Its `seconds` field is the slower rank's time for the whole case (build, load, step, compare).
 Floor: one dense forward + backward + SGD step of `DenseMLP` at the same size, timed in one process on
@@ -49,8 +50,8 @@ def inner_check(size, capture: bool, device: str = "cpu", world: int = 2) -> Non
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:world])  # one CPU per rank
     import tpcheck
 
-    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=world, steps=1,
-                            optimizer="sgd", micro_batches=1, capture=capture,  # one step as the dense one
+    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=world,
+                            run=tpcheck.RunSettings(steps=1, optimizer="sgd", micro_batches=1, capture=capture),
                             device=device)
     t0 = time.perf_counter()
     (r,) = tpcheck.check([spec], timeout_s=300)
@@ -184,8 +185,8 @@ def inner_profile(size) -> None:
     from tpcheck.parallel.group import TPGroup
     from tpcheck.resolve import RESOLVER
 
-    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=1, steps=1,
-                            optimizer="sgd", micro_batches=1)
+    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=1,
+                            run=tpcheck.RunSettings(steps=1, optimizer="sgd", micro_batches=1))
 
     def once():
         group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))

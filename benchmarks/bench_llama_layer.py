@@ -25,8 +25,8 @@ TARGET_GIB = 20.0
 def inner(block: str, world: int, dtype: str) -> None:
     import tpcheck
 
-    spec = tpcheck.CaseSpec(block=block, preset="llama3-8b-layer", world_size=world, dtype=dtype, steps=1,
-                            optimizer="sgd")
+    spec = tpcheck.CaseSpec(block=block, preset="llama3-8b-layer", world_size=world,
+                            run=tpcheck.RunSettings(dtype=dtype, steps=1, optimizer="sgd"))
     t0 = time.perf_counter()
     (r,) = tpcheck.check([spec], timeout_s=900)
     print(json.dumps({"seconds": r["seconds"], "check_wall_s": time.perf_counter() - t0, "verdict": r["verdict"],

@@ -26,10 +26,10 @@ def inner(world: int, kept: bool) -> None:
 
     if kept:
         spawn.keep_parent_to_one_thread()
-    from tpcheck import CaseSpec, check
+    from tpcheck import CaseSpec, RunSettings, check
 
-    spec = CaseSpec(block="mlp", preset="seed", overrides=SIZE, world_size=world, steps=1, optimizer="sgd",
-                    micro_batches=1)
+    spec = CaseSpec(block="mlp", preset="seed", overrides=SIZE, world_size=world,
+                    run=RunSettings(steps=1, optimizer="sgd", micro_batches=1))
     (r,) = check([spec], timeout_s=300)
     print(json.dumps({"seconds": r["seconds"], "verdict": r["verdict"], "threads": spawn.rank_threads(world),
                       "float64_threads": spawn.threads_while_others_wait(world)}))

@@ -22,10 +22,9 @@ from _common import parser, table, write  # noqa: E402
 
 def value_dtype(spec, check: dict) -> str:
     """The dtype a check's values are rounded to: float32 masters after the step of a 16-bit run."""
-    masters = spec.master_weights and spec.dtype in ("bfloat16", "float16")
-    if masters and check["stage"] == "optimizer" and check["name"].startswith("param:"):
+    if spec.settings.uses_masters and check["stage"] == "optimizer" and check["name"].startswith("param:"):
         return "float32"
-    return spec.dtype
+    return spec.settings.dtype
 
 
 def sweep(n: int, seed: int) -> dict:
@@ -46,7 +45,7 @@ def sweep(n: int, seed: int) -> dict:
         if r["verdict"] != "equivalent":
             bad.append({"case": r["name"], "spec": r["spec"], "summary": r["summary"]})
             continue
-        cell = cells[(spec.dtype, spec.world_size)]
+        cell = cells[(spec.settings.dtype, spec.world_size)]
         cell["cases"] += 1
         for c in r["checks"]:
             if c["kind"] != "calibrated" or not c["bound"]:

@@ -468,7 +468,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
-    from tpcheck.checker.case import CaseSpec
+    from tpcheck.checker.case import CaseSpec, RunSettings
     from tpcheck.faults import CATALOGUE, get_fault
     from tpcheck.resolve import feasible
 
@@ -479,13 +479,14 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list:
         faults += [get_fault(f).name for f in args.fault]
     specs = []
     for block, ws, dtype, fault in itertools.product(args.block, world_sizes, args.dtype, faults):
-        spec = CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, dtype=dtype,
-                        steps=3 if args.steps is None else args.steps, optimizer=args.optimizer or "adamw", lr=args.lr,
-                        micro_batches=args.micro_batches, sequence_parallel=args.sp, seed=args.seed,
-                        master_weights=args.master_weights is not False, overrides=dropout_overrides(args))
+        run = RunSettings(dtype=dtype, steps=3 if args.steps is None else args.steps,
+                          optimizer=args.optimizer or "adamw", lr=args.lr, micro_batches=args.micro_batches,
+                          seed=args.seed, master_weights=args.master_weights is not False)
+        spec = CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, run=run, sequence_parallel=args.sp,
+                        overrides=dropout_overrides(args))
         if fault is None:
             specs.append(spec)
-        elif CATALOGUE[fault].applies(block, ws, spec.optimizer, dtype, spec.micro_batches, spec.master_weights):
+        elif CATALOGUE[fault].applies(block, ws, run.optimizer, dtype, run.micro_batches, run.master_weights):
             faulty = CATALOGUE[fault].prepare(spec)
             if feasible(faulty):
                 specs.append(faulty)
@@ -521,14 +522,13 @@ def split_world_sizes_from_targets(args: argparse.Namespace) -> None:
 def target_spec(target: str, world_size: int, dtype: str | None, given: dict, broken: dict):
     """The spec of one case-file target; for a target that cannot be loaded, a spec that fails again
     (with the same message) when the launcher validates it: one invalid case, the other targets still run."""
-    from tpcheck.checker.case import CaseSpec
-    from tpcheck.checker.usercode import FILE_PREFIX, file_spec
+    from tpcheck.checker.case import FILE_PREFIX, CaseSpec
+    from tpcheck.checker.usercode import file_spec
 
     try:
         return file_spec(target, world_size, dtype=dtype, **given)
     except UsageError as e:
-        spec = CaseSpec(block=FILE_PREFIX + target, world_size=world_size, dtype=dtype or "float32",
-                        label=f"{target}/tp{world_size}")
+        spec = CaseSpec(block=FILE_PREFIX + target, world_size=world_size, label=f"{target}/tp{world_size}")
         broken[spec] = e
         return spec
 

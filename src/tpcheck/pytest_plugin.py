@@ -36,12 +36,12 @@ class TPCheckFixture:
         tpcheck.UsageError for arguments it cannot run, AssertionError with the diagnosis
         unless every case got the verdict expected -- `expect` ("equivalent", "not equivalent" for a
         planted bug, "hang"), by default "equivalent" (a catalogue fault: caught). `device`: "cuda" runs
-        each rank on its own GPU (default: the CPU). `fields` for a Case or case file: dtype, steps,
-        optimizer, lr, seed, micro_batches (override the Case's own); for a built-in block: any CaseSpec
-        field."""
+        each rank on its own GPU (default: the CPU). `fields`: run settings (RunSettings fields: dtype,
+        steps, optimizer, lr, seed, micro_batches, ...; for a Case or case file they override its own),
+        and for a built-in block or a CaseSpec any other CaseSpec field."""
         __tracebackhide__ = True  # a failure shows the test's line and the diagnosis, not this function
         from tpcheck.api import check
-        from tpcheck.checker.case import Case, CaseSpec
+        from tpcheck.checker.case import RUN_FIELDS, Case, CaseSpec
         from tpcheck.checker.usercode import file_spec, register
         from tpcheck.errors import UsageError
 
@@ -52,11 +52,15 @@ class TPCheckFixture:
             target = register(case) if isinstance(case, Case) else case
             specs = [file_spec(target, w, **fields) for w in world_sizes]
         elif isinstance(case, (CaseSpec, str)):
-            unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(CaseSpec)})
+            spec_fields = [f.name for f in dataclasses.fields(CaseSpec) if f.name != "run"]
+            unknown = sorted(set(fields) - set(spec_fields) - set(RUN_FIELDS))
             if unknown:
-                raise UsageError(f"tpcheck.verify({case!r}, ..., {unknown[0]}=...): {unknown} are not CaseSpec fields; "
-                                 f"fields: {[f.name for f in dataclasses.fields(CaseSpec)]}")
-            base = dataclasses.replace(case, **fields) if isinstance(case, CaseSpec) else CaseSpec(block=case, **fields)
+                raise UsageError(f"tpcheck.verify({case!r}, ..., {unknown[0]}=...): {unknown} are neither CaseSpec "
+                                 f"fields {spec_fields} nor run settings {list(RUN_FIELDS)}")
+            base = case if isinstance(case, CaseSpec) else CaseSpec(block=case)
+            base = dataclasses.replace(base, **{k: v for k, v in fields.items() if k not in RUN_FIELDS})
+            if run := {k: v for k, v in fields.items() if k in RUN_FIELDS}:
+                base = base.with_run(**run)
             specs = [dataclasses.replace(base, world_size=w) for w in world_sizes]
         else:
             raise UsageError(f"tpcheck.verify takes a tpcheck.Case, a CaseSpec, a built-in block name or "

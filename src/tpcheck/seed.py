@@ -12,7 +12,7 @@ import sys
 import torch
 
 from tpcheck.blocks import BLOCKS, config_for
-from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.parallel.group import TPGroup
 
 SEED_MODES = ("equivalence", "missing_forward_reduce", "missing_backward_reduce")
@@ -35,10 +35,10 @@ def mode_specs(mode: str, world_size: int, *, preset: str | None = None, steps: 
                optimizer: str | None = None, lr: float | None = None, seed: int = 31) -> list[CaseSpec]:
     """The CaseSpecs of a seed mode ('all': the three run modes; 'inspect': none)."""
     modes = SEED_MODES if mode == "all" else () if mode == "inspect" else (mode,)
-    return [CaseSpec(block="mlp", preset=preset or "seed", world_size=world_size, steps=1 if steps is None else steps,
-                     optimizer=optimizer or "sgd", lr=lr, seed=seed, micro_batches=1,
-                     fault=None if m == "equivalence" else m,
-                     label=m) for m in modes]
+    run = RunSettings(steps=1 if steps is None else steps, optimizer=optimizer or "sgd", lr=lr, seed=seed,
+                      micro_batches=1)
+    return [CaseSpec(block="mlp", preset=preset or "seed", world_size=world_size, run=run,
+                     fault=None if m == "equivalence" else m, label=m) for m in modes]
 
 
 def seed_run_result(mode: str, result: dict) -> dict:

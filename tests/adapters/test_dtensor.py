@@ -60,7 +60,7 @@ def test_dropout_in_a_dtensor_plan_replicated_region_passes_sequence_shards_are_
     from torch import nn
 
     import dtensor_llama as L
-    from tpcheck import CaseSpec
+    from tpcheck import CaseSpec, RunSettings
     from tpcheck.checker.usercode import register
 
     class Block(L.Block):
@@ -77,7 +77,7 @@ def test_dropout_in_a_dtensor_plan_replicated_region_passes_sequence_shards_are_
             super().__init__(dtype)
             self.layers = nn.ModuleList(Block(dtype) for _ in range(L.LAYERS))
 
-    specs = [CaseSpec(block=register(L._case(name, sp=sp, build_dense=Model)), world_size=2, steps=1)
+    specs = [CaseSpec(block=register(L._case(name, sp=sp, build_dense=Model)), world_size=2, run=RunSettings(steps=1))
              for name, sp in (("dtensor_dropout", False), ("dtensor_dropout_sp", True))]
     plain, sp = check(specs)
     assert plain["verdict"] == "equivalent", plain["summary"]

@@ -150,7 +150,7 @@ def test_gpt_with_dropout_draws_each_mask_where_megatron_forks():
     one = RunSettings(steps=1)
     cases = [gpt_model_case(dropout=0.1, run=one), gpt_model_case(sequence_parallel=True, dropout=0.1, run=one),
              transformer_layer_case(sequence_parallel=True, dropout=0.1, run=one)]
-    plain, sp, bare = check([CaseSpec(block=register(c), world_size=2, steps=1) for c in cases])
+    plain, sp, bare = check([CaseSpec(block=register(c), world_size=2, run=RunSettings(steps=1)) for c in cases])
     for r in (plain, sp):
         assert r["verdict"] == "equivalent", r["summary"]
     placements = {r: {c["name"]: c["placement"] for c in res["checks"] if c["kind"] == "rng"}

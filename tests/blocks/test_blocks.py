@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.blocks import BLOCKS
 from tpcheck.blocks.attention import attention_plan
 from tpcheck.blocks.mlp import mlp_plan
@@ -21,7 +21,7 @@ BLOCK_NAMES = tuple(b for b in BLOCKS if b != "mlp")  # the MLP has its own suit
 
 
 def _matrix(worlds):
-    return [CaseSpec(block=b, preset="tiny", world_size=w, dtype=dt, sequence_parallel=sp)
+    return [CaseSpec(block=b, preset="tiny", world_size=w, run=RunSettings(dtype=dt), sequence_parallel=sp)
             for b in BLOCK_NAMES for w in worlds for sp in (False, True) for dt in ("float32", "bfloat16")]
 
 
@@ -47,8 +47,9 @@ def test_gqa_at_world_size_4():
     gqa = [CaseSpec(block="attention", preset="tiny", world_size=4, overrides=(("heads", 8), ("kv_heads", kv),
                                                                            ("hidden", 64)), label=f"gqa-kv{kv}")
            for kv in (1, 2, 4, 8)]
-    gqa_sp = CaseSpec(block="attention", preset="tiny", world_size=4, sequence_parallel=True, dtype="bfloat16",
-                      overrides=(("heads", 8), ("kv_heads", 1), ("hidden", 64)), label="mqa-sp-bf16")
+    gqa_sp = CaseSpec(block="attention", preset="tiny", world_size=4, run=RunSettings(dtype="bfloat16"),
+                      sequence_parallel=True, overrides=(("heads", 8), ("kv_heads", 1), ("hidden", 64)),
+                      label="mqa-sp-bf16")
     results = check(gqa + [gqa_sp])
     _assert_equivalent(results)
     by_name = {r["name"]: r for r in results}
@@ -167,7 +168,7 @@ def test_gqa_kv_replicas_are_compared_bitwise(monkeypatch):
     monkeypatch.setitem(BLOCKS, "attention_nudged_kv", Nudged(**{f.name: getattr(base, f.name)
                                                                  for f in dataclasses.fields(base)}))
     gqa = (("heads", 8), ("kv_heads", 2), ("hidden", 64))
-    nudged, correct = check([CaseSpec(block=b, preset="tiny", world_size=4, overrides=gqa, steps=1)
+    nudged, correct = check([CaseSpec(block=b, preset="tiny", world_size=4, run=RunSettings(steps=1), overrides=gqa)
                              for b in ("attention_nudged_kv", "attention")])
     assert correct["verdict"] == "equivalent", correct["summary"]
     replica_checks = [c for c in correct["checks"] if c["stage"] == "replicas" and c["name"].endswith("qkv.weight")]

@@ -1,7 +1,7 @@
 """The MLP block against its dense twin at world sizes 1, 2, 4; the seed's faults caught on every rank."""
 import pytest
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 
 
 def _failing_ranks(result, name, step=1):
@@ -42,5 +42,5 @@ def test_seed_faults_caught_on_every_rank(world):
 
 
 def test_world_size_3_and_6_divide_the_seed_ffn():
-    results = check([CaseSpec(block="mlp", preset="seed", world_size=w, steps=1) for w in (3, 6)])
+    results = check([CaseSpec(block="mlp", preset="seed", world_size=w, run=RunSettings(steps=1)) for w in (3, 6)])
     assert [r["verdict"] for r in results] == ["equivalent", "equivalent"]

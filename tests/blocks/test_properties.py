@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.blocks.sampling import random_specs
 from tpcheck.checker.pool.session import run_specs
 from tpcheck.resolve import launcher as pool_launcher
@@ -29,10 +29,11 @@ def mlp_specs(draw):
                  ("batch", draw(st.integers(1, 3))),
                  ("hidden", draw(st.sampled_from([8, 16, 64, 128]))),
                  ("ffn", world * draw(st.integers(1, 24))))
-    return CaseSpec(block="mlp", preset="seed", world_size=world, sequence_parallel=sp, overrides=overrides,
-                    dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])), seed=draw(st.integers(0, 10_000)),
-                    optimizer=draw(st.sampled_from(["sgd", "adamw"])), steps=draw(st.integers(1, 3)),
-                    micro_batches=draw(st.integers(1, 3)))
+    return CaseSpec(block="mlp", preset="seed", world_size=world,
+                    run=RunSettings(dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+                                    seed=draw(st.integers(0, 10_000)), optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+                                    steps=draw(st.integers(1, 3)), micro_batches=draw(st.integers(1, 3))),
+                    sequence_parallel=sp, overrides=overrides)
 
 
 def _no_false_alarm_and_seed_faults_flagged(launcher, spec):

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 
 WIDE = (("seq", 8), ("batch", 2), ("hidden", 1024), ("ffn", 4096))
 
@@ -14,7 +14,8 @@ def test_wide_mlp_passes_and_a_perturbed_shard_is_flagged():
     specs = []
     for world in (2, 4):
         for dtype in ("float32", "bfloat16"):
-            ok = CaseSpec(block="mlp", preset="seed", world_size=world, dtype=dtype, overrides=WIDE, steps=2)
+            ok = CaseSpec(block="mlp", preset="seed", world_size=world, run=RunSettings(dtype=dtype, steps=2),
+                          overrides=WIDE)
             specs += [ok, dataclasses.replace(ok, fault="stale_shard")]
     results = check(specs, timeout_s=120)
     for spec, r in zip(specs, results):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tpcheck.api import check
 from tpcheck.checker import devices
-from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.cli import main
 from tpcheck.errors import UsageError
 from tpcheck.report.schema import build_report, load_schema
@@ -79,7 +79,7 @@ def test_the_device_is_in_the_spec_the_name_and_the_report():
     assert spec.device == "cpu" and spec.name == "mlp/seed/tp2/float32"
     on_gpu = dataclasses.replace(spec, device="cuda")
     assert on_gpu.name == "mlp/seed/tp2/float32/cuda"
-    (result,) = check([dataclasses.replace(spec, steps=1)])
+    (result,) = check([spec.with_run(steps=1)])
     assert result["verdict"] == "equivalent" and result["spec"]["device"] == "cpu"
     report = build_report([result], exit_code=0)
     assert report["environment"]["backend"] == "gloo"
@@ -119,7 +119,7 @@ def test_an_unknown_device_flag_is_an_argparse_error(capsys):
 
 def test_a_spec_on_cuda_through_the_api_is_an_invalid_case_when_refused(monkeypatch):
     _gpus(monkeypatch, 0)
-    (result,) = check([CaseSpec(block="mlp", world_size=2, steps=1, device="cuda")])
+    (result,) = check([CaseSpec(block="mlp", world_size=2, run=RunSettings(steps=1), device="cuda")])
     assert result["verdict"] == "invalid" and "no GPU is visible" in result["summary"]
 
 

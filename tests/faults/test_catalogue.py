@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.faults import CATALOGUE
 
 WORLDS = (2, 4)
@@ -34,8 +34,9 @@ def _cases(dtypes):
             for world in WORLDS:
                 for dtype in dtypes:
                     if fault.applies(block, world, "adamw", dtype):
-                        out.append((fault, world, fault.prepare(CaseSpec(block=block, preset="tiny", world_size=world,
-                                                                          dtype=dtype))))
+                        out.append((fault, world, fault.prepare(CaseSpec(block=block, preset="tiny",
+                                                                         world_size=world,
+                                                                         run=RunSettings(dtype=dtype)))))
     return out
 
 
@@ -104,21 +105,21 @@ def _caught_at_its_stage(results, fault, faulty):
 
 
 @pytest.mark.parametrize("fault,world,faulty", CASES,
-                         ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES])
+                         ids=[f"{f.name}-{s.block}-tp{w}-{s.settings.dtype}" for f, w, s in CASES])
 def test_fault_caught_at_its_stage_and_twin_passes(results, fault, world, faulty):
     _caught_at_its_stage(results, fault, faulty)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,world,faulty", CASES_MORE,
-                         ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES_MORE])
+                         ids=[f"{f.name}-{s.block}-tp{w}-{s.settings.dtype}" for f, w, s in CASES_MORE])
 def test_fault_caught_on_every_block_and_world(results_more, fault, world, faulty):
     _caught_at_its_stage(results_more, fault, faulty)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,world,faulty", CASES_16BIT,
-                         ids=[f"{f.name}-{s.block}-tp{w}-{s.dtype}" for f, w, s in CASES_16BIT])
+                         ids=[f"{f.name}-{s.block}-tp{w}-{s.settings.dtype}" for f, w, s in CASES_16BIT])
 def test_fault_caught_in_16_bit_and_twin_passes(results_16bit, fault, world, faulty):
     first = caught_and_twin_passes(results_16bit, faulty)
     # caught where the fault acts or later (where its effect first exceeds 16-bit rounding), never before
@@ -127,7 +128,7 @@ def test_fault_caught_in_16_bit_and_twin_passes(results_16bit, fault, world, fau
 
 
 def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_region():
-    (r,) = check([CaseSpec(block="mlp", preset="seed", world_size=2, steps=1, optimizer="sgd",
+    (r,) = check([CaseSpec(block="mlp", preset="seed", world_size=2, run=RunSettings(steps=1, optimizer="sgd"),
                            fault="missing_backward_reduce")])
     d = r["diagnosis"]
     # the gradient of the norm's output: the tensor right after the norm, where the copy-to-TP-region
@@ -140,16 +141,16 @@ def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_r
 
 def test_ledger_names_missing_and_extra_collectives(results):
     by_fault = {s.fault: r for s, r in results.items() if s.world_size == 2 and s.fault and s.block == "mlp"
-                and s.dtype == "float32"}
+                and s.settings.dtype == "float32"}
     missing = by_fault["missing_forward_reduce"]["ledger"]["problems"]
     assert [(p["kind"], p["op"], p["site"], p["phase"]) for p in missing] == [("missing", "all_reduce", "down", "forward")]
     extra = by_fault["reduced_twice"]["ledger"]["problems"]
-    mb = CaseSpec(block="mlp").micro_batches  # one forward all-reduce per micro-batch per step, 3 steps
+    mb = CaseSpec(block="mlp").settings.micro_batches  # one forward all-reduce per micro-batch per step, 3 steps
     assert [(p["kind"], p["expected"], p["observed"]) for p in extra] == [("extra", 3 * mb, 6 * mb)]
     # a collective on a temporary was issued: the ledger is clean while the numbers are partial sums
     assert by_fault["collective_on_temporary"]["ledger"]["problems"] == []
     twin = next(r for s, r in results.items() if s.world_size == 2 and not s.fault and s.block == "mlp"
-                and s.dtype == "float32" and not s.sequence_parallel)
+                and s.settings.dtype == "float32" and not s.sequence_parallel)
     assert twin["ledger"]["problems"] == []
 
 
@@ -162,7 +163,7 @@ def test_collective_on_some_ranks_ends_as_a_hang_in_seconds():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("faulty", [s for f, _, s in CASES_16BIT if f.expected_stage == "optimizer"],
-                         ids=lambda s: f"{s.fault}-{s.block}-tp{s.world_size}-{s.dtype}")
+                         ids=lambda s: f"{s.fault}-{s.block}-tp{s.world_size}-{s.settings.dtype}")
 def test_optimizer_faults_are_caught_in_16_bit_by_the_replay(results_16bit, faulty):
     """The optimizer stage replays the dense rule on the TP side's own weights and grads: bitwise, so a
     wrong lr, betas, decay, reset or missing state is caught in 16-bit runs as in float32, at its step."""

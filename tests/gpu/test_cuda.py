@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.cli import main
 from tpcheck.faults import CATALOGUE
 
@@ -21,7 +21,7 @@ BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy")
 
 
 def _spec(block, world, dtype, **kw):
-    return CaseSpec(block=block, preset="tiny", world_size=world, dtype=dtype, device="cuda", **kw)
+    return CaseSpec(block=block, preset="tiny", world_size=world, run=RunSettings(dtype=dtype), device="cuda", **kw)
 
 
 def test_every_block_on_gpus_is_equivalent_in_float32_and_bfloat16():

@@ -38,7 +38,7 @@ def test_one_world_size_as_a_number(tpcheck):
 
 @pytest.mark.parametrize("args,kw,words", [
     (("mlp", []), {{}}, "world_sizes=[]): give a world size or a non-empty list"),
-    (("mlp", [1]), {{"bogus": 3}}, "['bogus'] are not CaseSpec fields"),
+    (("mlp", [1]), {{"bogus": 3}}, "['bogus'] are neither CaseSpec fields"),
     ((42, [1]), {{}}, "not int 42"),
     (("mlp", [1]), {{"expect": "caught"}}, "expect='caught': give one of"),
 ])

@@ -123,12 +123,13 @@ def test_matplotlib_is_imported_only_for_html():
 def test_page_shows_the_rng_placement_checks():
     """A run with dropout and the `rng_diverged` fault: the report validates, and the page lists every random
     draw with its mask placement, its rule and how many of its checks failed."""
-    from tpcheck import CaseSpec, check, exit_code
+    from tpcheck import CaseSpec, RunSettings, check, exit_code
     from tpcheck.faults import CATALOGUE
     from tpcheck.report.schema import build_report, load_schema
     from tpcheck.report.validate import first_error
 
-    good = CaseSpec(block="layer", preset="tiny", steps=1, overrides=(("dropout", 0.1), ("attention_dropout", 0.1)))
+    good = CaseSpec(block="layer", preset="tiny", overrides=(("dropout", 0.1), ("attention_dropout", 0.1)),
+                    run=RunSettings(steps=1))
     results = check([good, CATALOGUE["rng_diverged"].prepare(dataclasses.replace(good, fault="rng_diverged"))])
     report = build_report(results, exit_code=exit_code(results))
     assert first_error(json.loads(json.dumps(report)), load_schema()) is None

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpcheck.api import check
-from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.cli import main
 
 FLAGS = {  # flag -> values (valid and garbage); a list value means nargs="+"
@@ -89,7 +89,7 @@ def test_random_case_configs_are_equivalent_or_invalid(seq, batch, hidden, ffn, 
     """A correct implementation on any config it accepts is equivalent; a config it cannot take is
     "invalid" with a message. Never an internal error (which would be "error" with a traceback)."""
     before = children()
-    spec = CaseSpec(world_size=world, sequence_parallel=sp, dtype=dtype, steps=1,
+    spec = CaseSpec(world_size=world, run=RunSettings(dtype=dtype, steps=1), sequence_parallel=sp,
                     overrides=(("seq", seq), ("batch", batch), ("hidden", hidden), ("ffn", ffn),
                                ("gate_up_layout", layout)))
     with watchdog(90):

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck.adapters.dtensor import LocalShards
-from tpcheck.checker.case import Case, CaseSpec
+from tpcheck.checker.case import Case, CaseSpec, RunSettings
 from tpcheck.checker.usercode import HF_PREFIX
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -479,11 +479,14 @@ def hf_case(spec: CaseSpec) -> Case:
 
     return Case(name=spec.name, build_dense=build_dense, build_tp=build_tp, plan=None, load_tp=load_tp,
                 make_batch=_make_batch, loss=lm_loss, grad_inputs=(), output_placement=prep.output,
-                activations=prep.activations, no_grad_forward=True, run=spec.run_settings())
+                activations=prep.activations, no_grad_forward=True, run=spec.settings)
 
 
-def hf_spec(model_type: str, world_size: int, dtype: str = "float32", rules: dict | None = None, **fields) -> CaseSpec:
+def hf_spec(model_type: str, world_size: int, dtype: str = "float32", rules: dict | None = None, *,
+            label: str | None = None, **settings) -> CaseSpec:
+    """The spec of one architecture with transformers' own plan (`rules` override some of its rules);
+    `settings`: run settings besides the dtype (steps, micro_batches, ...)."""
     overrides = (("tp_plan", tuple(sorted(rules.items()))),) if rules else ()
-    label = f"{HF_PREFIX}{model_type}/tp{world_size}/{dtype}" + ("/rules" if rules else "")
-    return CaseSpec(block=HF_PREFIX + model_type, world_size=world_size, dtype=dtype, overrides=overrides,
-                    label=fields.pop("label", label), **fields)
+    label = label or f"{HF_PREFIX}{model_type}/tp{world_size}/{dtype}" + ("/rules" if rules else "")
+    return CaseSpec(block=HF_PREFIX + model_type, world_size=world_size, run=RunSettings(dtype=dtype, **settings),
+                    overrides=overrides, label=label)

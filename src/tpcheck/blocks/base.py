@@ -53,7 +53,7 @@ class Block:
         return Case(name=spec.name, build_dense=lambda dtype: self.dense(cfg, dtype),
                     build_tp=lambda group, dtype: self.tp(cfg, group, dtype, sp), plan=self.plan(cfg, sp),
                     make_batch=self.batch(cfg), expected_collectives=tuple(self.collectives(cfg, spec.world_size, sp)),
-                    run=spec.run_settings(), **self.io(cfg, sp))
+                    run=spec.settings, **self.io(cfg, sp))
 
 
 def config_for(spec: CaseSpec) -> ModelConfig:

@@ -10,6 +10,7 @@ launcher is handed a resolver (`tpcheck.resolve`).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -247,37 +248,55 @@ class CaseSpec:
     """The picklable name of a case. `block` is a built-in block name, "file:PATH[:NAME]" (a case
     file) or "registered:ID" (a Case registered in this process).
 
-    overrides: for a built-in block, ModelConfig field overrides; for a case file, the run settings the
-    caller gave (they replace the Case's own). `device`: where every rank computes, "cpu" (gloo) or
-    "cuda" (one GPU per rank, NCCL; checker/devices.py). `expected`: the verdict this case should get; None
-    means "equivalent" without a fault, "not equivalent" with one (the resolver fills in a fault's own).
+    run: how it runs, one `RunSettings` (dtype, steps, micro-batches, optimizer, lr, seed, capture,
+    master weights); None: the case's own (a case file's `Case.run`, `RunSettings()` for a built-in
+    block). When given it is what runs, whole: the Case the resolver builds carries it, and the report
+    names the settings the ranks ran (`RankPayload.run`), never a copy of them. `with_run(...)` changes
+    some of them. overrides: ModelConfig field overrides of a built-in block. `device`: where every
+    rank computes, "cpu" (gloo) or "cuda" (one GPU per rank, NCCL; checker/devices.py). `expected`: the
+    verdict this case should get; None means "equivalent" without a fault, "not equivalent" with one
+    (the resolver fills in a fault's own).
     """
 
     block: str = "mlp"
     preset: str = "seed"
     world_size: int = 2
-    dtype: str = "float32"
-    steps: int = 3
-    optimizer: str = "adamw"
-    lr: float | None = None
-    micro_batches: int = 2
+    run: RunSettings | None = None
     sequence_parallel: bool = False
     fault: str | None = None
-    seed: int = 31
     overrides: tuple[tuple[str, object], ...] = ()
-    capture: bool = True
-    master_weights: bool = True
     label: str = ""
     expected: str | None = None
     device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.run is not None and not isinstance(self.run, RunSettings):
+            raise UsageError(f"CaseSpec(run={self.run!r}): run must be a tpcheck.RunSettings (or None: the case's "
+                             "own settings), e.g. CaseSpec(block='mlp', run=RunSettings(dtype='bfloat16', steps=2))")
+
+    @property
+    def settings(self) -> RunSettings:
+        """The run settings of a built-in block: `run`, else the defaults. (A case file's own settings are
+        known once its Case is built: `Resolver.build(spec).run`.)"""
+        return self.run if self.run is not None else RunSettings()
+
+    def with_run(self, **changes) -> CaseSpec:
+        """This spec with some run settings changed (`RunSettings` fields; validated)."""
+        unknown = sorted(set(changes) - set(RUN_FIELDS))
+        if unknown:
+            raise UsageError(f"{unknown} are not run settings; the run settings are {list(RUN_FIELDS)}")
+        return dataclasses.replace(self, run=dataclasses.replace(self.settings, **changes))
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
-        parts = [self.block, self.preset, f"tp{self.world_size}", self.dtype]
-        if not self.master_weights and self.dtype in ("bfloat16", "float16"):
-            parts.append("pure")
+        parts = [self.block, self.preset, f"tp{self.world_size}"]
+        if self.run is not None or not self.block.startswith(USER_PREFIXES):  # a case file's own: not known here
+            run = self.settings
+            parts.append(run.dtype)
+            if not run.master_weights and run.dtype in ("bfloat16", "float16"):
+                parts.append("pure")
         if self.sequence_parallel:
             parts.append("sp")
         if self.fault:
@@ -292,20 +311,18 @@ class CaseSpec:
             return self.expected
         return "equivalent" if self.fault is None else "not equivalent"
 
-    def run_settings(self) -> RunSettings:
-        """This spec's run settings (validated: raises UsageError naming a bad value)."""
-        return RunSettings(dtype=self.dtype, steps=self.steps, micro_batches=self.micro_batches,
-                           optimizer=self.optimizer, lr=self.lr, seed=self.seed, capture=self.capture,
-                           master_weights=self.master_weights)
-
     def validate(self) -> None:
         """What can be checked without building anything; raises UsageError naming the value and the fix.
-        (Block, preset and fault names are the resolver's to check.)"""
+        (Block, preset and fault names are the resolver's to check; the run settings validate themselves.)"""
         check_world_size(self.world_size)
         check_device(self.device, self.world_size)
-        self.run_settings()
         if self.expected is not None and self.expected not in VERDICTS_EXPECTED:
             raise UsageError(f"expected verdict {self.expected!r} is not one of {list(VERDICTS_EXPECTED)}")
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunSettings))  # what `CaseSpec.with_run` may set
+FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"  # a case file, a Case registered in this process
+USER_PREFIXES = (FILE_PREFIX, REGISTERED_PREFIX)
 
 
 # Each rank is a process on this machine. Beyond ~8 ranks per core, gloo's rendezvous and collectives

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tpcheck.checker.case import RunSettings
+
 
 @dataclass(kw_only=True)
 class Check:
@@ -65,6 +67,7 @@ class RankPayload:
     where: dict | None = None  # the launcher's evidence of where the rank was (heartbeat.py)
     inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
+    run: RunSettings | None = None  # the settings the rank ran (None: it never built the case)
 
     def problem_json(self) -> dict:
         return {k: getattr(self, k) for k in PROBLEM_KEYS if getattr(self, k) not in (None, "")

@@ -22,14 +22,13 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from tpcheck.checker.case import Case, CaseSpec
+from tpcheck.checker.case import FILE_PREFIX, REGISTERED_PREFIX, RUN_FIELDS, Case, CaseSpec
 from tpcheck.checker.pool.spawn import interrupt_is_a_signal
 from tpcheck.errors import UsageError
 
-FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
 HF_PREFIX = "hf:"  # a HuggingFace architecture with transformers' own plan (tpcheck.adapters.transformers)
-# Case fields a CaseSpec may override for a user case (set by the CLI/plugin only for values given).
-OVERRIDABLE = ("dtype", "steps", "optimizer", "lr", "seed", "micro_batches", "master_weights")
+# what a caller may set of a user case's own run settings: every RunSettings field, nothing else
+OVERRIDABLE = RUN_FIELDS
 USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "load_tp", "loss", "tp_loss")
 
 _REGISTERED: dict[str, Case] = {}
@@ -41,8 +40,10 @@ def is_user_block(block: str) -> bool:
 
 
 def build_user_case(spec: CaseSpec) -> Case:
-    """The user's Case for `spec`, with the run settings the caller gave applied."""
-    return apply_overrides(user_case(spec), spec)
+    """The user's Case for `spec`, named as the spec, running the spec's settings when it has some (else
+    its own)."""
+    case = user_case(spec)
+    return dataclasses.replace(case, name=spec.name, run=spec.run if spec.run is not None else case.run)
 
 
 # ------------------------------------------------------------------------------ registered cases
@@ -168,15 +169,6 @@ def user_case(spec: CaseSpec) -> Case:
     return guard_user_case(obj, path)
 
 
-def apply_overrides(case: Case, spec: CaseSpec) -> Case:
-    """The spec's overrides (values the user gave on the CLI / to verify) replace the Case's own."""
-    fields = dict(spec.overrides)
-    unknown = sorted(set(fields) - set(OVERRIDABLE))
-    if unknown:
-        raise UsageError(f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}")
-    return dataclasses.replace(case, name=spec.name, run=dataclasses.replace(case.run, **fields))
-
-
 def expand_target(target: str) -> list[str]:
     """A case file given without :NAME that defines several cases stands for all of them, in file order."""
     if target.startswith(REGISTERED_PREFIX):
@@ -190,18 +182,17 @@ def expand_target(target: str) -> list[str]:
 
 def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpec:
     """A CaseSpec for a case file or a registered Case, resolved in this process: loads the file (so
-    mistakes in it are reported once, here, before any rank starts) and fills the spec's dtype/steps/...
-    from the Case, except those the caller gave (`given`, None meaning not given), which override it."""
+    mistakes in it are reported once, here, before any rank starts); the spec's `run` is the Case's own
+    settings with those the caller gave (`given`, None meaning not given) replaced: what will run."""
     given = {k: v for k, v in given.items() if v is not None}
     unknown = sorted(set(given) - set(OVERRIDABLE))
     if unknown:
         raise UsageError(f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}")
     block = target if target.startswith(REGISTERED_PREFIX) else FILE_PREFIX + target
-    probe = CaseSpec(block=block, world_size=world_size, overrides=tuple(sorted(given.items())), **given)
+    probe = CaseSpec(block=block, world_size=world_size)
     own = user_case(probe)
-    case = apply_overrides(own, probe)
-    display = label or f"{own.name}/tp{world_size}/{case.run.dtype}"
-    return dataclasses.replace(probe, label=display, **{k: getattr(case.run, k) for k in OVERRIDABLE})
+    run = dataclasses.replace(own.run, **given)
+    return dataclasses.replace(probe, run=run, label=label or f"{own.name}/tp{world_size}/{run.dtype}")
 
 
 # ------------------------------------------------------------------------------ guarding user code

@@ -53,9 +53,9 @@ class Fault:
         given = {key for key, _ in spec.overrides}  # a value the spec sets wins (e.g. its own dropout)
         missing = tuple(o for o in self.overrides if o[0] not in given)
         expected = "hang" if self.expected_signature == "hang" else spec.expected
-        micro = spec.micro_batches if self.micro_batches is None else self.micro_batches
-        return dataclasses.replace(spec, fault=self.name, sequence_parallel=sp, overrides=spec.overrides + missing,
-                                   expected=expected, micro_batches=micro)
+        micro = spec.settings.micro_batches if self.micro_batches is None else self.micro_batches
+        return dataclasses.replace(spec.with_run(micro_batches=micro), fault=self.name, sequence_parallel=sp,
+                                   overrides=spec.overrides + missing, expected=expected)
 
 
 def _entries() -> list[Fault]:
@@ -207,16 +207,15 @@ def get_fault(name: str) -> Fault:
 def check_applies(spec: CaseSpec) -> Fault:
     """The spec's fault, or UsageError naming where it applies and the spec's block, world size,
     optimizer and dtype that it does not fit."""
-    fault = get_fault(spec.fault)
-    if not fault.applies(spec.block, spec.world_size, spec.optimizer, spec.dtype, spec.micro_batches,
-                         spec.master_weights):
+    fault, run = get_fault(spec.fault), spec.settings
+    if not fault.applies(spec.block, spec.world_size, run.optimizer, run.dtype, run.micro_batches, run.master_weights):
         micro = f" with >= {fault.min_micro_batches} micro-batches" if fault.min_micro_batches > 1 else ""
         masters = "" if fault.pure_16bit else " (16-bit: with master weights)"
         raise UsageError(f"fault {fault.name!r} applies to block(s) {list(fault.blocks)} at world sizes "
                          f"{list(fault.worlds)}{' with AdamW' if fault.adaptive_only else ''} in {list(fault.dtypes)}"
-                         f"{masters}{micro}, not {spec.block!r} at {spec.world_size} with {spec.optimizer} in "
-                         f"{spec.dtype}{'' if spec.master_weights else ' without master weights'} "
-                         f"with {spec.micro_batches} micro-batch(es)")
+                         f"{masters}{micro}, not {spec.block!r} at {spec.world_size} with {run.optimizer} in "
+                         f"{run.dtype}{'' if run.master_weights else ' without master weights'} "
+                         f"with {run.micro_batches} micro-batch(es)")
     return fault
 
 

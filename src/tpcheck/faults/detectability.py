@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from tpcheck.blocks import BLOCKS, config_for
-from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.checker.usercode import file_spec, register
 from tpcheck.faults import injectors as inj
 
@@ -47,7 +47,7 @@ class Probe:
 
     def spec(self, preset: str = "tiny") -> CaseSpec:  # tiny: hidden 32, ffn 64
         """The planted case, registered in this process (register before the ranks fork)."""
-        base = CaseSpec(block="mlp", preset=preset, world_size=self.world, dtype=self.dtype, seed=self.seed,
+        base = CaseSpec(block="mlp", preset=preset, world_size=self.world, run=RunSettings(dtype=self.dtype, seed=self.seed),
                         overrides=(("heads", 8), ("kv_heads", 8)))  # unused by the MLP; divisible up to 8
         case = BLOCKS["mlp"].case(base, config_for(base))
         if self.kind == "partial":

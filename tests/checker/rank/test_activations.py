@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck import Case, CaseSpec, check
+from tpcheck import Case, CaseSpec, RunSettings, check
 from tpcheck.checker.rank import activations
 from tpcheck.checker.usercode import register
 from tpcheck.parallel.collectives import copy_to_tp_region, reduce_from_tp_region
@@ -81,7 +81,8 @@ def test_outputs_the_layout_does_not_determine_are_named_with_why():
 
 def _no_plan(block: str, fault: str | None = None, sp: bool = False, world: int = 2):
     """A built-in block loaded by a user loader (the block's own layout), with no plan and no activations."""
-    spec = CaseSpec(block=block, preset="tiny", world_size=world, steps=1, fault=fault, sequence_parallel=sp)
+    spec = CaseSpec(block=block, preset="tiny", world_size=world, run=RunSettings(steps=1), fault=fault,
+                    sequence_parallel=sp)
     case = RESOLVER.build(spec)
     plan = case.plan
 
@@ -91,7 +92,7 @@ def _no_plan(block: str, fault: str | None = None, sp: bool = False, world: int 
 
     name = f"{block}_{fault}_{sp}_no_plan"
     return CaseSpec(block=register(dataclasses.replace(case, name=name, plan=None, load_tp=load_tp)),
-                    world_size=world, steps=1), case
+                    world_size=world, run=RunSettings(steps=1)), case
 
 
 def _dense_output_shapes(case) -> dict[str, tuple]:
@@ -204,7 +205,7 @@ PARTIAL_CASE = Case(name="row_no_reduce", build_dense=Dense, build_tp=lambda gro
 
 
 def test_a_partial_sum_module_output_is_left_unchecked_not_failed():
-    (r,) = check([CaseSpec(block=register(PARTIAL_CASE), world_size=2, steps=1)])
+    (r,) = check([CaseSpec(block=register(PARTIAL_CASE), world_size=2, run=RunSettings(steps=1))])
     assert r["verdict"] == "equivalent", r["summary"]
     assert "# not checked: fc2: a partial sum" in r["inferred_plan"]
     assert "'fc1': Shard(2)" in r["inferred_plan"]
@@ -215,5 +216,5 @@ def test_checker_mutant_a_partial_sum_held_whole_fails_the_correct_twin(monkeypa
     the dense one and fails: the partial-sum test is what keeps a correct model equivalent."""
     monkeypatch.setattr(activations, "is_partial_sum", lambda summed, dense: False)
     (r,) = check([CaseSpec(block=register(dataclasses.replace(PARTIAL_CASE, name="row_no_reduce_mutant")),
-                           world_size=2, steps=1)])
+                           world_size=2, run=RunSettings(steps=1))])
     assert r["verdict"] == "not equivalent" and r["first_divergence"]["name"] == "act:fc2"

@@ -5,7 +5,7 @@ import dataclasses
 import importlib
 import json
 
-from tpcheck import CaseSpec, check
+from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.checker.payload import Check
 from tpcheck.faults import CATALOGUE
 
@@ -71,7 +71,7 @@ def test_check_orders_that_differ_send_everything():
 def test_diagnosis_reads_the_evidence_it_needs_and_a_mutant_sending_none_loses_the_signature(monkeypatch):
     """The catalogue's forward all-reduce fault keeps its signature with the evidence chosen; a mutant that
     sends no evidence but the controls' loses it (the diagnosis cannot read the failing tensors)."""
-    good = CaseSpec(block="mlp", preset="tiny", steps=1)
+    good = CaseSpec(block="mlp", preset="tiny", run=RunSettings(steps=1))
     fault = CATALOGUE["missing_forward_reduce"].prepare(dataclasses.replace(good, fault="missing_forward_reduce"))
     (r,) = check([fault])
     assert r["verdict"] == "not equivalent" and r["diagnosis"]["signature"] == "partial_sum"

@@ -78,12 +78,12 @@ def test_a_gqa_attention_loaded_by_its_own_loader_is_checked_with_no_plan_writte
     fused parts included, and the case is equivalent."""
     import dataclasses
 
-    from tpcheck import CaseSpec, check
+    from tpcheck import CaseSpec, RunSettings, check
     from tpcheck.blocks.attention import BLOCK
     from tpcheck.blocks.base import config_for
     from tpcheck.checker.usercode import register
 
-    spec = CaseSpec(block="attention", preset="tiny", world_size=world, steps=1,
+    spec = CaseSpec(block="attention", preset="tiny", world_size=world, run=RunSettings(steps=1),
                     overrides=(("heads", 8), ("kv_heads", kv), ("hidden", 64)))
     case = BLOCK.case(spec, config_for(spec))
     plan = case.plan
@@ -94,7 +94,7 @@ def test_a_gqa_attention_loaded_by_its_own_loader_is_checked_with_no_plan_writte
 
     mine = register(dataclasses.replace(case, name=f"gqa_no_plan_{world}", plan=None, load_tp=load_tp,
                                         activations=dict(plan.activations)))
-    (r,) = check([CaseSpec(block=mine, world_size=world, steps=1)])
+    (r,) = check([CaseSpec(block=mine, world_size=world, run=RunSettings(steps=1))])
     assert r["verdict"] == "equivalent", r["summary"]
     assert "'qkv.weight': Fused(0, " in r["inferred_plan"]
 
@@ -105,7 +105,7 @@ def test_a_weight_split_unevenly_is_named_with_the_world_sizes_that_divide_it():
     world sizes that would divide it -- not "none of replicate" alone."""
     from torch import nn
 
-    from tpcheck import Case, CaseSpec, check
+    from tpcheck import Case, CaseSpec, RunSettings, check
     from tpcheck.checker.usercode import register
 
     class TP(nn.Module):
@@ -124,7 +124,7 @@ def test_a_weight_split_unevenly_is_named_with_the_world_sizes_that_divide_it():
     case = Case(name="uneven", build_dense=_Dense, build_tp=TP, plan=None, load_tp=load_tp,
                 make_batch=lambda g, dtype: ({"x": torch.randn(3, 10, generator=g).to(dtype)},
                                             torch.randn(3, 4, generator=g).to(dtype)))
-    (r,) = check([CaseSpec(block=register(case), world_size=3, steps=1)], timeout_s=30)
+    (r,) = check([CaseSpec(block=register(case), world_size=3, run=RunSettings(steps=1))], timeout_s=30)
     assert r["verdict"] == "invalid", r["summary"]
     assert ("cannot infer a placement for parameter 'lin.weight' [4, 10] at world size 3: no dim divides by 3, "
             "so only a replica was tried") in r["summary"], r["summary"]

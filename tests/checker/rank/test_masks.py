@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck import Case, CaseSpec, Plan, Replicate, Shard, check
+from tpcheck import Case, CaseSpec, Plan, Replicate, RunSettings, Shard, check
 from tpcheck.checker.rank import engine as engine_module
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.masks import DIFFER, SAME, MaskBook, _sdpa_math, infer_placement, violations
@@ -132,7 +132,7 @@ def _specs(worlds, blocks=("mlp", "attention", "layer", "lm")):
         for world in worlds:
             for dtype in ("float32", "bfloat16"):
                 for sp in (False, True):
-                    out.append(CaseSpec(block=block, preset="tiny", world_size=world, dtype=dtype,
+                    out.append(CaseSpec(block=block, preset="tiny", world_size=world, run=RunSettings(dtype=dtype),
                                         sequence_parallel=sp, overrides=DROPOUT))
     return out
 
@@ -172,7 +172,7 @@ def test_blocks_with_dropout_are_equivalent_at_world_4_in_float32_and_bfloat16()
 
 def test_each_draw_is_checked_under_its_regions_rule(blocks):
     layer = {sp: next(r for s, r in blocks.items() if s.block == "layer" and s.world_size == 2
-                      and s.dtype == "float32" and s.sequence_parallel == sp) for sp in (False, True)}
+                      and s.settings.dtype == "float32" and s.sequence_parallel == sp) for sp in (False, True)}
     assert _rng_checks(layer[False]) == {("rng:attention.attn_dropout", "shard(dim=1)"),
                                          ("rng:attention.dropout", "replicate"), ("rng:mlp.dropout", "replicate")}
     assert _rng_checks(layer[True]) == {("rng:attention.attn_dropout", "shard(dim=1)"),
@@ -186,7 +186,7 @@ def test_each_draw_is_checked_under_its_regions_rule(blocks):
 def test_masks_are_applied_a_tp_side_without_dropout_is_caught(monkeypatch):
     """A TP layer that forgot its dropout (p=0 on the TP side only) is not equivalent: the dense side's
     masks change the values, and the missing draws are named."""
-    spec = CaseSpec(block="layer", preset="tiny", world_size=2, overrides=DROPOUT, steps=1)
+    spec = CaseSpec(block="layer", preset="tiny", world_size=2, run=RunSettings(steps=1), overrides=DROPOUT)
     from tpcheck.blocks.base import config_for
     from tpcheck.blocks.layer import BLOCK
 
@@ -201,7 +201,8 @@ def test_masks_are_applied_a_tp_side_without_dropout_is_caught(monkeypatch):
 
     bad = register(dataclasses.replace(case, name="layer_without_tp_dropout", build_tp=no_dropout))
     good = register(dataclasses.replace(case, name="layer_with_tp_dropout"))
-    r_bad, r_good = check([CaseSpec(block=bad, world_size=2, steps=1), CaseSpec(block=good, world_size=2, steps=1)])
+    r_bad, r_good = check([CaseSpec(block=bad, world_size=2, run=RunSettings(steps=1)), CaseSpec(block=good, world_size=2,
+                                                                                run=RunSettings(steps=1))])
     assert r_good["verdict"] == "equivalent", r_good["summary"]
     assert r_bad["verdict"] == "not equivalent"
     assert r_bad["first_divergence"]["stage"] == "forward"
@@ -213,7 +214,7 @@ def test_masks_are_applied_a_tp_side_without_dropout_is_caught(monkeypatch):
 
 
 CATALOGUE_SPEC = CATALOGUE["rng_not_forked"].prepare(CaseSpec(block="attention", preset="tiny", world_size=2,
-                                                              fault="rng_not_forked", steps=1))
+                                                              run=RunSettings(steps=1), fault="rng_not_forked"))
 
 
 def _no_violations(monkeypatch):
@@ -292,7 +293,7 @@ def test_ambiguous_mask_shapes_ask_for_a_placement():
                 build_tp=lambda group, dtype: Fold(dtype, group.world_size),
                 plan=Plan(params={"fc.weight": Replicate(), "fc.bias": Replicate()}),
                 make_batch=lambda g, dtype: ({"x": torch.randn(4, 8, generator=g)}, torch.randn(4, 8, generator=g)))
-    (r,) = check([CaseSpec(block=register(case), world_size=2, steps=1)])
+    (r,) = check([CaseSpec(block=register(case), world_size=2, run=RunSettings(steps=1))])
     assert r["verdict"] == "invalid"
     assert "Case(dropout={'(model): dropout #1': Shard(dim)})" in r["summary"]
 

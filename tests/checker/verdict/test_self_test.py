@@ -89,6 +89,6 @@ def test_a_control_that_is_not_flagged_names_where(monkeypatch):
         return dataclasses.replace(bound, value=bound.value * 1e6) if dtype == torch.float64 else bound
 
     monkeypatch.setattr(tolerance, "calibrated", loose_in_float64)
-    (r,) = check([dataclasses.replace(CORRECT, dtype="float64")])
+    (r,) = check([CORRECT.with_run(dtype="float64")])
     assert r["verdict"] == "error"
     assert "control:" in r["summary"] and "was not flagged" in r["summary"]

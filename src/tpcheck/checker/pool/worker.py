@@ -7,6 +7,7 @@ and, when a wait times out, name the rank that holds the others up.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -54,7 +55,9 @@ class RankState:
         try:
             group = TPGroup(rank=self.rank, world_size=self.world, pg=self.pg, tap=tap,
                             device=rank_device(spec.device, self.local_rank))
-            return run_case_on_rank(resolve(spec), group, self.rendezvous, spawn.THREADS_WHILE_OTHERS_WAIT)
+            case = resolve(spec)
+            done = run_case_on_rank(case, group, self.rendezvous, spawn.THREADS_WHILE_OTHERS_WAIT)
+            return dataclasses.replace(done, run=case.run)  # what ran, for the report
         except UsageError as e:
             return RankPayload(status="usage", rank=self.rank, message=str(e))
         except PeerFailed as e:

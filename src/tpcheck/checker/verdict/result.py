@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.checker.payload import RankPayload, evidence_key
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.verdict.collectives import check_ledger
@@ -28,6 +28,7 @@ class CaseResult:
     """One case, merged over its ranks. `to_json()` gives the report's case object (report-schema.md)."""
 
     spec: CaseSpec
+    run: RunSettings  # the settings the ranks ran (the spec's when no rank built the case)
     verdict: str
     as_expected: bool
     summary: str
@@ -50,8 +51,8 @@ class CaseResult:
         return "equivalent" if self.spec.expected_verdict == "equivalent" else "not equivalent"
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "spec": spec_json(self.spec), "world_size": self.spec.world_size,
-               "dtype": self.spec.dtype, "expected": self.expected, "seconds": self.seconds,
+        out = {"name": self.name, "spec": spec_json(self.spec, self.run), "world_size": self.spec.world_size,
+               "dtype": self.run.dtype, "expected": self.expected, "seconds": self.seconds,
                "verdict": self.verdict, "as_expected": self.as_expected, "summary": self.summary,
                "first_divergence": self.first_divergence}
         for key in ("checks", "ledger", "diagnosis", "problems", "hang", "inferred_plan"):
@@ -63,23 +64,28 @@ class CaseResult:
         return out
 
 
-def spec_json(spec: CaseSpec) -> dict:
-    d = asdict(spec)
-    d["overrides"] = dict(spec.overrides)
-    return d
+SPEC_KEYS = ("block", "preset", "world_size", "dtype", "steps", "optimizer", "lr", "micro_batches", "sequence_parallel",
+             "fault", "seed", "overrides", "capture", "master_weights", "label", "expected", "device")
+
+
+def spec_json(spec: CaseSpec, run: RunSettings) -> dict:
+    """The report's "spec": the CaseSpec with the run settings that ran, flat (report-schema.md)."""
+    d = {**asdict(spec), **asdict(run), "overrides": dict(spec.overrides)}
+    return {k: d[k] for k in SPEC_KEYS}
 
 
 def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     """One CaseResult from every rank's payload: bounds filled in, every check judged here (one rule,
     `judge`), the controls (the self-test) held to having failed, then the verdict."""
     seconds = max((p.seconds for p in payloads), default=0.0)
+    run = next((p.run for p in payloads if p.run is not None), spec.settings)
     if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
-        return CaseResult(spec=spec, seconds=seconds, **failure_fields(spec, payloads))
+        return CaseResult(spec=spec, run=run, seconds=seconds, **failure_fields(spec, payloads))
     every = [dict(vars(c)) for p in payloads for c in p.checks]  # flat: asdict's deep copy is slow
     unbounded = _fill_bounds(every)
     if unbounded:
         c = unbounded[0]
-        return CaseResult(spec=spec, verdict="error", as_expected=False, seconds=seconds,
+        return CaseResult(spec=spec, run=run, verdict="error", as_expected=False, seconds=seconds,
                           summary=f"the checker failed: no bound from rank 0 for {c['name']} ({c['stage']}, step "
                                   f"{c['step']}) on rank {c['rank']}, {len(unbounded)} check(s) in all; no verdict can "
                                   "be trusted (a bug in tpcheck: please report it with this case)")
@@ -93,9 +99,8 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
                     key=lambda c: (c["seq"], c["stage"] == "replicas", c["rank"]))
     verdict = "not equivalent" if failed else "equivalent"
     entries = [asdict(e) for p in payloads for e in p.ledger]
-    ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, spec.steps,
-                          spec.micro_batches)
-    result = CaseResult(spec=spec, verdict=verdict, as_expected=False, summary="",
+    ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, run.steps, run.micro_batches)
+    result = CaseResult(spec=spec, run=run, verdict=verdict, as_expected=False, summary="",
                         seconds=seconds, checks=checks, ledger=ledger,
                         self_test=self_test(checks, controls, [p.evidence for p in payloads]),
                         inferred_plan=payloads[0].inferred_plan)
@@ -108,7 +113,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     if failed:
         result.first_divergence = _first(failed)
         result.diagnosis = diagnose(result.first_divergence, [p.evidence for p in payloads], spec.world_size,
-                                    spec.micro_batches)
+                                    run.micro_batches)
     result.summary = _summary(result, failed)
     return result
 
