@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 
-from tpcheck.errors import EXIT_USAGE, UsageError
+from tpcheck.errors import ExitCode, UsageError
 
 MODES = ("inspect", "equivalence", "missing_forward_reduce", "missing_backward_reduce", "all")  # = seed.MODES
 # Options `run --mode` applies (by argparse dest); any other option given with --mode is refused.
@@ -240,14 +240,14 @@ def main(argv: list[str] | None = None) -> int:
             code = args.func(args)
     except UsageError as e:
         print(f"tpcheck: error: {e}", file=sys.stderr)
-        code = EXIT_USAGE
+        code = ExitCode.USAGE
     except Interrupted as e:  # before any case ran (while importing a case file, say)
         print(f"tpcheck: interrupted by {e.name}: nothing was checked", file=sys.stderr)
         code = e.exit_code
     problem = write_stdout("")  # what is still buffered: a full disk or a closed pipe shows here
     if problem:
         print(f"tpcheck: error: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return code
 
 
@@ -286,7 +286,7 @@ class Interrupted(BaseException):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum
+        return ExitCode.interrupted(self.signum)
 
 
 class StopOnSignals:
@@ -313,7 +313,7 @@ class StopOnSignals:
 
             kill_all()
             print(f"tpcheck: interrupted again by {signal.Signals(signum).name}: stopped at once", file=sys.stderr)
-            os._exit(128 + signum)
+            os._exit(ExitCode.interrupted(signum))
         raise Interrupted(signum)
 
     def __exit__(self, *exc) -> None:
@@ -441,7 +441,7 @@ def exit_after_outputs(failed: list[str], code: int) -> int:
         print(f"tpcheck: error: {line}", file=sys.stderr)
     print(f"tpcheck: error: exit 2 because an output failed (the checks alone give exit {code}; the other "
           "outputs were written)", file=sys.stderr)
-    return EXIT_USAGE
+    return ExitCode.USAGE
 
 
 # ------------------------------------------------------------------------------ run
@@ -644,7 +644,7 @@ def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
         is_rank0 = not under_torchrun() or launcher.rank == 0
         code = exit_code(results) if is_rank0 else 0
         if interrupted:
-            code = 128 + signal.Signals[interrupted["signal"]].value
+            code = ExitCode.interrupted(signal.Signals[interrupted["signal"]])
         if is_rank0:
             seed = None
             if seed_mode and not interrupted:

@@ -21,7 +21,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
 
-from tpcheck.errors import EXIT_ERROR, EXIT_NOT_EQUIVALENT, EXIT_USAGE, UsageError
+from tpcheck.errors import INTERRUPTED_BY, ExitCode, UsageError
 
 PROG = "tpcheck torchrun"
 # tpcheck's commands that start ranks; the others (new, faults, report) run once, without torchrun
@@ -30,15 +30,14 @@ EXAMPLE = "tpcheck torchrun --nproc_per_node 2 -- verify case.py --world-size 2"
 TORCHRUN_HELP = "`python -m torch.distributed.run --help` lists torchrun's arguments"
 
 MEANINGS = {
-    EXIT_NOT_EQUIVALENT: "not equivalent: a case did not go as expected; the report says which",
-    EXIT_USAGE: "bad input: the ranks' message above names the value and the fix",
-    EXIT_ERROR: "no verdict: a rank raised or died, or the checker failed its own control; the message above "
+    ExitCode.NOT_EQUIVALENT: "not equivalent: a case did not go as expected; the report says which",
+    ExitCode.USAGE: "bad input: the ranks' message above names the value and the fix",
+    ExitCode.ERROR: "no verdict: a rank raised or died, or the checker failed its own control; the message above "
                 "says which",
 }
-INTERRUPTED = {128 + s: s.name for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}  # tpcheck's own codes
 # How torchrun stops the ranks still running once one has exited non-zero: SIGTERM, then SIGKILL after
 # its shutdown timeout (a tpcheck rank catches SIGTERM and exits 143).
-STOPPED = {-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM}
+STOPPED = {-signal.SIGTERM, -signal.SIGKILL, ExitCode.interrupted(signal.SIGTERM)}
 ELASTIC = "torch.distributed.elastic"  # torchrun's agent and its loggers
 
 
@@ -94,7 +93,7 @@ def parse_torchrun_args(torchrun_args: list[str], command: list[str]):
 
     def error(message: str):
         print(f"{PROG}: error: {message} (torchrun's arguments, before `--`; {TORCHRUN_HELP})", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise SystemExit(ExitCode.USAGE)
 
     parser.error = error  # its message in one line, without torchrun's forty-option usage
     ns = parser.parse_args([*torchrun_args, "--", "tpcheck"])
@@ -120,11 +119,11 @@ def exit_code(codes: Mapping[int, int]) -> int:
     if not codes:
         return 0
     said = [c for c in codes.values() if c not in STOPPED] or list(codes.values())
-    if EXIT_USAGE in said:
-        return EXIT_USAGE
-    if any(c != EXIT_NOT_EQUIVALENT for c in said):
-        return EXIT_ERROR
-    return EXIT_NOT_EQUIVALENT
+    if ExitCode.USAGE in said:
+        return ExitCode.USAGE
+    if any(c != ExitCode.NOT_EQUIVALENT for c in said):
+        return ExitCode.ERROR
+    return ExitCode.NOT_EQUIVALENT
 
 
 def outcome_lines(codes: Mapping[int, int]) -> list[str]:
@@ -143,7 +142,7 @@ def outcome_lines(codes: Mapping[int, int]) -> list[str]:
             lines.append(f"{PROG}: {who} exited with code {code} ({MEANINGS[code]})")
         elif code < 0:
             lines.append(f"{PROG}: {who} killed by {how} (no verdict: the rank ended before saying one)")
-        elif code in INTERRUPTED:
+        elif code in INTERRUPTED_BY:
             lines.append(f"{PROG}: {who} exited with code {code} (interrupted by {how}: no verdict)")
         else:
             lines.append(f"{PROG}: {who} exited with code {code} (not a tpcheck exit code: no verdict; the rank's "
@@ -171,7 +170,7 @@ def main(argv: list[str], check_command: Callable[[list[str]], object]) -> int:
         namespace = parse_torchrun_args(torchrun_args, command)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return launch(namespace)
 
 
@@ -193,15 +192,15 @@ def launch(namespace) -> int:
             held.release()
             name = signal.Signals(e.sigval).name
             print(f"{PROG}: interrupted by {name}: torchrun stopped every rank; no verdict", file=sys.stderr)
-            return 128 + int(e.sigval)
+            return ExitCode.interrupted(int(e.sigval))
         except Exception as e:  # said in one line; torchrun's own records are let through
             held.release()
             if _raised_in(e, torchrun.config_from_args):  # torchrun's arguments, read into its launch config
                 print(f"{PROG}: error: {e} (torchrun's arguments, before `--`; {TORCHRUN_HELP})", file=sys.stderr)
-                return EXIT_USAGE
+                return ExitCode.USAGE
             print(f"{PROG}: error: torchrun stopped before the ranks finished: {type(e).__name__}: {e}; no verdict",
                   file=sys.stderr)
-            return EXIT_ERROR
+            return ExitCode.ERROR
         held.release()
         return 0
 

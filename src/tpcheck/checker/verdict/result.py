@@ -20,7 +20,7 @@ from tpcheck.checker.rank import tolerance
 from tpcheck.checker.verdict.collectives import check_ledger
 from tpcheck.checker.verdict.diagnose import diagnose
 from tpcheck.checker.verdict.failures import failure_fields
-from tpcheck.errors import EXIT_EQUIVALENT, EXIT_ERROR, EXIT_NOT_EQUIVALENT, EXIT_USAGE
+from tpcheck.errors import ExitCode
 
 
 @dataclass
@@ -215,9 +215,9 @@ def exit_code(results: Sequence[dict]) -> int:
     any errored (a rank raised or died, or the checker failed its control), else 1 if any case did not
     go as expected, else 0."""
     if any(r["verdict"] == "invalid" for r in results):
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if any(r["verdict"] == "error" for r in results):
-        return EXIT_ERROR
+        return ExitCode.ERROR
     if not all(r["as_expected"] for r in results):
-        return EXIT_NOT_EQUIVALENT
-    return EXIT_EQUIVALENT
+        return ExitCode.NOT_EQUIVALENT
+    return ExitCode.EQUIVALENT
