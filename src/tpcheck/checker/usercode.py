@@ -18,7 +18,9 @@ import hashlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 
@@ -89,24 +91,19 @@ def load_module(path: str):
     if os.getpid() == _PARENT:  # a forked rank inherits the module; only the process that reports probes
         _survives(lambda: spec.loader.exec_module(importlib.util.module_from_spec(spec)),
                   f"importing your case file {short_path(path)}")
+    try:
+        with open(path, "rb") as f:
+            compile(f.read(), path, "exec")
+    except SyntaxError as e:
+        raise UsageError(f"syntax error in your case file ({short_path(e.filename or path)}:{e.lineno}): {e.msg}") from None
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except SystemExit as e:
+    try:  # a UsageError at import is the file's too (a Plan refused as it is built): named at its line
+        call_user(spec.loader.exec_module, module, who=f"your case file {short_path(path)}", path=path,
+                  failed="importing your case file failed", usage_is_theirs=True)
+    except BaseException:
         del sys.modules[mod_name]
-        raise UsageError(_exit_message(e, f"your case file {short_path(path)}", path)) from None
-    except KeyboardInterrupt as e:
-        del sys.modules[mod_name]
-        if interrupt_is_a_signal():
-            raise
-        raise UsageError(_interrupt_message(e, f"your case file {short_path(path)}", path)) from None
-    except SyntaxError as e:
-        del sys.modules[mod_name]
-        raise UsageError(f"syntax error in your case file ({short_path(e.filename or path)}:{e.lineno}): {e.msg}") from None
-    except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported at its line
-        del sys.modules[mod_name]
-        raise UsageError(f"importing your case file failed ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
+        raise
     _MODULES[path] = module
     return module
 
@@ -152,18 +149,7 @@ def user_case(spec: CaseSpec) -> Case:
     if not isinstance(obj, Case):
         if os.getpid() == _PARENT:
             _survives(lambda: obj(spec), f"your {attr}(spec) in {short_path(path)}")
-        try:
-            obj = obj(spec)
-        except UsageError:
-            raise
-        except SystemExit as e:
-            raise UsageError(_exit_message(e, f"your {attr}(spec)", path)) from None
-        except KeyboardInterrupt as e:
-            if interrupt_is_a_signal():
-                raise
-            raise UsageError(_interrupt_message(e, f"your {attr}(spec)", path)) from None
-        except Exception as e:  # noqa: BLE001
-            raise UsageError(f"in your {attr} ({user_frame(e, path)}): {type(e).__name__}: {e}") from None
+        obj = call_user(obj, spec, who=f"your {attr}(spec)", path=path, failed=f"in your {attr}")
         if not isinstance(obj, Case):
             raise UsageError(f"your {attr}(spec) in {short_path(path)} returned {type(obj).__name__}, not a tpcheck.Case")
     return guard_user_case(obj, path)
@@ -198,14 +184,63 @@ def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpe
 # ------------------------------------------------------------------------------ guarding user code
 
 
+def call_user(fn: Callable, *args, who: str, path: str | None, failed: str | None = None,
+              usage_is_theirs: bool = False):
+    """The one way tpcheck calls user code (as pytest's `CallInfo.from_call`): `fn(*args)`'s value, or a
+    UsageError that names the user's file and line. `who` names the code ("your build_tp", "your case file
+    c.py"), `path` the user's file (its frames are preferred), `failed` the words before an exception's
+    place (default "in " + who). A case must not end the process: sys.exit is reported like any mistake,
+    and KeyboardInterrupt too unless a real Ctrl-C raised it (that one stops the run). A UsageError raised
+    inside is tpcheck's own message about the user's input and passes as it is, unless `usage_is_theirs`
+    (a case file's import: a Plan it builds is refused at the file's line)."""
+    try:
+        return fn(*args)
+    except UsageError as e:
+        if not usage_is_theirs:
+            raise
+        error: BaseException = e
+    except SystemExit as e:
+        raise UsageError(_exit_message(e, who, path)) from None
+    except KeyboardInterrupt as e:
+        if interrupt_is_a_signal():
+            raise
+        raise UsageError(_interrupt_message(e, who, path)) from None
+    except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
+        error = e
+    raise UsageError(f"{failed or 'in ' + who} ({user_frame(error, path)}): {type(error).__name__}: {error}") from None
+
+
+_TPCHECK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(importlib.util.find_spec("torch").origin) + os.sep
+_PYTHON_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, os.path.dirname(os.__file__) + os.sep})
+_INSTALLED = ("site-packages/", "dist-packages/")
+_PYTHON_LIB = re.compile(r"/lib/python3[.\d]*/")
+
+
+def frame_kind(path: str) -> str:
+    """Whose code a frame's file is: "user" (the code under test: the user's files and the libraries they
+    call, transformers or Megatron-Core), "tpcheck", "torch" or "python" (the standard library, frozen and
+    generated code). The one rule for every place that names the user's line: an exception's frame
+    (`user_frame`), a rank's traceback (verdict/failures.py), a rank's live stack (pool/heartbeat.py).
+    Paths from another host (a rank's traceback under torchrun) are told by their installed layout."""
+    if not path or path.startswith("<"):
+        return "python"
+    slashed = path.replace(os.sep, "/")
+    for kind, own_dir in (("tpcheck", _TPCHECK_DIR), ("torch", _TORCH_DIR)):
+        if path.startswith(own_dir) or any(f"{where}{kind}/" in slashed for where in _INSTALLED):
+            return kind
+    if any(where in slashed for where in _INSTALLED):
+        return "user"
+    return "python" if path.startswith(_PYTHON_DIRS) or _PYTHON_LIB.search(slashed) else "user"
+
+
 def user_frame(exc: BaseException, path: str | None) -> str:
-    """"file.py:LINE" of the deepest traceback frame in the user's file (else outside tpcheck and torch)."""
+    """"file.py:LINE" of the deepest traceback frame in the user's file `path` (else in any code under
+    test, `frame_kind`)."""
     frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if path and os.path.abspath(f.filename) == path]
     if not mine:
-        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        mine = [f for f in frames if not os.path.abspath(f.filename).startswith(pkg)
-                and "site-packages" not in f.filename and "/lib/python" not in f.filename]
+        mine = [f for f in frames if frame_kind(os.path.abspath(f.filename)) == "user"]
     if not mine:
         return short_path(path) if path else "?"
     return f"{short_path(mine[-1].filename)}:{mine[-1].lineno}"
@@ -225,19 +260,7 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
         return fn
 
     def guarded(*args):
-        try:
-            out = fn(*args)
-        except UsageError:
-            raise
-        except SystemExit as e:  # a case must not end the rank: reported like any other mistake in it
-            raise UsageError(_exit_message(e, f"your {what}", path or _defined_in(fn))) from None
-        except KeyboardInterrupt as e:  # raised by the code, not by a Ctrl-C (that one stops the run)
-            if interrupt_is_a_signal():
-                raise
-            raise UsageError(_interrupt_message(e, f"your {what}", path or _defined_in(fn))) from None
-        except Exception as e:  # noqa: BLE001 - the user's bug, reported at the user's line
-            raise UsageError(f"in your {what} ({user_frame(e, path or _defined_in(fn))}): {type(e).__name__}: {e}") \
-                from None
+        out = call_user(fn, *args, who=f"your {what}", path=path or _defined_in(fn))
         problem = _RETURNS[what](out, *args) if what in _RETURNS else None
         if problem:
             raise UsageError(f"your {what} ({defined_at(fn)}) returned {_describe(out)}; expected {problem}")

@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from tpcheck.checker.pool import heartbeat as hb
 from tpcheck.checker.pool.heartbeat import Beat, Spot, Watch, spot_of
@@ -88,7 +89,7 @@ def _frames_from(path: str, src: str, fn: str):
 
 
 def test_spot_of_tells_a_users_collective_from_compute_and_places_it_at_the_calling_line():
-    c10d = os.path.join(hb._TORCH_DIR, "distributed", "distributed_c10d.py")
+    c10d = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
     inner = _frames_from(c10d, "def all_reduce():\n    return sys._getframe()\n", "all_reduce")
 
     spot = spot_of(inner, tapped=None, checkpoint=None)

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 
-from tpcheck.checker.usercode import short_path
+from tpcheck.checker.usercode import frame_kind, short_path
 
 BEAT_S = 0.25            # a rank's heartbeat period
 STALE_S = 2.0            # no beat for this long: the rank is not responding
@@ -29,8 +28,6 @@ STALL_EXTRA_S = 4.0      # no rank waits and no stack moves for timeout + this: 
 WORLD1_FACTOR = 10       # world 1 (no collective to time out) waits this many times longer
 STACK_FRAMES = 8         # frames of a stuck rank's stack kept in the report
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(__import__("torch").__file__)) + os.sep
-_STDLIB = tuple({sysconfig.get_paths()["stdlib"] + os.sep, os.path.dirname(os.__file__) + os.sep})
 _COLLECTIVE_FILES = (os.path.join("torch", "distributed", "distributed_c10d.py"),
                      os.path.join("torch", "distributed", "_functional_collectives.py"),
                      os.path.join("torch", "distributed", "c10d_logger.py"))
@@ -67,7 +64,8 @@ class Beat:
 
 
 def _is_library(path: str) -> bool:
-    return path.startswith(_TORCH_DIR) or path.startswith(_STDLIB) or path.startswith("<")
+    """torch's or Python's own code: a rank there is placed at the caller (`frame_kind`)."""
+    return frame_kind(path) in ("torch", "python")
 
 
 def _where(f: tuple[str, int, str]) -> str:

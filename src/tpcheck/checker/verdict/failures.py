@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from tpcheck.checker.case import CaseSpec
-from tpcheck.checker.usercode import short_path
+from tpcheck.checker.usercode import frame_kind, short_path
 from tpcheck.checker.verdict.hangs import hang_details, hang_summary
 
 # status -> (priority, verdict); lower priority wins
@@ -51,7 +51,6 @@ def _kind(p) -> str:
 
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
-_NOT_UNDER_TEST = ("/torch/", "/tpcheck/", "/multiprocessing/", "/threading.py", "/contextlib.py", "/functools.py")
 
 
 def raised_in(tb: str) -> str | None:
@@ -60,7 +59,7 @@ def raised_in(tb: str) -> str | None:
     lines = tb.splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME.match(lines[i])
-        if m and not any(part in m["path"] for part in _NOT_UNDER_TEST):
+        if m and frame_kind(m["path"]) == "user":
             source = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
             path = m["path"].split("site-packages/", 1)[-1] if "site-packages/" in m["path"] else short_path(m["path"])
             where = f"{path}:{m['line']} in {m['func']}"
