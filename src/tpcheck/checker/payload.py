@@ -37,10 +37,15 @@ class Check:
     # a control (self-test): a copy of the reference with one element moved by a known amount, compared
     # through the same path; it must be flagged (checker/verdict/result.py turns an unflagged control into "error")
     control: bool = False
+    # what loaded the tensor, where it was not tpcheck through the plan: a weights check of a case with its
+    # own `load_tp` ("your load_tp (case.py:34)"), named by the summary of a failing one
+    loaded_by: str | None = None
 
 
 def evidence_key(stage: str, step: int, name: str) -> str:
-    """Where a check's evidence is kept (in a rank's payload, and read back by the parent)."""
+    """Where a check's evidence is kept in a rank's payload, read back by the parent (checker/verdict). A
+    rank keys its evidence by the tuple (stage, step, name) and writes this form only into the payload
+    (checker/rank/evidence.py: `Evidence.sent`)."""
     return f"{stage}|{step}|{name}"
 
 

@@ -2,14 +2,12 @@
 that fails on some rank, the loaded weights, the controls), chosen after one store exchange of rank 0's
 bounds and the other ranks' errors; everything when the ranks' check orders differ."""
 import dataclasses
-import importlib
 import json
 
 from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.checker.payload import Check
+from tpcheck.checker.rank import evidence
 from tpcheck.faults import CATALOGUE
-
-engine = importlib.import_module("tpcheck.checker.rank.engine")
 
 
 def _check(stage, name, error, bound, kind="calibrated", step=1, rank=0):
@@ -17,8 +15,8 @@ def _check(stage, name, error, bound, kind="calibrated", step=1, rank=0):
                  kind=kind, reason="", passed=None)
 
 
-KEPT = {"weights|0|param:w": {}, "forward|1|act:a": {}, "forward|1|act:b": {}, "forward|1|output": {},
-        "grads|1|grad:w": {}}
+KEPT = {("weights", 0, "param:w"): {}, ("forward", 1, "act:a"): {}, ("forward", 1, "act:b"): {},
+        ("forward", 1, "output"): {}, ("grads", 1, "grad:w"): {}}
 
 
 class Rendezvous:
@@ -42,28 +40,28 @@ def _post(checks, rank):
             posted["value"] = value
             return [value]
 
-    engine.needed_evidence(checks, KEPT, Capture(rank, {}))
+    evidence.needed_evidence(checks, KEPT, Capture(rank, {}))
     return posted["value"]
 
 
 def test_rank_0_keeps_the_failing_checks_and_the_weights():
     checks = [_check("weights", "param:w", 0.0, 0.0, "exact", step=0), _check("forward", "act:a", 1e-7, 1e-6),
               _check("forward", "act:b", 1e-3, 1e-6), _check("forward", "output", 0.0, 1e-6)]
-    assert engine.needed_evidence(checks, KEPT, Rendezvous(0, {})) == {"weights|0|param:w", "forward|1|act:b"}
+    assert evidence.needed_evidence(checks, KEPT, Rendezvous(0, {})) == {("weights", 0, "param:w"), ("forward", 1, "act:b")}
 
 
 def test_another_rank_is_judged_by_rank_0s_bounds_and_its_failure_kept_on_every_rank():
     rank0 = [_check("forward", "act:a", 1e-7, 1e-6), _check("forward", "act:b", 1e-7, 1e-6)]
     rank1 = [_check("forward", "act:a", 1e-7, None, rank=1), _check("forward", "act:b", 5e-6, None, rank=1)]
-    keys0 = engine.needed_evidence(rank0, KEPT, Rendezvous(0, {1: _post(rank1, 1)}))
-    keys1 = engine.needed_evidence(rank1, KEPT, Rendezvous(1, {0: _post(rank0, 0)}))
-    assert keys0 == keys1 == {"weights|0|param:w", "forward|1|act:b"}  # rank 1's failure, on both ranks
+    keys0 = evidence.needed_evidence(rank0, KEPT, Rendezvous(0, {1: _post(rank1, 1)}))
+    keys1 = evidence.needed_evidence(rank1, KEPT, Rendezvous(1, {0: _post(rank0, 0)}))
+    assert keys0 == keys1 == {("weights", 0, "param:w"), ("forward", 1, "act:b")}  # rank 1's failure, on both ranks
 
 
 def test_check_orders_that_differ_send_everything():
     rank0 = [_check("forward", "act:a", 1e-7, 1e-6)]
     rank1 = [_check("forward", "act:b", 1e-7, None, rank=1)]
-    assert engine.needed_evidence(rank1, KEPT, Rendezvous(1, {0: _post(rank0, 0)})) is None
+    assert evidence.needed_evidence(rank1, KEPT, Rendezvous(1, {0: _post(rank0, 0)})) is None
     posted = json.loads(_post(rank0, 0))
     assert set(posted) == {"failing", "digest", "values"}
 
@@ -75,6 +73,6 @@ def test_diagnosis_reads_the_evidence_it_needs_and_a_mutant_sending_none_loses_t
     fault = CATALOGUE["missing_forward_reduce"].prepare(dataclasses.replace(good, fault="missing_forward_reduce"))
     (r,) = check([fault])
     assert r["verdict"] == "not equivalent" and r["diagnosis"]["signature"] == "partial_sum"
-    monkeypatch.setattr(engine, "needed_evidence", lambda checks, kept, rendezvous: set())
+    monkeypatch.setattr(evidence, "needed_evidence", lambda checks, kept, rendezvous: set())
     (r,) = check([fault])
     assert r["verdict"] == "not equivalent" and r["diagnosis"]["signature"] != "partial_sum"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck import Case, CaseSpec, Plan, Replicate, RunSettings, Shard, check
-from tpcheck.checker.rank import engine as engine_module
+from tpcheck.checker.rank import rng
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.masks import DIFFER, SAME, MaskBook, _sdpa_math, infer_placement, violations
 from tpcheck.checker.usercode import register
@@ -218,7 +218,7 @@ CATALOGUE_SPEC = CATALOGUE["rng_not_forked"].prepare(CaseSpec(block="attention",
 
 
 def _no_violations(monkeypatch):
-    monkeypatch.setattr(engine_module, "violations", lambda *args: [])
+    monkeypatch.setattr(rng, "violations", lambda *args: [])
 
 
 def _rng_records_zero(monkeypatch):

@@ -4,27 +4,25 @@ Each rank checks its own local tensors (so every rank is checked, not only rank 
 tensors are also compared across ranks, bitwise, batched into one all-reduce per flush, outside the
 model's collectives (CPU tensors, on gloo, whatever device the model computes on). Every comparison
 becomes a `Check` that records its error, its bound and the reason for the bound; small tensors are
-kept as evidence for the diagnosis.
+kept as evidence for the diagnosis (checker/rank/evidence.py). A Check is complete when `compare`
+returns it: nothing outside this class writes to one.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from tpcheck.checker.payload import Check, evidence_key
+from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import tolerance
+from tpcheck.checker.rank.evidence import Evidence
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.rank.loading import absmax, maxdiff
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, copies
-
-EVIDENCE_MAX_NUMEL = 1 << 16  # tensors up to this size are sent to the parent for diagnosis
-EVIDENCE_BUDGET = 1 << 21  # total elements per rank and case
 
 
 class Comparator:
@@ -35,19 +33,24 @@ class Comparator:
         self.checks: list[Check] = []
         # (check, values in float64, mask of the elements several ranks hold; None: all of them)
         self.pending_replicas: list[tuple[Check, torch.Tensor, torch.Tensor | None]] = []
-        self.evidence: dict[str, dict] = {}
-        self.evidence_left = EVIDENCE_BUDGET
+        self.evidence = Evidence()
         self.seq = 0
         self.controlled: set[tuple[str, int, str]] = set()  # (stage, step, bound kind) with a control
 
     def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
                 truth: torch.Tensor | None, placement: Placement, exact: bool = False,
-                dtype: torch.dtype | None = None, bound: tolerance.Bound | None = None) -> Check:
+                dtype: torch.dtype | None = None, bound: tolerance.Bound | None = None, *,
+                reason: str | None = None, loaded_by: str | None = None, seq: int | None = None,
+                raw: torch.Tensor | None = None) -> Check:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives.
         `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING), or is
         given (`bound`: rank 0 computed it for a tensor only this rank compares, AppliedOnRank).
-        `dtype`: the dtype the compared values were rounded to (default: the working dtype)."""
+        `dtype`: the dtype the compared values were rounded to (default: the working dtype).
+        What the caller knows of the check: `reason` (for the bound's own: the weights a user's loader
+        loaded), `loaded_by` (that loader), `seq` (a tensor held until the activation placements were
+        inferred: its place in execution order), `raw` (`tp_local` before an allowance excused part of
+        the difference: its error is kept as `raw_error` where it differs)."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
         diff = maxdiff(tp_local, ref)
@@ -60,7 +63,15 @@ class Comparator:
             self._check_reference_finite(stage, step, name, dense, truth)
         self.seq += 1
         check = self._record(stage, step, name, diff, bound, placement)
-        check.numel = ref.numel()
+        # what only this comparison knows, set before the check leaves here (`_record`, which makes every
+        # check and control alike, takes what they share)
+        check.numel, check.loaded_by = ref.numel(), loaded_by
+        if reason is not None:
+            check.reason = reason
+        if seq is not None:
+            check.seq = seq
+        if raw is not None and (raw_error := maxdiff(raw, ref)) != check.error:
+            check.raw_error = raw_error
         self._keep_evidence(check, tp_local, ref, dense)
         self._control(check, ref, dense, bound, placement)
         if world > 1 and placement.replicated:
@@ -94,17 +105,23 @@ class Comparator:
 
     def record_rng(self, step: int, name: str, seq: int, error: int, reason: str, placement: str, info: dict,
                    control: bool = False) -> Check:
-        """An RNG placement check (checker/rank/masks.py): `error` counts the ranks whose draw breaks the rule
+        """An RNG placement check (checker/rank/rng.py): `error` counts the ranks whose draw breaks the rule
         against this rank's (bound 0); `info` (the rule, those ranks, a mismatch with the dense side's
         draw) is kept as evidence for the diagnosis."""
         check = Check(stage="forward", step=step, name=name, rank=self.group.rank, error=float(error),
                       diff_vs_dense=float(error), bound=0.0, kind="rng", reason=reason, passed=error <= 0,
                       placement=placement, seq=seq, control=control)
         self.checks.append(check)
-        zero = np.zeros(1)
-        self.evidence[evidence_key("forward", step, name)] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
-                                                   "placement": placement, "eps": 0.0, "rng": info}
+        self.evidence.keep_rng(step, name, error, placement, info)
         return check
+
+    def take_control(self, key: tuple[str, int, str]) -> bool:
+        """Whether the control of `key` (stage, step, kind of check) is still to be planted on this rank:
+        True once, to the first caller, who plants it."""
+        if key in self.controlled:
+            return False
+        self.controlled.add(key)
+        return True
 
     def next_seq(self) -> int:
         """A position in execution order for a check recorded later (an RNG check, known after the exchange)."""
@@ -128,10 +145,8 @@ class Comparator:
         its largest element moved by `tolerance.control_shift` (the largest error the checker claims to
         flag in this dtype) goes through the same maxdiff -> record -> bound -> judge path as `real`,
         with `real`'s bound. If it is not flagged, the checker cannot see errors of that size here."""
-        key = (real.stage, real.step, real.kind)
-        if key in self.controlled or ref.numel() == 0:
+        if ref.numel() == 0 or not self.take_control((real.stage, real.step, real.kind)):
             return
-        self.controlled.add(key)
         planted = ref.detach().clone().reshape(-1)
         i = int(planted.abs().argmax())
         scale = absmax(dense)
@@ -158,27 +173,8 @@ class Comparator:
                              "reference is bad, not the TP implementation")
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
-        """Small tensors (and every control's few elements, outside the budget) are kept for diagnosis."""
-        if not check.control:
-            if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.evidence_left < 3 * dense.numel():
-                return
-            self.evidence_left -= 3 * dense.numel()
-        # copies (later steps change these tensors in place), made numpy in `evidence_for` if needed
-        kept = self.evidence[evidence_key(check.stage, check.step, check.name)] = {
-            "tp": tp_local.detach().clone(), "ref": ref.detach().clone(), "dense": dense.detach().clone(),
-            "placement": check.placement,
-            "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
-        if weights is not None:
-            kept["weights"] = weights.detach().clone()
-
-    def evidence_for(self, keys: set[str] | None) -> dict[str, dict]:
-        """The evidence sent to the parent, as float64 arrays: the entries in `keys` (None: every one),
-        every control's (the self-test reads them) and every RNG check's."""
-        out = {}
-        for key, e in self.evidence.items():
-            if keys is None or key in keys or "|control:" in key or "rng" in e:
-                out[key] = {k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
-        return out
+        """The tensors of `check`, kept for the diagnosis when small enough (evidence.py)."""
+        self.evidence.keep(check, tp_local, ref, dense, weights)
 
     def flush_replicas(self) -> None:
         """Compare every pending replicated tensor (and every element several ranks hold) across ranks,

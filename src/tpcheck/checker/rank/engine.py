@@ -10,54 +10,48 @@ model's own error against float64, which sets each check's bound (the parent fil
 the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with master weights each side's
 optimizer steps float32 masters (checker/rank/optimizer.py: `Masters`).
 
+The engine holds the Case as it was handed and reads the plan from `Discovery` (checker/rank/
+discover.py: a written plan, or the one inferred, step by step, for a case with none written). Around
+this step loop: the random masks and the RNG placement check (checker/rank/rng.py, over masks.py), the
+tensors applied on one rank only (applied_on.py), the evidence a rank sends (evidence.py).
+
 Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_forward`, by a forward of
-every side without autograd, its output compared), dense and float64 forward/backward (capturing the activations
-named in `plan.activations`), then the TP forward/backward, whose captured tensors are compared as they
-are produced (local comparisons only, no collective inside the model's forward), then a ledger sync and
-the RNG placement checks of the micro-batch's random draws (dropout: each mask drawn by the dense side,
-replayed by the truth and, part by part, by the TP side; checker/rank/masks.py); then grads, the checker's
-own collective (the replica comparisons of the whole step), the replay of the dense optimizer rule on
-the TP side's inputs, the optimizer steps, update and state against the replay, weights.
+every side without autograd, its output compared), dense and float64 forward/backward (capturing the
+activations named in `plan.activations`), then the TP forward/backward, whose captured tensors are
+compared as they are produced (local comparisons only, no collective inside the model's forward;
+in the first micro-batch of a case with no plan written they are held until the activation placements
+are inferred), then a ledger sync and the RNG placement checks of the micro-batch's random draws
+(rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after step 1: the
+parameters applied on one rank), grads, the checker's own collective (the replica comparisons of the
+whole step), the replay of the dense optimizer rule on the TP side's inputs, the optimizer steps, update
+and state against the replay, weights.
 """
 from __future__ import annotations
 
-import array
-import base64
 import contextlib
-import dataclasses
-import hashlib
-import json
 import math
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tpcheck.checker.case import Case
-from tpcheck.checker.devices import rng_states, seed_rng
-from tpcheck.checker.payload import Check, RankPayload, evidence_key
-from tpcheck.checker.rank import activations, capture
+from tpcheck.checker.payload import Check, RankPayload
+from tpcheck.checker.rank import capture, evidence
+from tpcheck.checker.rank.applied_on import ALONE, not_applied_here, owner_bound
 from tpcheck.checker.rank.compare import Comparator
-from tpcheck.checker.rank.inference import infer_plan, plan_as_code
+from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
-from tpcheck.checker.rank.loading import cast, check_names, leaf, load_from_dense, map_tensors, maxdiff
-from tpcheck.checker.rank.masks import DIFFER, REASONS, MaskBook, violations
+from tpcheck.checker.rank.loading import cast, check_names, leaf, load_from_dense, map_tensors
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
+from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.checker.usercode import defined_at
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
-from tpcheck.plan import AppliedOnRank, Placement, Replicate
-
-NONDETERMINISTIC = (
-    "the dense model drew random numbers in its forward or backward other than through the calls tpcheck "
-    "replays (F.dropout and nn.Dropout, F.scaled_dot_product_attention's dropout_p, torch.bernoulli and "
-    "Tensor.bernoulli_): a mask drawn with torch.rand/rand_like, say. Its masks and the TP model's would differ "
-    "and no tensor could be compared element by element; draw the mask with torch.bernoulli or F.dropout, or "
-    "disable the randomness for the check, see docs/case-files.md#dropout")
+from tpcheck.plan import Plan, Replicate
 
 
 def _in_float64(value):
@@ -104,6 +98,44 @@ class _NoGrad:
     grad = None
 
 
+class _TPActivations:
+    """The capture sink of the TP side's module outputs and gradients in one micro-batch: each compared
+    as it is produced, against the dense side's copy (and the truth's bound or copy). While the activation
+    placements are being inferred (the first micro-batch of a case with no plan written), every tensor is
+    held instead, a copy (a loss may work in place on the logits) with its place in execution order, and
+    compared in `release` once the placements are known."""
+
+    def __init__(self, cmp: Comparator, step: int, rec_d: capture.Recorder, rec_t: capture.Recorder,
+                 discovery: Discovery) -> None:
+        self.cmp, self.step, self.rec_d, self.rec_t, self.discovery = cmp, step, rec_d, rec_t, discovery
+        self.held: list | None = [] if discovery.acts_pending else None
+
+    def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
+        if self.held is not None:
+            self.held.append((stage, name, t.clone(), self.cmp.next_seq()))
+        else:
+            self._compare(stage, name, t)
+
+    def release(self) -> None:
+        """After the micro-batch: the placements inferred from the held tensors (discover.py), then the
+        held tensors that got one compared, each under the place it was produced in."""
+        if self.held is None:
+            return
+        self.discovery.infer_activations(self.rec_d, self.held)
+        for stage, name, t, seq in self.held:
+            if name in self.discovery.plan.activations:
+                self._compare(stage, name, t, seq)
+
+    def _compare(self, stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
+        d = self.rec_d.take(stage, name)
+        tr = self.rec_t.take(stage, name) if self.rec_t is not self.rec_d else d
+        if d is not None:
+            label = "act" if stage == "forward" else "actgrad"
+            given = {"bound": tr} if isinstance(tr, Bound) else {}  # calibrated as the truth produced it
+            self.cmp.compare(stage, self.step, f"{label}:{name}", t, d, None if given else tr,
+                             self.discovery.plan.activations[name], seq=seq, **given)
+
+
 class Engine:
     """One case on one rank: the three models, their optimizers, and the comparator."""
 
@@ -121,26 +153,18 @@ class Engine:
             rendezvous.setup_failed(f"{type(e).__name__}: {e}" if not isinstance(e, UsageError) else str(e))
             raise
         rendezvous.setup_done()
-        self.plan_inferred = case.plan is None
-        # activation placements inferred in the first micro-batch (no plan written, none named)
-        self.acts_pending = case.plan is None and not case.activations and self.settings.capture
-        self.act_candidates = activations.candidates(self.dense, self.tp) if self.acts_pending else set()
-        self.acts_skipped: dict[str, str] = {}
-        if case.plan is None:  # no plan written: inferred from what the user's loader put there
-            plan = infer_plan(self.tp, self.dense, rendezvous, group.rank, group.world_size)
-            plan = dataclasses.replace(plan, activations=dict(case.activations))
-            plan.check_against(self.dense, group.world_size)
-            self.case = dataclasses.replace(case, plan=plan, activations={})
+        self.discovery = Discovery(case, group, rendezvous, self.dense, self.tp)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan as known so far: written, or inferred as the run reveals it (discover.py)."""
+        return self.discovery.plan
 
     def _build(self) -> None:
         case, group = self.case, self.group
         self.gen = torch.Generator().manual_seed(self.settings.seed)
-        # the dense side's dropout masks (checker/rank/masks.py): its own generator, the same on every rank
-        self.mask_gen = torch.Generator().manual_seed(self.settings.seed + 1)
-        # whether the model draws random masks: known after the first dense forward, which always runs under
-        # the mask book; without draws the later forwards skip its interception (~10% of a tiny check), and a
-        # draw after all is still refused by the dense side's RNG check (NONDETERMINISTIC)
-        self.draws_random: bool | None = None
+        # the dense side's dropout masks and the checks of the TP side's draws (checker/rank/rng.py)
+        self.draws = RandomDraws(self.settings.seed, case.dropout, self.cmp, self.rendezvous, self.device)
         self.first_batch = self._batch()  # drawn before the weights, as the seed
         master = case.build_dense(torch.float32)  # on the CPU, where the seeded init draws
         case.init(master, self.gen)
@@ -154,11 +178,17 @@ class Engine:
         if case.inject.intercept is not None:
             self.tap.interceptor = case.inject.intercept(group)
         self.tp = case.build_tp(group, self.dtype)
-        self._load_tp(self.tp, master, case.inject.load_plan or case.plan)  # from the float32 master
+        self._load_tp(master, case.plan, case.inject.load_plan)  # from the float32 master
         self.tp.to(self.device)
         if case.inject.tamper is not None:
             case.inject.tamper(self.tp, group)
-        # what each optimizer steps: the modules' own parameters, or their float32 masters
+        self._build_optimizers()
+
+    def _build_optimizers(self) -> None:
+        """What each optimizer steps (the modules' own parameters, or their float32 masters), the three
+        optimizers, the replay of the dense rule on the TP side's inputs, and the allowance after adaptive
+        steps (checker/rank/optimizer.py)."""
+        case, group = self.case, self.group
         self.dense_master, self.tp_master = Masters.of(self.dense, self.settings), Masters.of(self.tp, self.settings)
         self.opt_dense = self.settings.make_optimizer(self.dense_master.parameters())
         if case.inject.tp_optimizer is not None:
@@ -171,17 +201,18 @@ class Engine:
         self.slack = AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth) \
             if self.settings.optimizer != "sgd" else None
 
-    def _load_tp(self, tp: nn.Module, dense: nn.Module, plan) -> None:
+    def _load_tp(self, dense: nn.Module, plan: Plan | None, load_plan: Plan | None = None) -> None:
         """The TP module's weights from the dense ones: the user's own `load_tp` when the case has one
-        (checked at the weights stage, never overwritten), else through the plan."""
+        (checked at the weights stage, never overwritten; its names held to `plan`, the plan as known,
+        none before it is inferred), else through `load_plan` (a fault's own loading) or `plan`."""
         if self.case.load_tp is None:
-            load_from_dense(tp, dense, plan, self.group)
+            load_from_dense(self.tp, dense, load_plan or plan, self.group)
             return
-        if self.case.plan is not None:
-            check_names(tp, dense, self.case.plan)
+        if plan is not None:
+            check_names(self.tp, dense, plan)
         state = {name: p.detach().float().clone() for name, p in dense.named_parameters()}
         with torch.no_grad():
-            self.case.load_tp(tp, state, self.group)
+            self.case.load_tp(self.tp, state, self.group)
 
     def _copy_of(self, src: nn.Module, dtype: torch.dtype) -> nn.Module:
         """A dense model in `dtype` with `src`'s weights, on this rank's device."""
@@ -204,14 +235,13 @@ class Engine:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> list[Check]:
-        case = self.case
+        case, plan = self.case, self.plan
         tp_params = dict(self.tp.named_parameters())
-        loader = f"as loaded by your load_tp ({defined_at(case.load_tp)})" if case.load_tp is not None else None
+        loaded_by = f"your load_tp ({defined_at(case.load_tp)})" if case.load_tp is not None else None
+        reason = f"bitwise: the plan's shard, as loaded by {loaded_by}" if loaded_by else None
         for name, p in self.dense.named_parameters():
-            check = self.cmp.compare("weights", 0, f"param:{name}", tp_params[case.plan.tp_name(name)].detach(),
-                                     p.detach(), p.detach(), case.plan.params[name], exact=True)
-            if loader:
-                check.reason = f"bitwise: the plan's shard, {loader}"
+            self.cmp.compare("weights", 0, f"param:{name}", tp_params[plan.tp_name(name)].detach(), p.detach(),
+                             p.detach(), plan.params[name], exact=True, reason=reason, loaded_by=loaded_by)
         self.sync("loading the weights")
         self.cmp.flush_replicas()
         for step in range(1, self.settings.steps + 1):
@@ -238,8 +268,8 @@ class Engine:
             else:
                 finalize_grads(self.tp, self.group)
         self.sync(f"finalize_grads of step {step}")
-        if step == 1 and self.plan_inferred:
-            self._infer_applied_on()
+        if step == 1:
+            self.discovery.infer_applied_on(self.tp)
         self._compare_params(step, "grads", dict(self.dense.named_parameters()), dict(self.tp.named_parameters()),
                              lambda p: p.grad)
         self.cmp.flush_replicas()
@@ -257,67 +287,135 @@ class Engine:
         self._compare_params(step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p)
         self.cmp.flush_replicas()
 
-    def _infer_applied_on(self) -> None:
-        """With an inferred plan: a parameter inferred Replicate() that gets a gradient on one rank only
-        is applied on that rank, AppliedOnRank(r) (a row-parallel bias added before the all-reduce). The
-        values cannot tell the two apart, the first step's gradients can; the ranks agree through the
-        store. A gradient that is zero rather than absent on the other ranks is not inferred (the
-        grads stage then compares it as a replica)."""
-        plan, group = self.case.plan, self.group
-        if group.world_size == 1:
-            return
-        tp_params = dict(self.tp.named_parameters())
-        names = [n for n, p in plan.params.items() if isinstance(p, Replicate)]
-        mine = [n for n in names if tp_params[plan.tp_name(n)].grad is not None]
-        said = [set(json.loads(t)) for t in self.rendezvous.exchange("applied", json.dumps(mine),
-                                                                      label="inferring the plan")]
-        applied = {}
-        for name in names:
-            holders = [r for r, got in enumerate(said) if name in got]
-            if len(holders) == 1:
-                applied[name] = AppliedOnRank(holders[0])
-        if applied:
-            plan = dataclasses.replace(plan, params={**plan.params, **applied})
-            self.case = dataclasses.replace(self.case, plan=plan)
+    def _forward_backward(self, step: int, micro: int, batch) -> None:
+        case, group, cmp = self.case, self.group, self.cmp
+        inputs, target = batch
+        wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
+        book = self.draws.book()
+        rec_d, rec_t, (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = self._reference_passes(inputs, target, wanted, book)
+        acts = _TPActivations(cmp, step, rec_d, rec_t, self.discovery)
+        handles = capture.attach(self.tp, self.discovery.capture_names(), acts) if self.settings.capture else []
+        kw_tp = self._tp_inputs(inputs, wanted)
+        with training_rng(self.device, self.settings.seed, step, micro):
+            with self.tap.tp_phase("forward"), self.draws.tp_masks(book, self.tp):
+                out_tp = _one_tensor(self.tp(**kw_tp), self.tp, "TP")
+            # compared before the loss sees it: a loss may work in place on its input (Megatron's
+            # vocab-parallel cross-entropy subtracts the max from the logits)
+            cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
+            target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank,
+                                                                             group.world_size), target)
+            with self.tap.tp_phase("forward"):
+                loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
+            cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
+            with self.tap.tp_phase("backward"):
+                loss_tp.backward()
+        capture.detach_all(handles)
+        self.sync(f"forward and backward of step {step}")
+        acts.release()
+        self.draws.check(step, book, f"the random draws of step {step}")
+        self._compare_input_grads(step, wanted, kw_tp, kw_d, kw_t)
+        # the replicas of every micro-batch are compared across ranks with the step's grads (one checker
+        # all-reduce for all of them); each replica check keeps the place of its tensor in the order
 
-    def inferred_plan(self) -> str | None:
-        """The plan of a case with no plan written, as inferred (parameters, then where the gradients
-        appear, then the activations), as code; None for a written plan."""
-        return plan_as_code(self.case.plan, self.acts_skipped) if self.plan_inferred else None
+    def _reference_passes(self, inputs: dict, target, wanted: tuple, book):
+        """The dense pass (drawing the micro-batch's masks into `book`) and the float64 truth's (replaying
+        them), each capturing the activations: (dense recorder, truth recorder, (inputs, output, loss) of
+        the dense side, the same of the truth). Where the truth is the dense model (a float64 run) it is
+        the dense side's; on a rank that holds none, inputs without gradients and no output or loss."""
+        rec_d = capture.Recorder()
+        rec_t = capture.Calibrating(rec_d, self._truth_bound)
+        with self.draws.watching(book):
+            dense = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted,
+                                         self.draws.masks(book.draw, self.dense))
+        if self.truth is self.dense:
+            return rec_d, rec_d, dense, dense
+        if self.truth is None:
+            return rec_d, rec_t, dense, ({k: _NoGrad for k in dense[0]}, None, None)
+        with others_wait(self.wait_threads):
+            truth = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
+                                         self.draws.masks(book.replay, self.truth))
+        return rec_d, rec_t, dense, truth
+
+    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks):
+        case = self.case
+        handles = capture.attach(model, self.discovery.capture_names(), recorder) if self.settings.capture else []
+        kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
+        with masks:
+            out = _one_tensor(model(**kw), model, "dense")
+        produced = capture.snapshot(out)  # as the model produced it: a loss may work in place on its input
+        loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
+        loss.backward()
+        capture.detach_all(handles)
+        return kw, produced, loss.detach()
+
+    def _compare_input_grads(self, step: int, wanted: tuple, kw_tp: dict, kw_d: dict, kw_t: dict) -> None:
+        """The gradients of the forward inputs in `wanted`, TP against dense; an input that gets one on one
+        side only, or on neither when the case names it in `grad_inputs`, is refused naming it."""
+        case = self.case
+        for k in wanted:
+            if kw_tp[k].grad is None or kw_d[k].grad is None:
+                if case.grad_inputs is None and kw_tp[k].grad is None and kw_d[k].grad is None:
+                    continue  # a floating input that no gradient reaches (a mask, say): nothing to check
+                side = "either side" if kw_tp[k].grad is None and kw_d[k].grad is None else \
+                    "the TP side only" if kw_tp[k].grad is None else "the dense side only"
+                raise UsageError(f"forward input {k!r} got no gradient on {side}: is it used in forward? "
+                                 "(grad_inputs lists the inputs whose gradients are checked)")
+            self.cmp.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
+                             case.input_placements.get(k, Replicate()))
+
+    def _compare_params(self, step: int, stage: str, dense_params: dict, tp_params: dict, get) -> None:
+        """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against the
+        dense side's; after the step these are what the optimizers stepped (float32 masters under
+        master weights, compared with float32's bound)."""
+        plan, group = self.plan, self.group
+        truth_params = dict(self.truth.named_parameters()) if self.truth is not None else {}
+        for name, p in dense_params.items():
+            tp_p = tp_params[plan.tp_name(name)]
+            tp_val, dense_val = get(tp_p), get(p)
+            truth_val = get(truth_params[name]) if truth_params else None
+            owner = plan.params[name].applied_on
+            sent = self._owner_bound(step, stage, name, owner, p, truth_params.get(name), dense_val, truth_val) \
+                if owner not in (None, 0) and dense_val is not None and self.truth is not self.dense else None
+            if owner is not None and owner != group.rank:
+                not_applied_here(self.cmp, self.dtype, step, stage, name, tp_val, dense_val, owner)
+                continue
+            if tp_val is None or dense_val is None:
+                if (tp_val is None) != (dense_val is None):
+                    self._refuse_one_sided_grad(name, tp_val is None)
+                continue
+            tp_val, truth_val = tp_val.detach(), truth_val.detach() if truth_val is not None else None
+            raw = tp_val
+            placement = ALONE if owner is not None and stage != "weights" else plan.params[name]
+            if stage == "optimizer" and self.slack is not None:
+                tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size,
+                                                     plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
+            label = "grad" if stage == "grads" else "param"
+            self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val, placement,
+                             dtype=dense_val.dtype, bound=sent, raw=raw if tp_val is not raw else None)
+
+    def _refuse_one_sided_grad(self, name: str, missing_on_tp: bool) -> None:
+        """A parameter with a gradient on one side only: refused, naming the side that lacks it (and, for a
+        replicated one missing on the TP side, the AppliedOnRank placement that may be meant)."""
+        if missing_on_tp:
+            hint = ("; if the TP module applies it on one rank only (a row-parallel bias added before "
+                    "the all-reduce), place it AppliedOnRank(r) in the plan, r the rank that applies it"
+                    if self.plan.params[name].replicated else "; is it used in the TP forward?")
+            raise UsageError(f"parameter {name!r} got no gradient on rank {self.group.rank} of the TP side, "
+                             f"but does on the dense side{hint}")
+        raise UsageError(f"parameter {name!r} got a gradient on rank {self.group.rank} of the TP side but none "
+                         "on the dense side: is it used in the dense forward?")
 
     def _owner_bound(self, step: int, stage: str, name: str, owner: int, p, truth_p, dense_val,
                      truth_val) -> Bound | None:
-        """The bound for a tensor applied on a rank other than 0 (AppliedOnRank(r)): only rank r compares
-        its gradient and update, only rank 0 holds the float64 truth that bounds them. Rank 0 computes the
-        bound as rank r would (the truth relaxed as in `_compare_params`) and sends it through the store;
-        rank r gets it, the others None."""
-        group = self.group
-        text = ""
-        if truth_val is not None:
-            truth = truth_val.detach()
-            if stage == "optimizer" and self.slack is not None:
-                truth = self.slack.relax_truth(p, truth_p, truth)
-            text = json.dumps(dataclasses.asdict(self.cmp.calibrated(dense_val.detach(), truth, dense_val.dtype)))
-        said = self.rendezvous.exchange("bound", text, label=f"the bound of {name} ({stage}, step {step})")
-        return Bound(**json.loads(said[0])) if group.rank == owner and said[0] else None  # else: no verdict
-
-    def _not_applied_here(self, step: int, stage: str, name: str, tp_val, dense_val, owner: int) -> None:
-        """A tensor held on every rank but applied on `owner` only (AppliedOnRank): on the other ranks its
-        gradient must be absent or zero (else it was applied here too); its weight is not stepped by the
-        optimizer here, so it has nothing to compare after the step (each step restarts from the dense
-        weights)."""
-        if stage != "grads" or dense_val is None:
-            return
-        zeros = torch.zeros_like(dense_val)
-        mine = tp_val.detach() if tp_val is not None else zeros.to(self.dtype)
-        self.cmp.compare_local(stage, step, f"grad:{name}", mine, zeros.to(mine.dtype), _ALONE,
-                               f"bitwise: zero, the tensor is applied on rank {owner} only")
+        """Rank 0's bound for a tensor that rank `owner` alone compares (applied_on.py)."""
+        return owner_bound(self.cmp, self.rendezvous, self.slack, step, stage, name, owner, p, truth_p, dense_val,
+                           truth_val)
 
     def _compare_replay(self, step: int, tp_params: dict) -> None:
         """The TP optimizer's state and update against the replay's, bitwise, parameter by parameter: the
         state first (a wrong moment is the cause, a wrong update its effect), tensors before the step
         count. State the TP optimizer lacks counts as zeros (nothing was accumulated)."""
-        plan = self.case.plan
+        plan = self.plan
         for name in (n for n, _ in self.dense.named_parameters()):
             tp_name = plan.tp_name(name)
             p = tp_params[tp_name]
@@ -346,9 +444,9 @@ class Engine:
         lost: the previous step's update was compared with the dense rule element by element (the
         replay) and the weights with the dense ones; the TP optimizer's state and anything the TP module
         keeps besides its parameters (caches, buffers) are not touched."""
-        self._load_tp(self.tp, self.dense, self.case.plan)
+        self._load_tp(self.dense, self.plan)
         if self.tp_master.masters:
-            load_from_dense(self.tp_master, self.dense_master, self.case.plan, self.group)
+            load_from_dense(self.tp_master, self.dense_master, self.plan, self.group)
 
     def _truth_from_dense(self, dense_params, dense_opt: torch.optim.Optimizer | None = None) -> None:
         """The float64 truth restarts from the dense side at every step: its weights (before the forward:
@@ -370,49 +468,6 @@ class Engine:
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
 
-    def _capture_names(self) -> set[str]:
-        """The module outputs captured: the plan's activations, or, while they are being inferred, every
-        module both models have (checker/rank/activations.py)."""
-        return self.act_candidates if self.acts_pending else set(self.case.plan.activations)
-
-    def _infer_activations(self, rec_d: capture.Recorder, held: list) -> None:
-        """The activation placements of a case with no plan written, from the first micro-batch's shapes and
-        whether each output is the same on every rank (checker/rank/activations.py); the ranks agree through the
-        store. The inferred plan then carries them, and says which outputs are not checked and why."""
-        mine = activations.seen([(stage, name, t) for stage, name, t, _ in held])
-        said = activations.exchange(self.rendezvous, mine)
-        dense = {name: q[0] for (stage, name), q in rec_d.tensors.items() if stage == "forward" and q}
-        dense_shapes = {name: tuple(t.shape) for name, t in dense.items()}
-        partial = set()
-        if names := activations.differing(dense_shapes, said):  # summed over the ranks: partial sums?
-            first = {}
-            for stage, name, t, _ in held:
-                if stage == "forward":
-                    first.setdefault(name, t)
-            both = torch.cat([first[n].double().reshape(-1).cpu() for n in names])  # gloo: a checker collective
-            self.tap.performing(("all_reduce", "checker:activations", "forward"), dist.all_reduce, both,
-                                group=self.group.pg)
-            sums = both.split([dense[n].numel() for n in names])
-            partial = {n for n, summed in zip(names, sums) if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu())}
-        placed, skipped = activations.decide(dense_shapes, said, self.case.plan, self.group.world_size, partial,
-                                             activations.row_split_linears(self.dense, self.case.plan))
-        plan = dataclasses.replace(self.case.plan, activations=placed)
-        self.case = dataclasses.replace(self.case, plan=plan)
-        self.acts_skipped = skipped
-        self.acts_pending = False
-
-    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks):
-        case = self.case
-        handles = capture.attach(model, self._capture_names(), recorder) if self.settings.capture else []
-        kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
-        with masks:
-            out = _one_tensor(model(**kw), model, "dense")
-        produced = capture.snapshot(out)  # as the model produced it: a loss may work in place on its input
-        loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
-        loss.backward()
-        capture.detach_all(handles)
-        return kw, produced, loss.detach()
-
     def _truth_bound(self, dense: torch.Tensor, truth: torch.Tensor) -> Bound | None:
         """The bound of a captured tensor, calibrated when the truth produces it against the dense side's
         copy (what `Comparator.compare` would calibrate later), so that no float64 copy is held; None (keep
@@ -431,238 +486,24 @@ class Engine:
         """The forward without autograd on every side, its output compared ("output:no_grad"): TP code may
         take another path when no gradient is needed (local matmuls and a plain all-reduce instead of
         DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""
-        book = MaskBook(self.mask_gen, self.case.dropout)
+        book = self.draws.book()
         with torch.no_grad():
-            rng = rng_states(self.device)
-            with self._masks(book.draw, self.dense):
+            with self.draws.watching(book), self.draws.masks(book.draw, self.dense):
                 out_d = _one_tensor(self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()}), self.dense,
                                     "dense")
-            self._drew(book, rng)
             if self.truth is self.dense:
                 out_t = out_d
             elif self.truth is not None:
-                with self._masks(book.replay, self.truth), others_wait(self.wait_threads):
+                with self.draws.masks(book.replay, self.truth), others_wait(self.wait_threads):
                     out_t = _one_tensor(self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}),
                                         self.truth, "dense")
             else:
                 out_t = None
-            with self.tap.tp_phase("forward"), self._training_rng(step, -1), self._tp_masks(book):
+            with self.tap.tp_phase("forward"), training_rng(self.device, self.settings.seed, step, -1), \
+                    self.draws.tp_masks(book, self.tp):
                 out_tp = _one_tensor(self.tp(**self._tp_inputs(inputs)), self.tp, "TP")
         self.cmp.compare("forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement)
-        self._check_draws(step, book, "the forward without autograd")
-
-    @contextlib.contextmanager
-    def _training_rng(self, step: int, micro: int):
-        """The default generators (the CPU's, and the GPU's on "cuda") as a training script leaves them for
-        the TP side: seeded the same on every rank (what a replicated region draws from), whatever the
-        checker drew before; restored after."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            seed_rng(self.device, (self.settings.seed + 7919 * step + 104729 * (micro + 2)) % 2**63)
-            yield
-
-    def _tp_masks(self, book: MaskBook):
-        if self.draws_random is False:
-            return contextlib.nullcontext()
-        return book.tp(self.tp, self.group.rank, self.group.world_size, self.cmp.next_seq)
-
-    def _masks(self, role, model: nn.Module):
-        """The dense side's draws (`book.draw`) or the truth's replay, unless the model draws nothing."""
-        return contextlib.nullcontext() if self.draws_random is False else role(model)
-
-    def _drew(self, book: MaskBook, rng_before: tuple) -> None:
-        """After a dense forward: random draws other than the replayed ones are refused; the first forward
-        tells whether the model draws at all."""
-        if not all(map(torch.equal, rng_before, rng_states(self.device))):
-            raise UsageError(NONDETERMINISTIC)
-        if self.draws_random is None:
-            self.draws_random = bool(book.draws)
-
-    def _check_draws(self, step: int, book: MaskBook, where: str) -> None:
-        """The RNG placement checks of one forward's random draws (checker/rank/masks.py): every rank's draws are
-        exchanged through the rendezvous store (not a collective) and each of this rank's is held to its
-        region's rule against the others'; a draw that did not match the dense side's fails as it is. Only
-        where the dense side drew (the same on every rank, so every rank exchanges or none does)."""
-        if not book.draws:
-            for d in book.tp_draws:
-                self.cmp.record_rng(step, f"rng:{d.label}", d.seq, 1, d.problem or "", d.placement,
-                                    {"rule": d.rule, "ranks": [], "problem": d.problem})
-            return
-        said = self.rendezvous.exchange("rng", json.dumps([d.as_json() for d in book.tp_draws]), label=where)
-        everyone = [json.loads(text) for text in said]
-        me = self.group.rank
-        for k, d in enumerate(book.tp_draws):
-            short = [r for r, theirs in enumerate(everyone) if len(theirs) <= k]
-            problem = d.problem or (f"rank(s) {short} drew fewer random masks in this forward than rank {me}"
-                                    if short else None)
-            if problem or d.rule is None:
-                self.cmp.record_rng(step, f"rng:{d.label}", d.seq, 1 if problem else 0, problem or
-                                    "one rank: no RNG placement to check", d.placement,
-                                    {"rule": d.rule, "ranks": short, "problem": problem})
-                continue
-            states, masks = [t[k][2] for t in everyone], [t[k][3] for t in everyone]
-            bad = violations(d.rule, states, masks, me)
-            self.cmp.record_rng(step, f"rng:{d.label}", d.seq, len(bad), REASONS[d.rule], d.placement,
-                                {"rule": d.rule, "ranks": bad, "problem": None})
-            self._rng_control(step, d, states, masks)
-        if len(book.tp_draws) < len(book.draws):  # masks the dense side applied and the TP side never drew
-            missed = book.draws[len(book.tp_draws)]
-            problem = (f"the dense side drew {len(book.draws)} random mask(s) in this forward, the TP side "
-                       f"{len(book.tp_draws)} on rank {me}: none where the dense side drew at {missed.label}")
-            self.cmp.record_rng(step, f"rng:{missed.label}", self.cmp.next_seq(), 1, problem, "?",
-                                {"rule": None, "ranks": [], "problem": problem})
-
-    def _rng_control(self, step: int, d, states: list, masks: list) -> None:
-        """The self-test of the RNG rule, once per step: the exchanged draws with one rank's planted to break
-        the rule (a copy of this rank's draw on a sharded region, another state on a replicated one) go
-        through `violations` and are recorded like the real check; it must fail."""
-        key = ("forward", step, "rng")
-        if key in self.cmp.controlled:
-            return
-        self.cmp.controlled.add(key)
-        me, other = self.group.rank, (self.group.rank + 1) % len(states)
-        states, masks = list(states), list(masks)
-        if d.rule == DIFFER:
-            states[other], masks[other] = states[me], masks[me]
-        else:
-            states[other] = states[other] + "~"
-        bad = violations(d.rule, states, masks, me)
-        self.cmp.record_rng(step, f"control:rng:{d.label}", d.seq, len(bad), REASONS[d.rule], d.placement,
-                            {"rule": d.rule, "ranks": bad, "problem": None}, control=True)
-
-    def _forward_backward(self, step: int, micro: int, batch) -> None:
-        case, group, cmp = self.case, self.group, self.cmp
-        inputs, target = batch
-        wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
-        rec_d = capture.Recorder()
-        rec_t = capture.Calibrating(rec_d, self._truth_bound)
-        book = MaskBook(self.mask_gen, case.dropout)
-        rng = rng_states(self.device)
-        kw_d, out_d, loss_d = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted,
-                                                   self._masks(book.draw, self.dense))
-        self._drew(book, rng)
-        if self.truth is self.dense:
-            (kw_t, out_t, loss_t), rec_t = (kw_d, out_d, loss_d), rec_d
-        elif self.truth is None:
-            kw_t, out_t, loss_t = {k: _NoGrad for k in kw_d}, None, None
-        else:
-            with others_wait(self.wait_threads):
-                kw_t, out_t, loss_t = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
-                                                           self._masks(book.replay, self.truth))
-
-        def compare_act(stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
-            d = rec_d.take(stage, name)
-            tr = rec_t.take(stage, name) if rec_t is not rec_d else d
-            if d is not None:
-                label = "act" if stage == "forward" else "actgrad"
-                given = {"bound": tr} if isinstance(tr, Bound) else {}  # calibrated as the truth produced it
-                check = cmp.compare(stage, step, f"{label}:{name}", t, d, None if given else tr,
-                                    self.case.plan.activations[name], **given)
-                if seq is not None:  # held until the placements were inferred: its place in execution order
-                    check.seq = seq
-
-        # while the activation placements are being inferred (first micro-batch of a case with no plan
-        # written): every TP tensor is held, a copy (a loss may work in place on the logits), with its place
-        held = [] if self.acts_pending else None
-
-        def on_tp_tensor(stage: str, name: str, t: torch.Tensor) -> None:
-            if held is not None:
-                held.append((stage, name, t.clone(), cmp.next_seq()))
-            else:
-                compare_act(stage, name, t)
-
-        names = self._capture_names()
-        handles = capture.attach(self.tp, names, on_tp_tensor) if self.settings.capture else []
-        kw_tp = self._tp_inputs(inputs, wanted)
-        with self._training_rng(step, micro):
-            with self.tap.tp_phase("forward"), self._tp_masks(book):
-                out_tp = _one_tensor(self.tp(**kw_tp), self.tp, "TP")
-            # compared before the loss sees it: a loss may work in place on its input (Megatron's
-            # vocab-parallel cross-entropy subtracts the max from the logits)
-            cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
-            target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank,
-                                                                             group.world_size), target)
-            with self.tap.tp_phase("forward"):
-                loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
-            cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
-            with self.tap.tp_phase("backward"):
-                loss_tp.backward()
-        capture.detach_all(handles)
-        self.sync(f"forward and backward of step {step}")
-        if held is not None:
-            self._infer_activations(rec_d, held)
-            for stage, name, t, seq in held:
-                if name in self.case.plan.activations:
-                    compare_act(stage, name, t, seq)
-        self._check_draws(step, book, f"the random draws of step {step}")
-        for k in wanted:
-            if kw_tp[k].grad is None or kw_d[k].grad is None:
-                if case.grad_inputs is None and kw_tp[k].grad is None and kw_d[k].grad is None:
-                    continue  # a floating input that no gradient reaches (a mask, say): nothing to check
-                side = "either side" if kw_tp[k].grad is None and kw_d[k].grad is None else \
-                    "the TP side only" if kw_tp[k].grad is None else "the dense side only"
-                raise UsageError(f"forward input {k!r} got no gradient on {side}: is it used in forward? "
-                                 "(grad_inputs lists the inputs whose gradients are checked)")
-            cmp.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
-                        case.input_placements.get(k, Replicate()))
-        # the replicas of every micro-batch are compared across ranks with the step's grads (one checker
-        # all-reduce for all of them); each replica check keeps the place of its tensor in the order
-
-    def _compare_params(self, step: int, stage: str, dense_params: dict, tp_params: dict, get) -> None:
-        """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against the
-        dense side's; after the step these are what the optimizers stepped (float32 masters under
-        master weights, compared with float32's bound)."""
-        plan, group = self.case.plan, self.group
-        truth_params = dict(self.truth.named_parameters()) if self.truth is not None else {}
-        for name, p in dense_params.items():
-            tp_p = tp_params[plan.tp_name(name)]
-            tp_val, dense_val = get(tp_p), get(p)
-            truth_val = get(truth_params[name]) if truth_params else None
-            owner = plan.params[name].applied_on
-            sent = self._owner_bound(step, stage, name, owner, p, truth_params.get(name), dense_val, truth_val) \
-                if owner not in (None, 0) and dense_val is not None and self.truth is not self.dense else None
-            if owner is not None and owner != group.rank:
-                self._not_applied_here(step, stage, name, tp_val, dense_val, owner)
-                continue
-            if tp_val is None or dense_val is None:
-                if (tp_val is None) != (dense_val is None):
-                    if tp_val is None:
-                        hint = ("; if the TP module applies it on one rank only (a row-parallel bias added before "
-                                "the all-reduce), place it AppliedOnRank(r) in the plan, r the rank that applies it"
-                                if plan.params[name].replicated else "; is it used in the TP forward?")
-                        raise UsageError(f"parameter {name!r} got no gradient on rank {group.rank} of the TP side, "
-                                         f"but does on the dense side{hint}")
-                    raise UsageError(f"parameter {name!r} got a gradient on rank {group.rank} of the TP side but none "
-                                     "on the dense side: is it used in the dense forward?")
-                continue
-            tp_val, truth_val = tp_val.detach(), truth_val.detach() if truth_val is not None else None
-            raw = tp_val
-            placement = _ALONE if owner is not None and stage != "weights" else plan.params[name]
-            if stage == "optimizer" and self.slack is not None:
-                tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size,
-                                                     plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
-            label = "grad" if stage == "grads" else "param"
-            check = self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val,
-                                     placement, dtype=dense_val.dtype, bound=sent)
-            if tp_val is not raw:
-                raw_error = maxdiff(raw, placement.shard(dense_val.detach(), group.rank, group.world_size))
-                check.raw_error = raw_error if raw_error != check.error else None
-
-
-class _Alone(Placement):
-    """The whole tensor on this rank, compared here only (no replica check across ranks): the gradient
-    and update of a tensor applied on one rank (AppliedOnRank)."""
-
-    def shard(self, dense, rank, world):
-        return dense
-
-    def may_share(self, world: int) -> bool:
-        return False
-
-    def __str__(self) -> str:
-        return "this rank only"
-
-
-_ALONE = _Alone()
+        self.draws.check(step, book, "the forward without autograd")
 
 
 def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous, wait_threads: int = 1) -> RankPayload:
@@ -671,46 +512,8 @@ def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous, wait_th
     t0 = time.perf_counter()
     engine = Engine(case, group, rendezvous, wait_threads)
     checks = engine.run()
-    evidence = engine.cmp.evidence_for(needed_evidence(checks, engine.cmp.evidence, rendezvous))
-    return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=evidence,
-                       expected_collectives=case.expected_collectives, inferred_plan=engine.inferred_plan(),
+    kept = engine.cmp.evidence
+    sent = kept.sent(evidence.needed_evidence(checks, kept, rendezvous))
+    return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=sent,
+                       expected_collectives=case.expected_collectives, inferred_plan=engine.discovery.as_code(),
                        ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
-
-
-def needed_evidence(checks: list[Check], kept: dict, rendezvous: Rendezvous) -> set[str] | None:
-    """The evidence keys the parent can need: those of every check that fails on some rank (the diagnosis
-    reads the first one's tensors on every rank) and the weights stage's (a loaded bias can explain an
-    offset), out of all this rank kept; None (send everything) when the ranks cannot tell. Sending only
-    these saves pickling ~1,300 small arrays per tiny case. A rank other than 0 cannot judge its
-    calibrated checks, whose bound rank 0 computes: one store exchange carries rank 0's bounds and the
-    other ranks' errors for them, in check order, with a digest of that order (AppliedOnRank(r) makes the
-    orders differ: then everything is sent)."""
-    judged = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is not None]
-    failing = {(c.stage, c.step, c.name) for c in checks if not c.control and c.bound is not None
-               and not c.error <= c.bound}
-    if rendezvous.rank == 0:  # the checks whose bound the other ranks take from here
-        mine = [c for c in judged if c.kind == "calibrated"]
-        values = [c.bound for c in mine]
-    else:
-        mine = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is None]
-        values = [c.error for c in mine]
-    digest = hashlib.blake2b("\n".join(evidence_key(c.stage, c.step, c.name) for c in mine).encode(), digest_size=16).hexdigest()
-    said = [json.loads(t) for t in rendezvous.exchange("evidence", json.dumps({
-        "failing": sorted(failing), "digest": digest,
-        "values": base64.b64encode(array.array("d", values).tobytes()).decode()}),
-        label="choosing the evidence to send")]
-    if any(s["digest"] != digest for s in said):
-        return None
-    bounds = array.array("d", base64.b64decode(said[0]["values"]))
-    for other in said:
-        failing.update(tuple(f) for f in other["failing"])
-    for other in said[1:]:
-        errors = array.array("d", base64.b64decode(other["values"]))
-        failing.update((c.stage, c.step, c.name) for c, e, b in zip(mine, errors, bounds) if not e <= b)
-    keys = {k for k in kept if k.startswith("weights|")}
-    for stage, step, name in failing:
-        if stage == "replicas":  # the replicated tensor's own evidence, under the stage it was compared in
-            keys.update(k for k in kept if k.endswith(evidence_key("", step, name)))
-        else:
-            keys.add(evidence_key(stage, step, name))
-    return keys

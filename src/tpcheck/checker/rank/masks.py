@@ -16,7 +16,7 @@ Intercepted through a TorchFunctionMode (so also a `from torch.nn.functional imp
 `F.dropout` (and so `nn.Dropout`), `F.scaled_dot_product_attention` with `dropout_p > 0` (computed in
 plain math on every side, the mask applied to the attention weights), and `torch.bernoulli`,
 `Tensor.bernoulli`, `Tensor.bernoulli_` (a custom dropout that draws its mask with bernoulli). Any
-other random draw in the dense forward (a `torch.rand_like` mask) is refused by the engine.
+other random draw in the dense forward (a `torch.rand_like` mask) is refused (rng.py: NONDETERMINISTIC).
 """
 from __future__ import annotations
 
