@@ -22,6 +22,8 @@ import dataclasses
 
 import pytest
 
+# checker/vocabulary.py's VERDICTS_EXPECTED, spelled here: importing tpcheck at pytest's start would import
+# torch in every test run (tests/checker/verdict/test_result.py holds the two equal)
 EXPECTS = ("equivalent", "not equivalent", "hang")
 
 

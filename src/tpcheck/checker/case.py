@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck.checker.devices import check_device
+from tpcheck.checker.vocabulary import VERDICTS_EXPECTED, Verdict
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, Plan, Replicate, as_placement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "adamw")
-VERDICTS_EXPECTED = ("equivalent", "not equivalent", "hang")
 MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 MAX_LR = 10.0  # above, the weights and the dense reference itself overflow within a few steps (= cli.MAX_LR)
@@ -266,7 +266,7 @@ class CaseSpec:
     fault: str | None = None
     overrides: tuple[tuple[str, object], ...] = ()
     label: str = ""
-    expected: str | None = None
+    expected: Verdict | None = None
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -306,7 +306,7 @@ class CaseSpec:
         return "/".join(parts)
 
     @property
-    def expected_verdict(self) -> str:
+    def expected_verdict(self) -> Verdict:
         if self.expected is not None:
             return self.expected
         return "equivalent" if self.fault is None else "not equivalent"

@@ -1,11 +1,13 @@
 """What crosses the pipe from a rank to the parent: the `Check` records of one case on one rank, the
 rank's `RankPayload` (its checks, its ledger of collectives, the evidence kept for the diagnosis) and
-the ledger's entries and how two ranks' ledgers differ. Plain data: no tensor maths, no process."""
+the ledger's entries and how two ranks' ledgers differ. Plain data: no tensor maths, no process.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from tpcheck.checker.case import RunSettings
+from tpcheck.checker.vocabulary import Stage, Status
 
 
 @dataclass(kw_only=True)
@@ -15,7 +17,7 @@ class Check:
     same `seq` is filled in (calibrated checks on ranks > 0); seq: position in execution order (a
     replica check shares the seq of the tensor it checks)."""
 
-    stage: str  # weights | forward | loss | backward | grads | optimizer | replicas
+    stage: Stage
     step: int
     name: str
     rank: int
@@ -42,11 +44,12 @@ class Check:
     loaded_by: str | None = None
 
 
-def evidence_key(stage: str, step: int, name: str) -> str:
-    """Where a check's evidence is kept in a rank's payload, read back by the parent (checker/verdict). A
-    rank keys its evidence by the tuple (stage, step, name) and writes this form only into the payload
-    (checker/rank/evidence.py: `Evidence.sent`)."""
-    return f"{stage}|{step}|{name}"
+EvidenceKey = tuple[str, int, str]  # (stage, step, name): where a check's evidence is kept, on a rank and in its payload
+
+
+def evidence_key(stage: str, step: int, name: str) -> EvidenceKey:
+    """The key of a check's evidence, in a rank's `Evidence` and in the payload the parent reads."""
+    return stage, step, name
 
 
 PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint", "where")
@@ -57,7 +60,7 @@ class RankPayload:
     """What one rank reports for one case. status: ok | usage (bad input) | error (raised) | crash
     (died) | hang (a wait timed out) | aborted (stopped after another rank's failure)."""
 
-    status: str
+    status: Status
     rank: int
     message: str = ""
     checks: list[Check] = field(default_factory=list)

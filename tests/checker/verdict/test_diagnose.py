@@ -9,7 +9,7 @@ from tpcheck.checker.verdict.diagnose import CAUSES, diagnose
 
 FP32_EPS = float(np.finfo(np.float32).eps)
 BF16_EPS = 2.0**-7
-KEY = "forward|1|act:down"
+KEY = ("forward", 1, "act:down")
 SHAPE = (8, 16)
 
 
@@ -18,14 +18,14 @@ def first(stage="forward", step=1, name="act:down", ranks=(0, 1)) -> dict:
 
 
 def evidence(tps, refs, placement, dense=None, key=KEY, eps=FP32_EPS, weights=None) -> list[dict]:
-    """One evidence dict per rank; `weights` = {param name: dense value} added as "weights|0|param:NAME"."""
+    """One evidence dict per rank; `weights` = {param name: dense value} added as ("weights", 0, "param:NAME")."""
     dense = refs[0] if dense is None else dense
     out = []
     for tp, ref in zip(tps, refs):
         e = {key: {"tp": np.asarray(tp, dtype=np.float64), "ref": np.asarray(ref, dtype=np.float64),
                    "dense": dense, "placement": placement, "eps": eps}}
         for name, value in (weights or {}).items():
-            e[f"weights|0|param:{name}"] = {"tp": value, "ref": value, "dense": value, "placement": "replicate",
+            e[("weights", 0, f"param:{name}")] = {"tp": value, "ref": value, "dense": value, "placement": "replicate",
                                             "eps": eps}
         out.append(e)
     return out
@@ -234,7 +234,7 @@ def test_rounding_level_noise_within_1e_3_is_near_bound(rel, eps):
 def test_record_fields():
     ref = rng(23).standard_normal(SHAPE)
     f = {"stage": "backward", "step": 3, "name": "grad:mlp.down", "ranks": [0, 1]}
-    ev = evidence([2 * ref] * 2, [ref] * 2, "replicate", key="backward|3|grad:mlp.down")
+    ev = evidence([2 * ref] * 2, [ref] * 2, "replicate", key=("backward", 3, "grad:mlp.down"))
     d = diagnose(f, ev, 2)
     assert d["signature"] == "scaled_by_world"
     assert (d["tensor"], d["location"], d["stage"], d["step"], d["ranks"]) == \
@@ -256,7 +256,7 @@ def test_an_rng_check_is_named_by_the_rule_it_broke(rule, problem, signature):
     f = {"stage": "forward", "step": 1, "name": "rng:layers.0.attention.attn_dropout", "ranks": [0, 1],
          "kind": "rng"}
     info = {"rule": rule, "ranks": [1], "problem": problem}
-    ev = [{"forward|1|rng:layers.0.attention.attn_dropout": {"tp": np.array([1.0]), "ref": np.zeros(1),
+    ev = [{("forward", 1, "rng:layers.0.attention.attn_dropout"): {"tp": np.array([1.0]), "ref": np.zeros(1),
                                                                "dense": np.zeros(1), "rng": info}}] * 2
     d = diagnose(f, ev, 2)
     assert d["signature"] == signature and d["cause"] == CAUSES[signature]
@@ -362,13 +362,13 @@ def test_decay_is_a_difference_proportional_to_the_weights():
     w = [rng(50 + r).standard_normal(SHAPE) for r in range(world)]
     upd = [rng(60 + r).standard_normal(SHAPE) * 1e-3 for r in range(world)]
     tps = [u - 1e-5 * wr for u, wr in zip(upd, w)]
-    ev = evidence(tps, upd, "shard(dim=0)", key="optimizer|1|update:fc.weight")
+    ev = evidence(tps, upd, "shard(dim=0)", key=("optimizer", 1, "update:fc.weight"))
     for r in range(world):
-        ev[r]["optimizer|1|update:fc.weight"]["weights"] = w[r]
+        ev[r][("optimizer", 1, "update:fc.weight")]["weights"] = w[r]
     d = diagnose({"stage": "optimizer", "step": 1, "name": "update:fc.weight", "ranks": [0, 1]}, ev, world)
     assert d["signature"] == "decay" and abs(d["evidence"]["difference_over_weights"] + 1e-5) < 1e-7
     for r in range(world):  # the same difference without weights as evidence: no such claim
-        del ev[r]["optimizer|1|update:fc.weight"]["weights"]
+        del ev[r][("optimizer", 1, "update:fc.weight")]["weights"]
     d = diagnose({"stage": "optimizer", "step": 1, "name": "update:fc.weight", "ranks": [0, 1]}, ev, world)
     assert d["signature"] != "decay"
 

@@ -45,7 +45,7 @@ def _factor_times_1000(monkeypatch):
 
 def _ranks_above_0_pass(monkeypatch):
     judge = result_module.judge
-    monkeypatch.setattr(result_module, "judge", lambda c: c["rank"] > 0 or judge(c))
+    monkeypatch.setattr(result_module, "judge", lambda c: c.rank > 0 or judge(c))
 
 
 def _evidence_dropped(monkeypatch):

@@ -46,6 +46,10 @@ from tpcheck.checker.verdict.hangs import describe
 from tpcheck.errors import UsageError
 
 DEFAULT_TIMEOUT_S = 20.0
+# The bounds of a timeout (seconds any collective may wait), their one definition: the Launcher
+# refuses a timeout outside them, and `tpcheck --timeout` does before any rank starts. Below 1 s a
+# correct implementation is reported as a false hang; an hour is far past any real collective.
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
 
 
 # ---------------------------------------------------------------------------- the pool
@@ -182,8 +186,10 @@ class Launcher:
 
     def __init__(self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S,
                  stall_s: float | None = None) -> None:
-        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 3600):
-            raise UsageError(f"timeout {timeout_s!r} must be in (0, 3600] seconds")
+        number = isinstance(timeout_s, (int, float))
+        if not (number and MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S):
+            raise UsageError(f"timeout {timeout_s!r} must be between {MIN_TIMEOUT_S:g} and "
+                             f"{MAX_TIMEOUT_S:g} seconds: it is how long any collective may wait")
         self.resolver = resolver
         self.timeout_s, self.stall_s = float(timeout_s), stall_s
         self.pools: dict[tuple[int, str], RankPool] = {}

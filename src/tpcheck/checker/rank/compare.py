@@ -20,6 +20,7 @@ from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.evidence import Evidence
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.rank.loading import absmax, maxdiff
+from tpcheck.checker.vocabulary import Stage
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, copies
@@ -37,7 +38,7 @@ class Comparator:
         self.seq = 0
         self.controlled: set[tuple[str, int, str]] = set()  # (stage, step, bound kind) with a control
 
-    def compare(self, stage: str, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
+    def compare(self, stage: Stage, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
                 truth: torch.Tensor | None, placement: Placement, exact: bool = False,
                 dtype: torch.dtype | None = None, bound: tolerance.Bound | None = None, *,
                 reason: str | None = None, loaded_by: str | None = None, seq: int | None = None,
@@ -89,7 +90,7 @@ class Comparator:
         """The calibrated bound of a tensor of this rank's checks, in `dtype` (default: the working dtype)."""
         return tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
 
-    def compare_local(self, stage: str, step: int, name: str, tp_local: torch.Tensor, ref_local: torch.Tensor,
+    def compare_local(self, stage: Stage, step: int, name: str, tp_local: torch.Tensor, ref_local: torch.Tensor,
                       placement: Placement, reason: str, weights: torch.Tensor | None = None) -> Check:
         """Bitwise comparison of this rank's tensor with a reference computed on this rank from the TP
         side's own inputs (the optimizer replay): no cross-rank replica check, exact bound. `weights`
@@ -128,7 +129,7 @@ class Comparator:
         self.seq += 1
         return self.seq
 
-    def _record(self, stage: str, step: int, name: str, error: float, bound: tolerance.Bound, placement: Placement,
+    def _record(self, stage: Stage, step: int, name: str, error: float, bound: tolerance.Bound, placement: Placement,
                 control: bool = False) -> Check:
         """One comparison's Check, appended in execution order. `passed` is provisional: the parent fills
         in pending bounds and judges every check (`result.judge`)."""

@@ -4,8 +4,7 @@ and the part of them the rank sends.
 Small tensors are kept as they are compared (every control's few elements and every RNG check's record
 outside the budget); after the run one store exchange tells every rank which checks fail on some rank,
 and only their tensors travel (with the loaded weights and the controls). A key is `(stage, step,
-name)`, a check's own three fields; it becomes the payload's key (`payload.evidence_key`, the form
-checker/verdict reads) only when the evidence leaves the rank.
+name)`, a check's own three fields (`payload.evidence_key`), on the rank and in the payload alike.
 """
 from __future__ import annotations
 
@@ -18,13 +17,13 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from tpcheck.checker.payload import Check, evidence_key
+from tpcheck.checker.payload import Check, EvidenceKey
 from tpcheck.checker.sync import Rendezvous
 
 EVIDENCE_MAX_NUMEL = 1 << 16  # tensors up to this size are sent to the parent for diagnosis
 EVIDENCE_BUDGET = 1 << 21  # total elements per rank and case
 
-Key = tuple[str, int, str]  # (stage, step, name) of a check
+Key = EvidenceKey
 
 
 def key_of(check: Check) -> Key:
@@ -62,13 +61,13 @@ class Evidence:
         self.kept[("forward", step, name)] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
                                               "placement": placement, "eps": 0.0, "rng": info}
 
-    def sent(self, keys: set[Key] | None) -> dict[str, dict]:
+    def sent(self, keys: set[Key] | None) -> dict[Key, dict]:
         """The evidence sent to the parent, as float64 arrays, under the payload's keys: the entries in
         `keys` (None: every one), every control's (the self-test reads them) and every RNG check's."""
         out = {}
         for key, e in self.kept.items():
             if keys is None or key in keys or key[2].startswith("control:") or "rng" in e:
-                out[evidence_key(*key)] = {k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v
+                out[key] = {k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v
                                            for k, v in e.items()}
         return out
 
@@ -110,7 +109,7 @@ def needed_evidence(checks: list[Check], kept: Iterable[Key], rendezvous: Rendez
 def _exchange(rendezvous: Rendezvous, failing: set[Key], mine: list[Check], values: list[float]) -> list[dict] | None:
     """Every rank's failing checks and `values` (rank 0's bounds, the others' errors) through the store,
     with a digest of the order of `mine`; None when the ranks' orders differ."""
-    digest = hashlib.blake2b("\n".join(evidence_key(*key_of(c)) for c in mine).encode(), digest_size=16).hexdigest()
+    digest = hashlib.blake2b("\n".join(repr(key_of(c)) for c in mine).encode(), digest_size=16).hexdigest()
     said = [json.loads(t) for t in rendezvous.exchange("evidence", json.dumps({
         "failing": sorted(failing), "digest": digest,
         "values": base64.b64encode(array.array("d", values).tobytes()).decode()}),

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpcheck.checker.payload import evidence_key
+
 # How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or 16
 # ulps of the working dtype when coarser (bf16). Chosen per diagnosis from the evidence's dtype.
 REL_MIN = 1e-3
@@ -80,9 +82,9 @@ RNG_SIGNATURES = {"differ": "rng_not_forked", "same": "rng_diverged"}
 
 def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int = 1) -> dict:
     """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict."""
-    key = f"{first['stage']}|{first['step']}|{first['name']}"
-    if first["stage"] == "replicas":
-        key = next((k for k in _keys(evidence) if k.endswith(f"|{first['step']}|{first['name']}")), key)
+    key = evidence_key(first["stage"], first["step"], first["name"])
+    if first["stage"] == "replicas":  # the replicated tensor's own evidence, under the stage it was compared in
+        key = next((k for k in _keys(evidence) if k[1:] == key[1:]), key)
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     if first.get("kind") == "rng":
         return _rng_diagnosis(first, ev)
@@ -264,7 +266,7 @@ class Classifier:
             return None
         rows = d.reshape(-1, d.shape[-1])
         for key, e in evidence[0].items():
-            stage, _, name = key.split("|", 2)
+            stage, _, name = key
             if stage == "weights" and e["dense"].shape == rows.shape[1:]:
                 bias = (world - 1) * e["dense"]
                 tol = max(noise, self.rel * _scale(bias))

@@ -18,10 +18,11 @@ import re
 from tpcheck.checker.case import CaseSpec
 from tpcheck.checker.usercode import frame_kind, short_path
 from tpcheck.checker.verdict.hangs import hang_details, hang_summary
+from tpcheck.checker.vocabulary import Verdict
 
-# status -> (priority, verdict); lower priority wins
-STATUS = {"usage": (0, "invalid"), "crash": (1, "error"), "error": (2, "error"), "hang": (3, "hang"),
-          "peer": (4, "error"), "aborted": (5, "error")}
+# a rank's Status (or "peer", see _kind) -> (priority, verdict); lower priority wins
+STATUS: dict[str, tuple[int, Verdict]] = {"usage": (0, "invalid"), "crash": (1, "error"), "error": (2, "error"),
+                                          "hang": (3, "hang"), "peer": (4, "error"), "aborted": (5, "error")}
 PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
 TRACEBACK_LINES = 12
 

@@ -1,5 +1,7 @@
 """Typed results, from a rank to the report: a `RankPayload` per rank and case, merged into one
-`CaseResult` with a verdict; `CaseResult.to_json()` is what reports and the Python API see.
+`CaseResult` with a verdict, its checks `Check` records to the end; `CaseResult.to_json()` is what the
+report and the Python API see, made at their edge (api.py, the CLI, the pytest plugin), and
+`CaseResult.from_json` reads a report's case back (`tpcheck report`, the tests).
 
 Verdicts: "equivalent" (every check on every rank passed), "not equivalent" (some check failed),
 "hang" (a collective wait timed out: some ranks issued a collective the others did not),
@@ -11,15 +13,18 @@ it was; the process exit code follows from it (`exit_code`).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from tpcheck.checker.case import CaseSpec, RunSettings
-from tpcheck.checker.payload import RankPayload, evidence_key
+from tpcheck.checker.payload import Check, RankPayload, evidence_key
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.verdict.collectives import check_ledger
 from tpcheck.checker.verdict.diagnose import diagnose
 from tpcheck.checker.verdict.failures import failure_fields
+from tpcheck.checker.vocabulary import Verdict
 from tpcheck.errors import ExitCode
 
 
@@ -29,11 +34,11 @@ class CaseResult:
 
     spec: CaseSpec
     run: RunSettings  # the settings the ranks ran (the spec's when no rank built the case)
-    verdict: str
+    verdict: Verdict
     as_expected: bool
     summary: str
     seconds: float
-    checks: list[dict] | None = None
+    checks: list[Check] | None = None  # every rank's, judged (`passed`), the controls apart
     ledger: dict | None = None
     self_test: dict | None = None
     first_divergence: dict | None = None
@@ -47,7 +52,7 @@ class CaseResult:
         return self.spec.name
 
     @property
-    def expected(self) -> str:
+    def expected(self) -> Verdict:
         return "equivalent" if self.spec.expected_verdict == "equivalent" else "not equivalent"
 
     def to_json(self) -> dict:
@@ -55,13 +60,47 @@ class CaseResult:
                "dtype": self.run.dtype, "expected": self.expected, "seconds": self.seconds,
                "verdict": self.verdict, "as_expected": self.as_expected, "summary": self.summary,
                "first_divergence": self.first_divergence}
-        for key in ("checks", "ledger", "diagnosis", "problems", "hang", "inferred_plan"):
+        if self.checks is not None:
+            out["checks"] = [check_json(c) for c in self.checks]
+        for key in ("ledger", "diagnosis", "problems", "hang", "inferred_plan"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.checks is not None:
             out["self_test"] = self.self_test
             out["diagnosis"] = self.diagnosis
         return out
+
+    @classmethod
+    def from_json(cls, case: dict) -> CaseResult:
+        """A report's case object read back (`to_json`'s inverse, for `tpcheck report` and the tests).
+        Keys a report may carry besides (an HF sweep's `checks_omitted`) are not kept."""
+        spec_fields = {f.name for f in dataclasses.fields(CaseSpec)} - {"run"}
+        given = case["spec"]
+        run = RunSettings(**{k: given[k] for k in (f.name for f in dataclasses.fields(RunSettings)) if k in given})
+        spec = CaseSpec(run=run, **{k: _frozen(v) for k, v in given.items() if k in spec_fields and k != "overrides"},
+                        overrides=tuple((k, _frozen(v)) for k, v in (given.get("overrides") or {}).items()))
+        check_fields = {f.name for f in dataclasses.fields(Check)}
+        checks = None if "checks" not in case else [Check(**{k: v for k, v in c.items() if k in check_fields})
+                                                    for c in case["checks"]]
+        return cls(spec=spec, run=run, verdict=case["verdict"], as_expected=case["as_expected"],
+                   summary=case["summary"], seconds=case["seconds"], checks=checks,
+                   **{k: case.get(k) for k in ("ledger", "self_test", "first_divergence", "diagnosis", "problems",
+                                               "hang", "inferred_plan")})
+
+
+def _frozen(value):
+    """A JSON value as the CaseSpec held it: lists back to tuples (a spec is hashable)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def check_json(check: Check) -> dict:
+    """A check as the report holds it: every field but `control` (the report lists no control) and
+    `loaded_by` where nothing but tpcheck loaded the tensor."""
+    out = dict(vars(check))  # flat: asdict's deep copy is slow
+    del out["control"]
+    if out["loaded_by"] is None:
+        del out["loaded_by"]
+    return out
 
 
 SPEC_KEYS = ("block", "preset", "world_size", "dtype", "steps", "optimizer", "lr", "micro_batches", "sequence_parallel",
@@ -81,25 +120,22 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     run = next((p.run for p in payloads if p.run is not None), spec.settings)
     if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
         return CaseResult(spec=spec, run=run, seconds=seconds, **failure_fields(spec, payloads))
-    every = [dict(vars(c)) for p in payloads for c in p.checks]  # flat: asdict's deep copy is slow
+    every = [copy.copy(c) for p in payloads for c in p.checks]  # the ranks' records stay as they came
     unbounded = _fill_bounds(every)
     if unbounded:
         c = unbounded[0]
         return CaseResult(spec=spec, run=run, verdict="error", as_expected=False, seconds=seconds,
-                          summary=f"the checker failed: no bound from rank 0 for {c['name']} ({c['stage']}, step "
-                                  f"{c['step']}) on rank {c['rank']}, {len(unbounded)} check(s) in all; no verdict can "
+                          summary=f"the checker failed: no bound from rank 0 for {c.name} ({c.stage}, step "
+                                  f"{c.step}) on rank {c.rank}, {len(unbounded)} check(s) in all; no verdict can "
                                   "be trusted (a bug in tpcheck: please report it with this case)")
     for c in every:
-        c["passed"] = judge(c)
-    checks = [c for c in every if not c["control"]]
-    controls = [c for c in every if c["control"]]
-    for c in every:
-        del c["control"]
-    failed = sorted((c for c in checks if not c["passed"]),
-                    key=lambda c: (c["seq"], c["stage"] == "replicas", c["rank"]))
-    verdict = "not equivalent" if failed else "equivalent"
+        c.passed = judge(c)
+    checks = [c for c in every if not c.control]
+    controls = [c for c in every if c.control]
+    failed = sorted((c for c in checks if not c.passed), key=lambda c: (c.seq, c.stage == "replicas", c.rank))
     entries = [asdict(e) for p in payloads for e in p.ledger]
     ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, run.steps, run.micro_batches)
+    verdict: Verdict = "not equivalent" if failed else "equivalent"
     result = CaseResult(spec=spec, run=run, verdict=verdict, as_expected=False, summary="",
                         seconds=seconds, checks=checks, ledger=ledger,
                         self_test=self_test(checks, controls, [p.evidence for p in payloads]),
@@ -118,12 +154,12 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     return result
 
 
-def judge(check: dict) -> bool:
+def judge(check: Check) -> bool:
     """A check passes when its error is within its bound (a NaN error never passes)."""
-    return check["error"] <= check["bound"]
+    return check.error <= check.bound
 
 
-def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) -> dict:
+def self_test(checks: list[Check], controls: list[Check], evidence: list[dict]) -> dict:
     """The controls must all have been flagged, every rank must have one at every stage and step where it
     has checks, and each non-replica control's evidence must show the planted error.
 
@@ -133,27 +169,26 @@ def self_test(checks: list[dict], controls: list[dict], evidence: list[dict]) ->
     whose bounds are too wide everywhere still fails every other control."""
     failures, skipped = [], []
     for c in controls:
-        where = f"{c['name']} ({c['stage']}, step {c['step']}, rank {c['rank']})"
-        if c["kind"] == "calibrated" and c["ref_error"] is not None \
-                and c["ref_error"] * 2 * tolerance.SMALL_FACTOR > c["error"]:
+        where = f"{c.name} ({c.stage}, step {c.step}, rank {c.rank})"
+        if c.kind == "calibrated" and c.ref_error is not None and c.ref_error * 2 * tolerance.SMALL_FACTOR > c.error:
             skipped.append(where)
             continue
-        if c["passed"]:
-            failures.append(f"a planted error of {c['error']:.3g} in {where} was not flagged (bound {c['bound']:.3g})")
-        elif c["stage"] != "replicas":
-            kept = evidence[c["rank"]].get(evidence_key(c["stage"], c["step"], c["name"]))
+        if c.passed:
+            failures.append(f"a planted error of {c.error:.3g} in {where} was not flagged (bound {c.bound:.3g})")
+        elif c.stage != "replicas":
+            kept = evidence[c.rank].get(evidence_key(c.stage, c.step, c.name))
             shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0)) if kept is not None else None
-            if shown is None or not abs(shown - c["error"]) <= 1e-3 * c["error"]:  # float64 vs maxdiff's dtype
+            if shown is None or not abs(shown - c.error) <= 1e-3 * c.error:  # float64 vs maxdiff's dtype
                 failures.append(f"the evidence of {where} does not show its planted error "
-                                f"({'missing' if shown is None else f'{shown:.3g}'} instead of {c['error']:.3g})")
-    have = {(c["rank"], c["stage"], c["step"]) for c in controls}
+                                f"({'missing' if shown is None else f'{shown:.3g}'} instead of {c.error:.3g})")
+    have = {(c.rank, c.stage, c.step) for c in controls}
     failures += [f"no control on rank {r} for the {s} checks of step {t}"
-                 for r, s, t in sorted({(c["rank"], c["stage"], c["step"]) for c in checks} - have)]
-    return {"controls": len(controls), "flagged": sum(not c["passed"] for c in controls), "failures": failures,
+                 for r, s, t in sorted({(c.rank, c.stage, c.step) for c in checks} - have)]
+    return {"controls": len(controls), "flagged": sum(not c.passed for c in controls), "failures": failures,
             "skipped": skipped}
 
 
-def _fill_bounds(checks: list[dict]) -> list[dict]:
+def _fill_bounds(checks: list[Check]) -> list[Check]:
     """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor: the same
     (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch), a
     calibrated one (never an exact check rank 0 made of the same name: AppliedOnRank's zero gradient).
@@ -162,52 +197,47 @@ def _fill_bounds(checks: list[dict]) -> list[dict]:
     def keyed(rank_checks):
         seen: dict[tuple, int] = {}
         for c in rank_checks:
-            key = (c["stage"], c["step"], c["name"], c["control"])
+            key = (c.stage, c.step, c.name, c.control)
             seen[key] = seen.get(key, -1) + 1
             yield (*key, seen[key]), c
 
-    rank0 = dict(keyed(c for c in checks if c["rank"] == 0 and c["stage"] != "replicas"))
-    by_rank: dict[int, list[dict]] = {}
+    rank0 = dict(keyed(c for c in checks if c.rank == 0 and c.stage != "replicas"))
+    by_rank: dict[int, list[Check]] = {}
     for c in checks:
-        if c["stage"] != "replicas":
-            by_rank.setdefault(c["rank"], []).append(c)
+        if c.stage != "replicas":
+            by_rank.setdefault(c.rank, []).append(c)
     missing = []
     for rank_checks in by_rank.values():
         for key, c in keyed(rank_checks):
-            if c["bound"] is None:
+            if c.bound is None:
                 ref = rank0.get(key)
-                if ref is None or ref["bound"] is None or ref["kind"] == "exact":
+                if ref is None or ref.bound is None or ref.kind == "exact":
                     missing.append(c)
                     continue
-                c.update(bound=ref["bound"], reason=ref["reason"], kind=ref["kind"], ref_error=ref["ref_error"],
-                         floor=ref["floor"])
+                c.bound, c.reason, c.kind, c.ref_error, c.floor = ref.bound, ref.reason, ref.kind, ref.ref_error, \
+                    ref.floor
     return missing
 
 
-def _first(failed: list[dict]) -> dict:
+def _first(failed: list[Check]) -> dict:
     first = failed[0]
-    ranks = sorted({c["rank"] for c in failed if c["name"] == first["name"] and c["step"] == first["step"]
-                    and c["stage"] == first["stage"]})
-    out = {"stage": first["stage"], "step": first["step"], "name": first["name"], "ranks": ranks,
-           "error": first["error"], "bound": first["bound"], "kind": first["kind"], "reason": first.get("reason")}
-    if first.get("raw_error") is not None:
-        out["raw_error"] = first["raw_error"]
+    ranks = sorted({c.rank for c in failed if c.name == first.name and c.step == first.step
+                    and c.stage == first.stage})
+    out = {"stage": first.stage, "step": first.step, "name": first.name, "ranks": ranks,
+           "error": first.error, "bound": first.bound, "kind": first.kind, "reason": first.reason}
+    if first.raw_error is not None:
+        out["raw_error"] = first.raw_error
     return out
 
 
-def _summary(result: CaseResult, failed: list[dict]) -> str:
+def _summary(result: CaseResult, failed: list[Check]) -> str:
     if not failed:
         return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
     f, d = result.first_divergence, result.diagnosis
+    loaded_by = f" (as loaded by {failed[0].loaded_by})" if failed[0].loaded_by else ""
     return (f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
             f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
-            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{_loaded_by(f)}")
-
-
-def _loaded_by(first: dict) -> str:
-    """A failed weights check of a case that loads its own weights names the loader."""
-    reason = first.get("reason") or ""
-    return f" ({reason.split(', ', 1)[1]})" if first["stage"] == "weights" and "load_tp" in reason else ""
+            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{loaded_by}")
 
 
 def exit_code(results: Sequence[dict]) -> int:
