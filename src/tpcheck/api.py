@@ -17,8 +17,16 @@ def check(specs: Sequence[CaseSpec], *, timeout_s: float = DEFAULT_TIMEOUT_S,
     return the case results, as in the JSON report (`docs/report-schema.md`). Anything but a list of
     CaseSpecs is refused (UsageError) before a rank starts."""
     specs = _spec_list(specs)
+    reported: list[dict] = []
+
+    def report(result) -> None:  # the report's case, made once, here at the edge
+        reported.append(result.to_json())
+        if progress is not None:
+            progress(len(reported), len(specs), reported[-1])
+
     with launcher(timeout_s) as pool:
-        return run_specs(specs, pool, progress)
+        run_specs(specs, pool, report)
+    return reported
 
 
 def _spec_list(specs) -> list[CaseSpec]:

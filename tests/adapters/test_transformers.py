@@ -75,7 +75,7 @@ ALL_PARALLEL_STYLES.register("test_rowwise_nograd_unreduced",
 
 def run(*specs):
     with launcher(60) as pool:
-        return {r["name"]: r for r in run_specs(list(specs), pool)}
+        return {r.name: r.to_json() for r in run_specs(list(specs), pool)}
 
 
 def names(result: dict, prefix: str) -> set[str]:

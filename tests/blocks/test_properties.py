@@ -42,12 +42,12 @@ def _no_false_alarm_and_seed_faults_flagged(launcher, spec):
     specs = [spec]
     if spec.world_size > 1 and not spec.sequence_parallel:
         specs += [dataclasses.replace(spec, fault=f) for f in ("missing_forward_reduce", "missing_backward_reduce")]
-    correct, *faulty = run_specs(specs, launcher)
-    assert correct["verdict"] == "equivalent", correct["summary"]
-    assert correct["self_test"]["failures"] == [] and correct["self_test"]["flagged"] > 0
+    correct, *faulty = run_specs(specs, launcher)  # typed CaseResults
+    assert correct.verdict == "equivalent", correct.summary
+    assert correct.self_test["failures"] == [] and correct.self_test["flagged"] > 0
     for r in faulty:
-        assert r["verdict"] == "not equivalent", r["summary"]
-        assert r["diagnosis"]["signature"] == "partial_sum", r["summary"]
+        assert r.verdict == "not equivalent", r.summary
+        assert r.diagnosis["signature"] == "partial_sum", r.summary
 
 
 @settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -60,7 +60,11 @@ def test_runs_under_torchrun():
 
 
 def test_cli_modes_are_the_seed_modes():
-    # the parser lists the modes without importing torch; seed.py owns them
-    from tpcheck import cli, seed
+    # seed.py owns them; `run --mode` offers exactly those
+    from tpcheck import seed
+    from tpcheck.cli.parser import build_parser
 
-    assert cli.MODES == seed.MODES
+    parser = build_parser("run")
+    (commands,) = [a for a in parser._actions if a.dest == "command"]
+    (mode,) = [a for a in commands.choices["run"]._actions if a.dest == "mode"]
+    assert tuple(mode.choices) == seed.MODES

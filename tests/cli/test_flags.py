@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tpcheck.cli import MAX_LR, main
+from tpcheck.cli import main
+from tpcheck.cli.options import MAX_LR
 
 from paths import REPO
 
@@ -136,7 +137,8 @@ def test_learning_rate_up_to_the_limit_is_accepted(command, launcher):
 
 
 def test_the_cli_and_run_settings_share_the_lr_limit():
-    """Case files and the Python API get the limit from RunSettings; the CLI says it before any import."""
+    """Case files and the Python API get the limit from RunSettings; the CLI says it, with its own
+    message, before any rank starts (tpcheck.cli.options takes RunSettings' MAX_LR)."""
     from tpcheck.checker.case import MAX_LR as SETTINGS_MAX_LR
     from tpcheck.checker.case import RunSettings
     from tpcheck.errors import UsageError

@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 OPTIMIZERS = ("sgd", "adamw")
 MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
-MAX_LR = 10.0  # above, the weights and the dense reference itself overflow within a few steps (= cli.MAX_LR)
+MAX_LR = 10.0  # above, the weights and the dense reference itself overflow within a few steps (the CLI's too)
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # (forward kwargs, target)
 # (op, site, phase, x, perform) -> tensor: replaces one collective (see parallel/group.py's Tap)
