@@ -1,8 +1,9 @@
 """Shared helpers for the benchmarks: medians, tables, JSON results, subprocess timing, and a memory
 watchdog that polls a process tree through /proc.
 
-Machines here are shared and noisy, so every benchmark reports the median of repeated runs and ratios
-measured in the same run (alternating the two sides, so a burst of load hits both)."""
+Machines here are shared and noisy, so every benchmark reports the median of repeated runs and
+ratios measured in the same run (alternating the two sides, so a burst of load hits both)."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,15 +35,23 @@ def environment() -> dict:
     import torch
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "platform": platform.platform(), "loadavg_at_start": load}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "loadavg_at_start": load,
+    }
 
 
 def write(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "environment": environment(), **payload}, indent=2,
-                               default=str))
+    path.write_text(
+        json.dumps(
+            {"benchmark": name, "environment": environment(), **payload}, indent=2, default=str
+        )
+    )
     print(f"-> {path.relative_to(ROOT)}")
     return path
 
@@ -50,9 +59,13 @@ def write(name: str, payload: dict) -> Path:
 def table(headers: list[str], rows: list[list]) -> str:
     """A GitHub-markdown table (also readable on a terminal)."""
     cells = [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells]
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [
+        line(r) for r in cells
+    ]
     return "\n".join(out)
 
 
@@ -67,13 +80,19 @@ def verdict(name: str, met: bool, measured: str, target: str) -> dict:
     return {"name": name, "measured": measured, "target": target, "met": met}
 
 
-def timed_run(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, timeout: float = 300) -> tuple[float, int]:
+def timed_run(
+    cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, timeout: float = 300
+) -> tuple[float, int]:
     """(wall seconds, exit code) of a subprocess, output discarded."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout
+    )
     wall = time.perf_counter() - t0
     if proc.returncode not in (0,):
-        sys.stderr.write(f"[bench] {' '.join(cmd)} exited {proc.returncode}: {proc.stderr.decode()[-400:]}\n")
+        sys.stderr.write(
+            f"[bench] {' '.join(cmd)} exited {proc.returncode}: {proc.stderr.decode()[-400:]}\n"
+        )
     return wall, proc.returncode
 
 
@@ -124,16 +143,28 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def watched_run(cmd: list[str], *, limit_gib: float, timeout: float, env: dict | None = None,
-                poll_s: float = 0.1) -> dict:
-    """Run `cmd`, polling its process tree. Per process: peak VmHWM (the kernel's own high-water mark,
-    so exact even between polls). Total: peak over polls of the summed VmRSS (double counts pages that
-    forked ranks share with their parent copy-on-write; an upper bound, used by the watchdog) and of
-    the summed Pss (shared pages split; closer to what the machine really lost). Kills the tree and
-    reports exceeded=True if the summed VmRSS passes `limit_gib`."""
+def watched_run(
+    cmd: list[str],
+    *,
+    limit_gib: float,
+    timeout: float,
+    env: dict | None = None,
+    poll_s: float = 0.1,
+) -> dict:
+    """Run `cmd`, polling its process tree. Per process: peak VmHWM (the kernel's own high-water
+    mark, so exact even between polls). Total: peak over polls of the summed VmRSS (double counts
+    pages that forked ranks share with their parent copy-on-write; an upper bound, used by the
+    watchdog) and of the summed Pss (shared pages split; closer to what the machine really lost).
+    Kills the tree and reports exceeded=True if the summed VmRSS passes `limit_gib`."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     hwm: dict[int, int] = {}
     peak_rss = peak_pss = 0
     exceeded = timed_out = False
@@ -155,7 +186,14 @@ def watched_run(cmd: list[str], *, limit_gib: float, timeout: float, env: dict |
         time.sleep(poll_s)
     out, err = proc.communicate()
     gib = 1024**2
-    return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "exceeded": exceeded,
-            "timed_out": timed_out, "peak_total_rss_gib": peak_rss / gib, "peak_total_pss_gib": peak_pss / gib,
-            "peak_rss_per_process_gib": sorted((v / gib for v in hwm.values()), reverse=True),
-            "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace")[-2000:]}
+    return {
+        "returncode": proc.returncode,
+        "wall_s": time.perf_counter() - t0,
+        "exceeded": exceeded,
+        "timed_out": timed_out,
+        "peak_total_rss_gib": peak_rss / gib,
+        "peak_total_pss_gib": peak_pss / gib,
+        "peak_rss_per_process_gib": sorted((v / gib for v in hwm.values()), reverse=True),
+        "stdout": out.decode(errors="replace"),
+        "stderr": err.decode(errors="replace")[-2000:],
+    }

@@ -1,27 +1,33 @@
 """(d) What a full check costs over the bare dense step, and what capture costs (issue 5).
 
-Check: `tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, run=RunSettings(steps=1, optimizer="sgd",
-micro_batches=1))])`
-(the dense model and the TP shard on every rank, the float64 truth on rank 0; compare everything, capture activations for the
-diagnosis). Its `seconds` field is the slower rank's time for the whole case (build, load, step, compare).
-Floor: one dense forward + backward + SGD step of `DenseMLP` at the same size, timed in one process on
-one thread (OMP_NUM_THREADS=1). The check runs as the `tpcheck` command runs it, on one CPU per rank (its
-process kept to one thread, its affinity `world` CPUs): each rank computes on one thread, and rank 0's
-float64 passes on all `world` while the other ranks wait for it (checker/pool/spawn.py).
+Check:
+`tpcheck.check([CaseSpec(block="mlp", overrides=<size>, world_size=2, run=RunSettings(steps=1,
+optimizer="sgd",
+micro_batches=1))])` (the dense model and the TP shard on every rank, the float64 truth on rank 0;
+compare everything, capture activations for the diagnosis). Its `seconds` field is the slower rank's
+time for the whole case (build, load, step, compare).
+Floor: one dense forward + backward + SGD step of `DenseMLP` at the same size, timed in one process
+on one thread (OMP_NUM_THREADS=1). The check runs as the `tpcheck` command runs it, on one CPU per
+rank (its process kept to one thread, its affinity `world` CPUs): each rank computes on one thread,
+and rank 0's float64 passes on all `world` while the other ranks wait for it
+(checker/pool/spawn.py).
 
-Beside it, the same check with OMP_NUM_THREADS=1 (rank 0's float64 passes on one thread too): what those
-threads buy. Capture overhead: the same check with `capture=False` vs `capture=True`, each in its own subprocess
-(alternating), timed by the case `seconds` and measured for memory by polling /proc of the process
-tree (benchmarks/_common.watched_run): per-process peak = the kernel's VmHWM (exact), total = peak of
-the summed Pss (pages the forked ranks share with their parent split, not double counted).
+Beside it, the same check with OMP_NUM_THREADS=1 (rank 0's float64 passes on one thread too): what
+those threads buy. Capture overhead: the same check with `capture=False` vs `capture=True`, each in
+its own subprocess (alternating), timed by the case `seconds` and measured for memory by polling
+/proc of the process tree (benchmarks/_common.watched_run): per-process peak = the kernel's VmHWM
+(exact), total = peak of the summed Pss (pages the forked ranks share with their parent split,
+not double counted).
 
-What bounds it, for any arrangement of the work: the reference passes alone (dense, float64 truth) and the
-TP halves, with nothing else of a check (no build of three models, no load, capture, comparison or
-exchange), timed on the same two CPUs in three arrangements (`inner_arrange`): as the check runs them
-today (a dense pass on each rank, then rank 0's float64 on every CPU while the others wait), and the two
-arrangements that run the dense pass once, beside the truth (rank 1 the dense pass, rank 0 the float64
-one, on every CPU or on its own one). The best of them plus what the rest of today's check costs over
-today's arrangement is what a redesign that ran the dense pass once and kept the rest would reach."""
+What bounds it, for any arrangement of the work: the reference passes alone (dense, float64 truth)
+and the TP halves, with nothing else of a check (no build of three models, no load, capture,
+comparison or exchange), timed on the same two CPUs in three arrangements (`inner_arrange`): as the
+check runs them today (a dense pass on each rank, then rank 0's float64 on every CPU while the
+others wait), and the two arrangements that run the dense pass once, beside the truth (rank 1 the
+dense pass, rank 0 the float64 one, on every CPU or on its own one). The best of them plus what the
+rest of today's check costs over today's arrangement is what a redesign that ran the dense pass once
+and kept the rest would reach."""
+
 from __future__ import annotations
 
 import json
@@ -50,18 +56,31 @@ def inner_check(size, capture: bool, device: str = "cpu", world: int = 2) -> Non
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:world])  # one CPU per rank
     import tpcheck
 
-    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=world,
-                            run=tpcheck.RunSettings(steps=1, optimizer="sgd", micro_batches=1, capture=capture),
-                            device=device)
+    spec = tpcheck.CaseSpec(
+        block="mlp",
+        preset="seed",
+        overrides=overrides(size),
+        world_size=world,
+        run=tpcheck.RunSettings(steps=1, optimizer="sgd", micro_batches=1, capture=capture),
+        device=device,
+    )
     t0 = time.perf_counter()
     (r,) = tpcheck.check([spec], timeout_s=300)
-    print(json.dumps({"seconds": r["seconds"], "wall_s": time.perf_counter() - t0, "verdict": r["verdict"],
-                      "checks": len(r["checks"])}))
+    print(
+        json.dumps(
+            {
+                "seconds": r["seconds"],
+                "wall_s": time.perf_counter() - t0,
+                "verdict": r["verdict"],
+                "checks": len(r["checks"]),
+            }
+        )
+    )
 
 
 def dense_step_times(size, steps: int, device: str = "cpu") -> list[float]:
-    """Seconds of each of `steps` dense forward + backward + SGD steps of `DenseMLP` at `size` on this
-    process's threads, after one to warm up: the floor every ratio here is taken against."""
+    """Seconds of each of `steps` dense forward + backward + SGD steps of `DenseMLP` at `size` on
+    this process's threads, after one to warm up: the floor every ratio here is taken against."""
     import torch
 
     from tpcheck.models.config import preset
@@ -73,7 +92,9 @@ def dense_step_times(size, steps: int, device: str = "cpu") -> list[float]:
     model.reset_parameters(g)
     model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, target = (torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g).to(device) for _ in range(2))
+    x, target = (
+        torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g).to(device) for _ in range(2)
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for _ in range(steps + 1):
@@ -100,8 +121,9 @@ ARRANGEMENTS = {
 
 
 def _passes_on_rank(group, size, arrangement: str) -> dict:
-    """One rank's share of `arrangement` (ARRANGEMENTS) at `size`, then its TP half's forward and backward;
-    the seconds from a barrier to a barrier after the TP half (building the models is not counted)."""
+    """One rank's share of `arrangement` (ARRANGEMENTS) at `size`, then its TP half's forward and
+    backward; the seconds from a barrier to a barrier after the TP half (building the
+    models is not counted)."""
     import torch
     import torch.distributed as dist
 
@@ -162,19 +184,32 @@ def inner_arrange(size, world: int) -> None:
             ranks = spawn.run_on_ranks(_passes_on_rank, world, size, a, timeout_s=600)
             runs[a].append(max(r["passes_s"] for r in ranks))
     floor = median(floors)
-    print(json.dumps({"dense_step_s": floor, "passes_s": runs,
-                      "ratio": {a: median(v) / floor for a, v in runs.items()}}))
+    print(
+        json.dumps(
+            {
+                "dense_step_s": floor,
+                "passes_s": runs,
+                "ratio": {a: median(v) / floor for a, v in runs.items()},
+            }
+        )
+    )
 
 
-PROFILED = {"_reference_pass": "dense + float64 forward/backward (with capture)", "compare": "compare() calls",
-            "maxdiff": "  of which maxdiff", "calibrated": "  of which tolerance.calibrated",
-            "isfinite": "  of which isfinite checks", "_build": "Engine._build (build, copy, load)",
-            "step": "optimizer steps (3 models)", "flush_replicas": "flush_replicas"}
+PROFILED = {
+    "_reference_pass": "dense + float64 forward/backward (with capture)",
+    "compare": "compare() calls",
+    "maxdiff": "  of which maxdiff",
+    "calibrated": "  of which tolerance.calibrated",
+    "isfinite": "  of which isfinite checks",
+    "_build": "Engine._build (build, copy, load)",
+    "step": "optimizer steps (3 models)",
+    "flush_replicas": "flush_replicas",
+}
 
 
 def inner_profile(size) -> None:
-    """cProfile of one rank's case at world size 1 (no collectives; the TP model is then full size, so
-    this over-counts the TP share by ~2x vs world 2): where the check's time goes."""
+    """cProfile of one rank's case at world size 1 (no collectives; the TP model is then full size,
+    so this over-counts the TP share by ~2x vs world 2): where the check's time goes."""
     import cProfile
     import pstats
 
@@ -185,8 +220,13 @@ def inner_profile(size) -> None:
     from tpcheck.parallel.group import TPGroup
     from tpcheck.resolve import RESOLVER
 
-    spec = tpcheck.CaseSpec(block="mlp", preset="seed", overrides=overrides(size), world_size=1,
-                            run=tpcheck.RunSettings(steps=1, optimizer="sgd", micro_batches=1))
+    spec = tpcheck.CaseSpec(
+        block="mlp",
+        preset="seed",
+        overrides=overrides(size),
+        world_size=1,
+        run=tpcheck.RunSettings(steps=1, optimizer="sgd", micro_batches=1),
+    )
 
     def once():
         group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))
@@ -207,20 +247,30 @@ def inner_profile(size) -> None:
 
 def child(*args: str, limit_gib: float = 21.0) -> dict:
     env = child_env(OMP_NUM_THREADS="1")
-    if args[1] in ("capture", "nocapture", "arrange"):  # the check on one CPU per rank, as inner_check sets it; "onethread" the
-        del env["OMP_NUM_THREADS"]           # same with OMP_NUM_THREADS=1: rank 0's float64 passes on one thread too
+    # the check on one CPU per rank, as inner_check sets it; "onethread" the
+    if args[1] in ("capture", "nocapture", "arrange"):
+        # same with OMP_NUM_THREADS=1: rank 0's float64 passes on one thread too
+        del env["OMP_NUM_THREADS"]
     res = watched_run([PY, __file__, *args], limit_gib=limit_gib, timeout=600, env=env)
     if res["returncode"] != 0 or res["exceeded"]:
-        sys.exit(f"child {args} failed: rc {res['returncode']}, exceeded {res['exceeded']}\n{res['stderr']}")
+        sys.exit(
+            f"child {args} failed: rc {res['returncode']}, exceeded {res['exceeded']}\n"
+            f"{res['stderr']}"
+        )
     res.update(json.loads(res.pop("stdout").strip().splitlines()[-1]))
     return res
 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--inner", choices=("capture", "nocapture", "onethread", "dense", "profile", "arrange"),
-                   help=__import__("argparse").SUPPRESS)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument(
+        "--inner",
+        choices=("capture", "nocapture", "onethread", "dense", "profile", "arrange"),
+        help=__import__("argparse").SUPPRESS,
+    )
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL"
+    )
     p.add_argument("--world-size", type=int, default=2)
     args = p.parse_args()
     size = QUICK if args.quick else FULL
@@ -239,63 +289,159 @@ def main() -> None:
     for _ in range(repeats):
         for kind in ("capture", "nocapture", "onethread", "dense"):
             runs[kind].append(child("--inner", kind, *q))
-    check_s, nocap_s = median([r["seconds"] for r in runs["capture"]]), median([r["seconds"] for r in runs["nocapture"]])
-    floor_s, one_s = median([r["step_s"] for r in runs["dense"]]), median([r["seconds"] for r in runs["onethread"]])
+    check_s, nocap_s = (
+        median([r["seconds"] for r in runs["capture"]]),
+        median([r["seconds"] for r in runs["nocapture"]]),
+    )
+    floor_s, one_s = (
+        median([r["step_s"] for r in runs["dense"]]),
+        median([r["seconds"] for r in runs["onethread"]]),
+    )
     mem = {k: median([r["peak_total_pss_gib"] for r in runs[k]]) for k in runs}
     rank_peak = {k: median([r["peak_rss_per_process_gib"][0] for r in runs[k]]) for k in runs}
     ratio = check_s / floor_s
-    print(f"size (seq, batch, hidden, ffn) = {size}, world {args.world_size} on {args.device}, steps 1, sgd, "
-          f"the dense step on 1 thread, the check on 1 CPU per rank, median of {repeats}")
-    print(table(["run", "seconds (s)", "vs dense step", "peak RSS, largest process (GiB)", "peak total PSS (GiB)"], [
-        ["dense fwd+bwd+SGD step (1 process)", floor_s, 1.0, rank_peak["dense"], mem["dense"]],
-        ["check, capture=True", check_s, ratio, rank_peak["capture"], mem["capture"]],
-        ["check, capture=False", nocap_s, nocap_s / floor_s, rank_peak["nocapture"], mem["nocapture"]],
-        ["check, float64 passes on 1 thread", one_s, one_s / floor_s, rank_peak["onethread"], mem["onethread"]],
-    ]))
+    print(
+        f"size (seq, batch, hidden, ffn) = {size}, world {args.world_size} on {args.device}, steps "
+        f"1, sgd, the dense step on 1 thread, the check on 1 CPU per rank, median of {repeats}"
+    )
+    print(
+        table(
+            [
+                "run",
+                "seconds (s)",
+                "vs dense step",
+                "peak RSS, largest process (GiB)",
+                "peak total PSS (GiB)",
+            ],
+            [
+                [
+                    "dense fwd+bwd+SGD step (1 process)",
+                    floor_s,
+                    1.0,
+                    rank_peak["dense"],
+                    mem["dense"],
+                ],
+                ["check, capture=True", check_s, ratio, rank_peak["capture"], mem["capture"]],
+                [
+                    "check, capture=False",
+                    nocap_s,
+                    nocap_s / floor_s,
+                    rank_peak["nocapture"],
+                    mem["nocapture"],
+                ],
+                [
+                    "check, float64 passes on 1 thread",
+                    one_s,
+                    one_s / floor_s,
+                    rank_peak["onethread"],
+                    mem["onethread"],
+                ],
+            ],
+        )
+    )
     verdicts = [r["verdict"] for k in ("capture", "nocapture", "onethread") for r in runs[k]]
-    targets = [verdict("full check vs bare dense step", ratio <= TARGET, f"{ratio:.2f}x", f"<= {TARGET:g}x")]
+    targets = [
+        verdict(
+            "full check vs bare dense step", ratio <= TARGET, f"{ratio:.2f}x", f"<= {TARGET:g}x"
+        )
+    ]
     cap_t, cap_m = check_s / nocap_s, rank_peak["capture"] / rank_peak["nocapture"]
-    print(f"capture overhead: time {cap_t:.3f}x, peak rank RSS {cap_m:.3f}x, "
-          f"total PSS {mem['capture'] / mem['nocapture']:.3f}x; verdicts {sorted(set(verdicts))}")
+    print(
+        f"capture overhead: time {cap_t:.3f}x, peak rank RSS {cap_m:.3f}x, "
+        f"total PSS {mem['capture'] / mem['nocapture']:.3f}x; verdicts {sorted(set(verdicts))}"
+    )
     name = "check" if args.device == "cpu" else f"check_{args.device}"
     if args.device != "cpu":  # the profile is of the CPU path
-        write(name, {"device": args.device, "world_size": args.world_size, "size": dict(overrides(size)), "runs": runs,
-                     "check_s": check_s, "dense_step_s": floor_s, "ratio": ratio, "targets": targets})
+        write(
+            name,
+            {
+                "device": args.device,
+                "world_size": args.world_size,
+                "size": dict(overrides(size)),
+                "runs": runs,
+                "check_s": check_s,
+                "dense_step_s": floor_s,
+                "ratio": ratio,
+                "targets": targets,
+            },
+        )
         return
     prof = child("--inner", "profile", *q)
-    print(f"where one rank's time goes (cProfile, world 1, case {prof['seconds']:.3f} s; cumulative):")
-    print(table(["part", "seconds", "share"], [[PROFILED[k], v, f"{v / prof['seconds']:.0%}"]
-                                              for k, v in sorted(prof["cumulative_s"].items(), key=lambda kv: -kv[1])]))
+    print(
+        f"where one rank's time goes (cProfile, world 1, case {prof['seconds']:.3f} s; cumulative):"
+    )
+    print(
+        table(
+            ["part", "seconds", "share"],
+            [
+                [PROFILED[k], v, f"{v / prof['seconds']:.0%}"]
+                for k, v in sorted(prof["cumulative_s"].items(), key=lambda kv: -kv[1])
+            ],
+        )
+    )
     cum = prof["cumulative_s"]
-    truth = max(0.0, cum.get("_reference_pass", 0.0) - floor_s) / floor_s  # less the dense pass itself
+    # less the dense pass itself
+    truth = max(0.0, cum.get("_reference_pass", 0.0) - floor_s) / floor_s
     compares = cum.get("compare", 0.0) / floor_s
     cpus = args.world_size  # the check runs on one CPU per rank
-    work = (args.world_size + truth + 1.0 + compares) / cpus  # a dense pass per rank, float64, TP halves, compares
-    path = 1.0 + truth / cpus + 1.0 / args.world_size + compares  # rank 0: dense, float64 on all CPUs, TP half
-    print(f"what bounds it: the work itself, in dense steps: a dense pass on each rank ({args.world_size} x 1: each "
-          f"compares its own shard), the float64 pass ({truth:.1f}), the TP halves (1 together) and the comparisons "
-          f"({compares:.1f}): >= {work:.2f}x on {cpus} CPUs spread perfectly; rank 0's path (its dense pass, the "
-          f"float64 pass on all {cpus} CPUs at perfect scaling, its TP half, the comparisons) >= {path:.2f}x")
+    # a dense pass per rank, float64, TP halves, compares
+    work = (args.world_size + truth + 1.0 + compares) / cpus
+    # rank 0: dense, float64 on all CPUs, TP half
+    path = 1.0 + truth / cpus + 1.0 / args.world_size + compares
+    print(
+        "what bounds it: the work itself, in dense steps: a dense pass on each rank "
+        f"({args.world_size} x 1: each compares its own shard), the float64 pass ({truth:.1f}), "
+        f"the TP halves (1 together) and the comparisons ({compares:.1f}): >= {work:.2f}x on "
+        f"{cpus} CPUs spread perfectly; rank 0's path (its dense pass, the float64 pass on all "
+        f"{cpus} CPUs at perfect scaling, its TP half, the comparisons) >= {path:.2f}x"
+    )
     arranged = child("--inner", "arrange", *q) if args.world_size == 2 else None
     if arranged:
         today = arranged["ratio"]["today"]
         rest = ratio - today  # what the check costs beyond its passes as arranged today
-        print("the passes alone (dense, float64, the TP halves; nothing else of a check), arranged three ways on "
-              f"the same {cpus} CPUs, vs the dense step measured beside them ({arranged['dense_step_s']:.2f} s), "
-              "median of 2:")
-        print(table(["arrangement", "passes vs dense step", "with the rest of today's check"],
-                    [[f"{a}: {ARRANGEMENTS[a]}", r, r + rest] for a, r in arranged["ratio"].items()]))
+        print(
+            "the passes alone (dense, float64, the TP halves; nothing else of a check), arranged "
+            f"three ways on the same {cpus} CPUs, vs the dense step measured beside them "
+            f"({arranged['dense_step_s']:.2f} s), median of 2:"
+        )
+        print(
+            table(
+                ["arrangement", "passes vs dense step", "with the rest of today's check"],
+                [[f"{a}: {ARRANGEMENTS[a]}", r, r + rest] for a, r in arranged["ratio"].items()],
+            )
+        )
         best = min(arranged["ratio"], key=arranged["ratio"].get)
         left = TARGET - arranged["ratio"][best]
-        print(f"the rest of today's check (build, load, capture, comparisons, exchanges, optimizer): {rest:.2f}x; "
-              f"the best arrangement ({best}) with it: {arranged['ratio'][best] + rest:.2f}x against {TARGET:g}x; "
-              + (f"meeting the target that way needs the rest at <= {left:.2f}x" if left > 0 else
-                 "its passes alone are over the target"))
-    write(name, {"profile_world1": prof, "size": dict(overrides(size)), "repeats": repeats, "runs": runs, "check_s": check_s,
-                    "nocapture_s": nocap_s, "float64_one_thread_s": one_s, "dense_step_s": floor_s, "ratio": ratio,
-                    "capture_time_ratio": cap_t,
-                    "capture_rank_peak_ratio": cap_m, "peak_total_pss_gib": mem, "peak_rank_rss_gib": rank_peak,
-                    "arrangements": arranged, "targets": targets})
+        print(
+            "the rest of today's check (build, load, capture, comparisons, exchanges, optimizer): "
+            f"{rest:.2f}x; the best arrangement ({best}) with it: "
+            f"{arranged['ratio'][best] + rest:.2f}x against {TARGET:g}x; "
+            + (
+                f"meeting the target that way needs the rest at <= {left:.2f}x"
+                if left > 0
+                else "its passes alone are over the target"
+            )
+        )
+    write(
+        name,
+        {
+            "profile_world1": prof,
+            "size": dict(overrides(size)),
+            "repeats": repeats,
+            "runs": runs,
+            "check_s": check_s,
+            "nocapture_s": nocap_s,
+            "float64_one_thread_s": one_s,
+            "dense_step_s": floor_s,
+            "ratio": ratio,
+            "capture_time_ratio": cap_t,
+            "capture_rank_peak_ratio": cap_m,
+            "peak_total_pss_gib": mem,
+            "peak_rank_rss_gib": rank_peak,
+            "arrangements": arranged,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """(h) The HuggingFace sweep: `tpcheck hf --all --world-size W` timed end to end (target: world 2 in
 3 minutes on this 2-core machine), with the number of architectures checked (target: >= 90) and the
-threads of a rank at the end (transformers' mesh is built once per rank: the count must not grow with
-the number of architectures). `--markdown PATH` writes the sweep table (docs/hf-sweep.md).
+threads of a rank at the end (transformers' mesh is built once per rank: the count must not grow
+with the number of architectures). `--markdown PATH` writes the sweep table (docs/hf-sweep.md).
 
     python benchmarks/bench_hf_sweep.py                       # world 2
     python benchmarks/bench_hf_sweep.py --world-size 2 4 --markdown docs/hf-sweep.md
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,28 @@ def _threads(pid: int) -> int:
 
 
 def sweep(world: int, json_path: Path, env: dict) -> tuple[float, int, dict, tuple[int, int]]:
-    """(wall s, exit code, report, (threads of the busiest rank after its first cases, at the end))."""
+    """(wall s, exit code, report, (threads of the
+    busiest rank after its first cases, at the end))."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([PY, "-m", "tpcheck", "hf", "--all", "--world-size", str(world), "-q", "--json",
-                             str(json_path)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "tpcheck",
+            "hf",
+            "--all",
+            "--world-size",
+            str(world),
+            "-q",
+            "--json",
+            str(json_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     samples = []  # (seconds, max threads over the rank processes)
     while proc.poll() is None:
         ranks = [p for p in _tree(proc.pid) if p != proc.pid]
@@ -52,22 +70,45 @@ def sweep(world: int, json_path: Path, env: dict) -> tuple[float, int, dict, tup
 
 def markdown(reports: dict[int, tuple[float, int, dict]]) -> str:
     first = next(iter(reports.values()))[2]
-    lines = [f"# The HuggingFace sweep: transformers {first['sweep']['transformers']}", "",
-             "Every architecture whose config declares a TP plan, checked with transformers' own plan "
-             "(`tpcheck hf --all`), on CPU/gloo, float32, 2 AdamW steps of 2 micro-batches each, with the "
-             "no-grad forward. What each column means and how a row is made: docs/hf.md. Findings "
-             "(not-equivalent and error rows): docs/findings/.", "",
-             "Regenerate: `python benchmarks/bench_hf_sweep.py --world-size "
-             + " ".join(str(w) for w in reports) + " --markdown docs/hf-sweep.md`.", ""]
+    lines = [
+        f"# The HuggingFace sweep: transformers {first['sweep']['transformers']}",
+        "",
+        "Every architecture whose config declares a TP plan, checked with transformers' own plan "
+        "(`tpcheck hf --all`), on CPU/gloo, float32, 2 AdamW steps of 2 micro-batches each, with "
+        "the no-grad forward. What each column means and how a row is made: docs/hf.md. Findings "
+        "(not-equivalent and error rows): docs/findings/.",
+        "",
+        "Regenerate: `python benchmarks/bench_hf_sweep.py --world-size "
+        + " ".join(str(w) for w in reports)
+        + " --markdown docs/hf-sweep.md`.",
+        "",
+    ]
     for world, (wall, code, report, _) in reports.items():
         sweep_ = report["sweep"]
-        lines += [f"## World size {world}", "", f"{sweep_['summary']}; {wall:.0f} s wall for the whole sweep "
-                  f"(exit code {code}).", ""]
-        rows = [[r["architecture"], r["verdict"], r["first_divergence"] or "", r["signature"] or "",
-                 f"{r['seconds']:.1f}" if r["verdict"] != "skipped" else "",
-                 (r["reason"].splitlines()[0][:160] if r["reason"] else "")]
-                for r in sweep_["rows"] if r["world_size"] == world]
-        lines += [table(["architecture", "verdict", "first divergence", "signature", "s", "reason"], rows), ""]
+        lines += [
+            f"## World size {world}",
+            "",
+            f"{sweep_['summary']}; {wall:.0f} s wall for the whole sweep (exit code {code}).",
+            "",
+        ]
+        rows = [
+            [
+                r["architecture"],
+                r["verdict"],
+                r["first_divergence"] or "",
+                r["signature"] or "",
+                f"{r['seconds']:.1f}" if r["verdict"] != "skipped" else "",
+                (r["reason"].splitlines()[0][:160] if r["reason"] else ""),
+            ]
+            for r in sweep_["rows"]
+            if r["world_size"] == world
+        ]
+        lines += [
+            table(
+                ["architecture", "verdict", "first divergence", "signature", "s", "reason"], rows
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -79,7 +120,10 @@ def main() -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("bench_hf_sweep: skipped: transformers is not installed (pip install 'tpcheck[transformers]')")
+        print(
+            "bench_hf_sweep: skipped: transformers is not installed (pip install "
+            "'tpcheck[transformers]')"
+        )
         return 0
     env = child_env()
     reports, targets = {}, []
@@ -90,16 +134,57 @@ def main() -> int:
     for world, (wall, code, report, (early, late)) in reports.items():
         counts = report["sweep"]["counts"]
         checked = sum(n for v, n in counts.items() if v != "skipped")
-        rows.append([world, f"{wall:.0f}", checked, counts.get("equivalent", 0), counts.get("not equivalent", 0),
-                     counts.get("error", 0), counts.get("skipped", 0), code, f"{early} -> {late}"])
-        targets.append(verdict(f"rank threads at world {world}", late <= early + 8, f"{early} at 20% -> {late} at "
-                               "the end", "no growth with the architectures (one mesh per rank)"))
+        rows.append(
+            [
+                world,
+                f"{wall:.0f}",
+                checked,
+                counts.get("equivalent", 0),
+                counts.get("not equivalent", 0),
+                counts.get("error", 0),
+                counts.get("skipped", 0),
+                code,
+                f"{early} -> {late}",
+            ]
+        )
+        targets.append(
+            verdict(
+                f"rank threads at world {world}",
+                late <= early + 8,
+                f"{early} at 20% -> {late} at the end",
+                "no growth with the architectures (one mesh per rank)",
+            )
+        )
         if world == 2:
-            targets.append(verdict("hf sweep at world 2", wall <= TARGET_S, f"{wall:.0f} s", f"<= {TARGET_S:.0f} s"))
-            targets.append(verdict("architectures checked", checked >= TARGET_CHECKED, str(checked),
-                                   f">= {TARGET_CHECKED}"))
-    print(table(["world", "wall s", "checked", "equivalent", "not equivalent", "error", "skipped", "exit",
-                 "rank threads"], rows))
+            targets.append(
+                verdict(
+                    "hf sweep at world 2", wall <= TARGET_S, f"{wall:.0f} s", f"<= {TARGET_S:.0f} s"
+                )
+            )
+            targets.append(
+                verdict(
+                    "architectures checked",
+                    checked >= TARGET_CHECKED,
+                    str(checked),
+                    f">= {TARGET_CHECKED}",
+                )
+            )
+    print(
+        table(
+            [
+                "world",
+                "wall s",
+                "checked",
+                "equivalent",
+                "not equivalent",
+                "error",
+                "skipped",
+                "exit",
+                "rank threads",
+            ],
+            rows,
+        )
+    )
     if args.markdown:
         args.markdown.write_text(markdown(reports))
         print(f"-> {args.markdown}")

@@ -1,8 +1,8 @@
 """(c) Step time (forward + backward, no checker) of tpcheck's TP blocks vs DTensor vs dense.
 
 At three shapes (seq, batch, hidden, ffn): the seed's (3, 2, 8, 12; 2 heads), the tiny preset's
-(8, 2, 32, 64; 4 heads, 2 KV heads) and a large one (512, 4, 1024, 4096; 16 heads, 8 KV heads), world
-size 2 (two forked gloo ranks). For each block (MLP, attention, transformer layer):
+(8, 2, 32, 64; 4 heads, 2 KV heads) and a large one (512, 4, 1024, 4096; 16 heads, 8 KV heads),
+world size 2 (two forked gloo ranks). For each block (MLP, attention, transformer layer):
 - tpcheck TP: `ParallelMLP` / `ParallelAttention` / `ParallelLayer` (plain autograd collectives);
 - DTensor TP: the same math as a dense module with separate nn.Linear projections (gate/up/down;
   wq/wk/wv/wo), parallelized with `parallelize_module` + ColwiseParallel/RowwiseParallel
@@ -11,6 +11,7 @@ size 2 (two forked gloo ranks). For each block (MLP, attention, transformer laye
 Every process runs with torch.set_num_threads(1): 2 ranks on a 2-core machine, one core each; the
 dense baseline also gets one core, so "dense / TP" is the speed-up per core count.
 A step is timed per rank after a barrier; per step we take the slower rank, then the median."""
+
 from __future__ import annotations
 
 import sys
@@ -33,7 +34,8 @@ SMALL_TARGET = 0.6  # at the seed's and the tiny preset's shapes
 
 
 class SepMLP(nn.Module):
-    """x + down(silu(gate(norm x)) * up(norm x)), separate nn.Linear projections (DTensor-friendly)."""
+    """x + down(silu(gate(norm x)) * up(norm x)),
+    separate nn.Linear projections (DTensor-friendly)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -48,8 +50,8 @@ class SepMLP(nn.Module):
 
 
 class SepAttention(nn.Module):
-    """x + wo(attention(wq, wk, wv of norm x)); heads inferred from the local width (view(..., -1, d)),
-    so the same code runs dense and colwise-sharded."""
+    """x + wo(attention(wq, wk, wv of norm x)); heads inferred from the local width (view(..., -1,
+    d)), so the same code runs dense and colwise-sharded."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -80,12 +82,20 @@ def dtensor_plan(block: str) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     mlp = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
-    attn = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+    attn = {
+        "wq": ColwiseParallel(),
+        "wk": ColwiseParallel(),
+        "wv": ColwiseParallel(),
+        "wo": RowwiseParallel(),
+    }
     if block == "mlp":
         return mlp
     if block == "attention":
         return attn
-    return {**{f"attention.{k}": v for k, v in attn.items()}, **{f"mlp.{k}": v for k, v in mlp.items()}}
+    return {
+        **{f"attention.{k}": v for k, v in attn.items()},
+        **{f"mlp.{k}": v for k, v in mlp.items()},
+    }
 
 
 def init_(model: nn.Module) -> nn.Module:
@@ -113,8 +123,11 @@ def one_step(model: nn.Module, x: torch.Tensor, barrier) -> float:
     return time.perf_counter() - t0
 
 
-def time_steps(models: list[nn.Module], x: torch.Tensor, warmup: int, steps: int, barrier) -> list[list[float]]:
-    """Per model, its step times; the models take turns step by step, so load bursts hit all alike."""
+def time_steps(
+    models: list[nn.Module], x: torch.Tensor, warmup: int, steps: int, barrier
+) -> list[list[float]]:
+    """Per model, its step times; the models take turns
+    step by step, so load bursts hit all alike."""
     times: list[list[float]] = [[] for _ in models]
     for i in range(warmup + steps):
         for m, t in zip(models, times):
@@ -145,9 +158,16 @@ def _rank(group, blocks, cfgs, warmup, steps):
     out = {}
     for block in blocks:
         cfg = cfgs[block]
-        x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(group.device)
-        models = [tpcheck_tp(block, cfg, group).to(group.device), dtensor_tp(block, cfg, mesh).to(group.device)]
-        out[(block, "tpcheck TP")], out[(block, "DTensor TP")] = time_steps(models, x, warmup, steps, dist.barrier)
+        x = torch.randn(
+            cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1)
+        ).to(group.device)
+        models = [
+            tpcheck_tp(block, cfg, group).to(group.device),
+            dtensor_tp(block, cfg, mesh).to(group.device),
+        ]
+        out[(block, "tpcheck TP")], out[(block, "DTensor TP")] = time_steps(
+            models, x, warmup, steps, dist.barrier
+        )
         del models
     return out
 
@@ -159,30 +179,57 @@ def run_tp(world, blocks, cfgs, warmup, steps, device="cpu") -> list[dict]:
 
 
 def dense_w1(block: str, cfg: ModelConfig, warmup: int, steps: int, device="cpu") -> list[float]:
-    """The dense block in this process (on "cuda": in a forked child, so this process never starts CUDA
-    before the ranks are forked)."""
+    """The dense block in this process (on "cuda": in a forked child, so this process never starts
+    CUDA before the ranks are forked)."""
     if device != "cpu":
         from tpcheck.checker.pool.spawn import run_on_ranks
 
-        return run_on_ranks(lambda group: dense_w1(block, cfg, warmup, steps, group.device), 1, timeout_s=1800,
-                            device=device)[0]
-    cls = {"mlp": tdense.DenseMLP, "attention": tdense.DenseAttention, "layer": tdense.DenseLayer}[block]
-    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+        return run_on_ranks(
+            lambda group: dense_w1(block, cfg, warmup, steps, group.device),
+            1,
+            timeout_s=1800,
+            device=device,
+        )[0]
+    cls = {"mlp": tdense.DenseMLP, "attention": tdense.DenseAttention, "layer": tdense.DenseLayer}[
+        block
+    ]
+    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
     return time_steps([init_(cls(cfg)).to(device)], x, warmup, steps, lambda: None)[0]
 
 
 def sizes(quick: bool) -> list[tuple[str, dict, int, float]]:
-    """(name, config fields, timed steps, target tpcheck/DTensor): the seed's and the tiny preset's shapes,
-    where most checks run and per-op overhead decides, and one large shape, where the matmuls do."""
-    large = dict(seq=128, batch=2, hidden=512, ffn=2048) if quick else dict(seq=512, batch=4, hidden=1024, ffn=4096)
-    return [("seed", dict(seq=3, batch=2, hidden=8, ffn=12, heads=2, kv_heads=2), 30 if quick else 100, SMALL_TARGET),
-            ("tiny", dict(seq=8, batch=2, hidden=32, ffn=64, heads=4, kv_heads=2), 30 if quick else 100, SMALL_TARGET),
-            ("large", dict(large, heads=16, kv_heads=8), 3 if quick else 10, TARGET)]
+    """(name, config fields, timed steps, target tpcheck/DTensor): the seed's and the tiny preset's
+    shapes, where most checks run and per-op overhead decides, and one large shape,
+    where the matmuls do."""
+    large = (
+        dict(seq=128, batch=2, hidden=512, ffn=2048)
+        if quick
+        else dict(seq=512, batch=4, hidden=1024, ffn=4096)
+    )
+    return [
+        (
+            "seed",
+            dict(seq=3, batch=2, hidden=8, ffn=12, heads=2, kv_heads=2),
+            30 if quick else 100,
+            SMALL_TARGET,
+        ),
+        (
+            "tiny",
+            dict(seq=8, batch=2, hidden=32, ffn=64, heads=4, kv_heads=2),
+            30 if quick else 100,
+            SMALL_TARGET,
+        ),
+        ("large", dict(large, heads=16, kv_heads=8), 3 if quick else 10, TARGET),
+    ]
 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL"
+    )
     p.add_argument("--world-size", type=int, default=2)
     args = p.parse_args()
     from tpcheck.blocks import BLOCKS
@@ -204,17 +251,56 @@ def main() -> None:
             res[f"{size}/{block}/dense w1"] = dense_w1(block, cfgs[block], warmup, steps, device)
             med["dense w1"] = median(res[f"{size}/{block}/dense w1"])
             ratio = med["tpcheck TP"] / med["DTensor TP"]
-            rows.append([size, block, med["tpcheck TP"] * 1e3, med["DTensor TP"] * 1e3, med["dense w1"] * 1e3, ratio,
-                         med["dense w1"] / med["tpcheck TP"]])
-            targets.append(verdict(f"{size} {block}: tpcheck TP vs DTensor TP step", ratio <= target, f"{ratio:.3f}x",
-                                   f"<= {target:g}x"))
-    print(f"world {world} on {device}, 1 thread per process, median of the timed steps after {warmup} warm-up; shapes "
-          + "; ".join(f"{k}: {v}" for k, v in shapes.items()))
-    print(table(["size", "block", "tpcheck TP (ms)", "DTensor TP (ms)", "dense w1 (ms)", "tpcheck/DTensor",
-                 "dense w1 / tpcheck TP"], rows))
-    write("step" if device == "cpu" else f"step_{device}", {
-        "shapes": shapes, "world_size": world, "device": device, "threads_per_process": 1, "warmup": warmup,
-        "step_seconds": res, "rows": rows, "targets": targets})
+            rows.append(
+                [
+                    size,
+                    block,
+                    med["tpcheck TP"] * 1e3,
+                    med["DTensor TP"] * 1e3,
+                    med["dense w1"] * 1e3,
+                    ratio,
+                    med["dense w1"] / med["tpcheck TP"],
+                ]
+            )
+            targets.append(
+                verdict(
+                    f"{size} {block}: tpcheck TP vs DTensor TP step",
+                    ratio <= target,
+                    f"{ratio:.3f}x",
+                    f"<= {target:g}x",
+                )
+            )
+    print(
+        f"world {world} on {device}, 1 thread per process, median of the timed steps "
+        f"after {warmup} warm-up; shapes " + "; ".join(f"{k}: {v}" for k, v in shapes.items())
+    )
+    print(
+        table(
+            [
+                "size",
+                "block",
+                "tpcheck TP (ms)",
+                "DTensor TP (ms)",
+                "dense w1 (ms)",
+                "tpcheck/DTensor",
+                "dense w1 / tpcheck TP",
+            ],
+            rows,
+        )
+    )
+    write(
+        "step" if device == "cpu" else f"step_{device}",
+        {
+            "shapes": shapes,
+            "world_size": world,
+            "device": device,
+            "threads_per_process": 1,
+            "warmup": warmup,
+            "step_seconds": res,
+            "rows": rows,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """(g) How fast a stuck or interrupted run ends.
 
-Hang: `tpcheck verify tests/robustness/case_files/runtime.py:CASE --timeout T` for a rank spinning in
-forward (`spin`), a SIGSTOPped rank (`stop`) and a user's collective on one rank (`one_sided`), against
-the correct case (`ok`) in the same run: the extra wall time over `ok` is how long after the case
-started the hang was reported (target: T + 5 s at most).
+Hang: `tpcheck verify tests/robustness/case_files/runtime.py:CASE --timeout T` for a rank spinning
+in forward (`spin`), a SIGSTOPped rank (`stop`) and a user's collective on one rank (`one_sided`),
+against the correct case (`ok`) in the same run: the extra wall time over `ok` is how long after the
+case started the hang was reported (target: T + 5 s at most).
 
-Interrupt: `tpcheck verify runtime.py:ok x 60 --world-size 8`; once the first case is reported, SIGINT
-to the process group (a terminal's Ctrl-C). Measured: signal -> every rank gone, signal -> the command
-exits (target: 1 s at world 8)."""
+Interrupt: `tpcheck verify runtime.py:ok x 60 --world-size 8`; once the first case is reported,
+SIGINT to the process group (a terminal's Ctrl-C). Measured: signal -> every rank gone, signal ->
+the command exits (target: 1 s at world 8)."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,10 @@ EXTRA_S, STOP_S = 5.0, 1.0
 
 
 def hang_latency(case: str, timeout: float, env: dict) -> float:
-    wall, _ = timed_run([PY, "-m", "tpcheck", "verify", f"{RUNTIME}:{case}", "--timeout", f"{timeout:g}", "-q"], env=env)
+    wall, _ = timed_run(
+        [PY, "-m", "tpcheck", "verify", f"{RUNTIME}:{case}", "--timeout", f"{timeout:g}", "-q"],
+        env=env,
+    )
     return wall
 
 
@@ -43,9 +47,15 @@ def _state(pid: int) -> str:
 
 def interrupt(world: int, env: dict) -> tuple[float, float]:
     """(signal -> ranks gone, signal -> exit) seconds."""
-    proc = subprocess.Popen([PY, "-m", "tpcheck", "verify", *[f"{RUNTIME}:ok"] * 60, "--world-size", str(world)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [PY, "-m", "tpcheck", "verify", *[f"{RUNTIME}:ok"] * 60, "--world-size", str(world)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     for line in proc.stderr:
         if line.startswith("[1/"):
             break
@@ -76,17 +86,36 @@ def main() -> int:
             extra.append(hang_latency(case, timeout, env) - ok)
         results[case] = {"extra_s": extra, "median": median(extra)}
         rows.append([f"hang: {case}", timeout, median(extra)])
-        targets.append(verdict(f"hang_{case}", median(extra) <= timeout + EXTRA_S,
-                               f"reported {median(extra):.2f} s after the case began", f"<= timeout + {EXTRA_S:g} s"))
+        targets.append(
+            verdict(
+                f"hang_{case}",
+                median(extra) <= timeout + EXTRA_S,
+                f"reported {median(extra):.2f} s after the case began",
+                f"<= timeout + {EXTRA_S:g} s",
+            )
+        )
     stops = [interrupt(8, env) for _ in range(repeats)]
     gone, exited = median([s[0] for s in stops]), median([s[1] for s in stops])
     rows.append(["Ctrl-C at world 8: ranks gone", "-", gone])
     rows.append(["Ctrl-C at world 8: command exits", "-", exited])
-    targets.append(verdict("ctrl_c_world8", exited <= STOP_S, f"exits {exited:.2f} s after SIGINT "
-                           f"(ranks gone after {gone:.2f} s)", f"<= {STOP_S:g} s"))
+    targets.append(
+        verdict(
+            "ctrl_c_world8",
+            exited <= STOP_S,
+            f"exits {exited:.2f} s after SIGINT (ranks gone after {gone:.2f} s)",
+            f"<= {STOP_S:g} s",
+        )
+    )
     print(table(["what", "timeout s", "seconds"], rows))
-    write("stop", {"timeout_s": timeout, "hang": results, "interrupt_world8": {"ranks_gone_s": gone, "exit_s": exited},
-                   "targets": targets})
+    write(
+        "stop",
+        {
+            "timeout_s": timeout,
+            "hang": results,
+            "interrupt_world8": {"ranks_gone_s": gone, "exit_s": exited},
+            "targets": targets,
+        },
+    )
     return 0
 
 

@@ -1,14 +1,16 @@
-"""How tight the calibrated bounds are on correct code: random correct cases over every block, dtype,
-world size 1-8, SP on/off, 1-3 micro-batches, 1-3 steps, SGD and AdamW (`tpcheck.blocks.sampling`).
+"""How tight the calibrated bounds are on correct code: random correct cases over every block,
+dtype, world size 1-8, SP on/off, 1-3 micro-batches, 1-3 steps, SGD and AdamW
+(`tpcheck.blocks.sampling`).
 
 For every calibrated check it records error / bound and the factor the check needed,
-(error - floor) / ref_error (bound = factor * ref_error + floor, checker/rank/tolerance.py), and the bound
-relative to the tensor's scale (what the self-test's planted error must exceed). Prints, per dtype
-and world size, the largest of each and the 10 largest needed factors. Results:
+(error - floor) / ref_error (bound = factor * ref_error + floor, checker/rank/tolerance.py), and the
+bound relative to the tensor's scale (what the self-test's planted error must exceed). Prints, per
+dtype and world size, the largest of each and the 10 largest needed factors. Results:
 benchmarks/results/bounds.json.
 
     .venv/bin/python benchmarks/bounds.py --n 2000
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,7 +24,11 @@ from _common import parser, table, write  # noqa: E402
 
 def value_dtype(spec, check: dict) -> str:
     """The dtype a check's values are rounded to: float32 masters after the step of a 16-bit run."""
-    if spec.settings.uses_masters and check["stage"] == "optimizer" and check["name"].startswith("param:"):
+    if (
+        spec.settings.uses_masters
+        and check["stage"] == "optimizer"
+        and check["name"].startswith("param:")
+    ):
         return "float32"
     return spec.settings.dtype
 
@@ -38,8 +44,15 @@ def sweep(n: int, seed: int) -> dict:
     t0 = time.perf_counter()
     results = tpcheck.check(specs)
     seconds = time.perf_counter() - t0
-    cells: dict = defaultdict(lambda: {"cases": 0, "max_error_over_bound": 0.0, "max_needed_factor": 0.0,
-                                       "max_relative_bound": 0.0, "worst": ""})
+    cells: dict = defaultdict(
+        lambda: {
+            "cases": 0,
+            "max_error_over_bound": 0.0,
+            "max_needed_factor": 0.0,
+            "max_relative_bound": 0.0,
+            "worst": "",
+        }
+    )
     bad, tail = [], []
     for spec, r in zip(specs, results):
         if r["verdict"] != "equivalent":
@@ -58,13 +71,20 @@ def sweep(n: int, seed: int) -> dict:
                 need = (c["error"] - c["floor"]) / c["ref_error"]
                 cell["max_needed_factor"] = max(cell["max_needed_factor"], need)
                 tail.append((need, c["numel"], where))
-            ulps = FLOOR_ULPS if c["numel"] >= SMALL_NUMEL else SMALL_FLOOR_ULPS  # numel: the tensor on one rank
+            # numel: the tensor on one rank
+            ulps = FLOOR_ULPS if c["numel"] >= SMALL_NUMEL else SMALL_FLOOR_ULPS
             scale = c["floor"] / (ulps * torch.finfo(getattr(torch, value_dtype(spec, c))).eps)
             if scale:
                 cell["max_relative_bound"] = max(cell["max_relative_bound"], c["bound"] / scale)
     tail.sort(reverse=True)
-    return {"n": n, "seed": seed, "seconds": seconds, "not_equivalent": bad, "largest_needed": tail[:10],
-            "by_dtype_world": {f"{d}/tp{w}": v for (d, w), v in sorted(cells.items())}}
+    return {
+        "n": n,
+        "seed": seed,
+        "seconds": seconds,
+        "not_equivalent": bad,
+        "largest_needed": tail[:10],
+        "by_dtype_world": {f"{d}/tp{w}": v for (d, w), v in sorted(cells.items())},
+    }
 
 
 def main() -> None:
@@ -75,12 +95,34 @@ def main() -> None:
     from tpcheck.checker.rank.tolerance import MAX_FACTOR
 
     out = sweep(60 if args.quick else args.n, args.seed)
-    rows = [[k, v["cases"], v["max_needed_factor"], v["max_error_over_bound"], v["max_relative_bound"], v["worst"]]
-            for k, v in out["by_dtype_world"].items()]
-    print(table(["dtype/world", "cases", "needed factor", "error/bound", "bound/scale", "largest error/bound at"],
-                rows))
-    print(f"factor {MAX_FACTOR:g}; {out['n']} cases in {out['seconds']:.0f} s; "
-          f"not equivalent or error: {len(out['not_equivalent'])}")
+    rows = [
+        [
+            k,
+            v["cases"],
+            v["max_needed_factor"],
+            v["max_error_over_bound"],
+            v["max_relative_bound"],
+            v["worst"],
+        ]
+        for k, v in out["by_dtype_world"].items()
+    ]
+    print(
+        table(
+            [
+                "dtype/world",
+                "cases",
+                "needed factor",
+                "error/bound",
+                "bound/scale",
+                "largest error/bound at",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"factor {MAX_FACTOR:g}; {out['n']} cases in {out['seconds']:.0f} s; "
+        f"not equivalent or error: {len(out['not_equivalent'])}"
+    )
     for need, numel, where in out["largest_needed"]:
         print(f"   needed {need:.2f} over {numel} elements: {where}")
     for b in out["not_equivalent"][:10]:

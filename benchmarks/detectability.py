@@ -1,10 +1,11 @@
-"""Detectability table: the smallest error in one rank's partial sums, and the smallest lr error on one
-rank, that a default run flags, per dtype and world size (tpcheck.faults.detectability), against the
-targets. Results: benchmarks/results/detectability.json; the table in docs/tolerances.md.
+"""Detectability table: the smallest error in one rank's partial sums, and the smallest lr error on
+one rank, that a default run flags, per dtype and world size (tpcheck.faults.detectability), against
+the targets. Results: benchmarks/results/detectability.json; the table in docs/tolerances.md.
 
     .venv/bin/python benchmarks/detectability.py            # worlds 2 4 8, 2 seeds
     .venv/bin/python benchmarks/detectability.py --worlds 1 2 3 4 5 6 7 8
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,7 +25,9 @@ def main() -> None:
     import tpcheck
     from tpcheck.faults.detectability import probes, target, thresholds
 
-    run = probes(dtypes=args.dtypes, worlds=args.worlds, seeds=args.seeds[:1] if args.quick else args.seeds)
+    run = probes(
+        dtypes=args.dtypes, worlds=args.worlds, seeds=args.seeds[:1] if args.quick else args.seeds
+    )
     specs = [pr.spec() for pr in run]
     t0 = time.perf_counter()
     results = tpcheck.check(specs)
@@ -34,11 +37,32 @@ def main() -> None:
     for (kind, dtype, world), th in sorted(found.items()):
         goal = target(kind, dtype, world)
         met = th is not None and th <= goal
-        what = "relative error of one rank's partial sum" if kind == "partial" else "lr x (1 + size) on one rank"
-        rows.append([kind, dtype, world, "not detected" if th is None else f"{th:g}", f"{goal:g}",
-                     "met" if met else "MISSED"])
-        payload.append({"kind": kind, "what": what, "dtype": dtype, "world": world, "threshold": th,
-                        "target": goal, "met": met})
+        what = (
+            "relative error of one rank's partial sum"
+            if kind == "partial"
+            else "lr x (1 + size) on one rank"
+        )
+        rows.append(
+            [
+                kind,
+                dtype,
+                world,
+                "not detected" if th is None else f"{th:g}",
+                f"{goal:g}",
+                "met" if met else "MISSED",
+            ]
+        )
+        payload.append(
+            {
+                "kind": kind,
+                "what": what,
+                "dtype": dtype,
+                "world": world,
+                "threshold": th,
+                "target": goal,
+                "met": met,
+            }
+        )
     print(table(["bug", "dtype", "world", "smallest flagged", "target", ""], rows))
     print(f"{len(specs)} runs in {seconds:.0f} s")
     write("detectability", {"seconds": seconds, "rows": payload})

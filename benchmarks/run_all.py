@@ -1,6 +1,8 @@
 """Run every benchmark in turn (`make bench`); `--quick` is passed through. The heavy Llama-layer
 benchmark runs last, alone. Each script prints its table and writes benchmarks/results/<name>.json.
-Then the GPU checks (gpu_check.sh) where a GPU is visible; where none is, one line says they did not run."""
+Then the GPU checks (gpu_check.sh) where a GPU is visible; where none is, one line says
+they did not run."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +11,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("bench_seed.py", "bench_matrix.py", "bench_step.py", "bench_check.py", "bench_threads.py", "bench_stop.py",
-         "bench_hf_sweep.py", "bench_llama_layer.py")
+ORDER = (
+    "bench_seed.py",
+    "bench_matrix.py",
+    "bench_step.py",
+    "bench_check.py",
+    "bench_threads.py",
+    "bench_stop.py",
+    "bench_hf_sweep.py",
+    "bench_llama_layer.py",
+)
 
 
 def main() -> int:
@@ -29,12 +39,15 @@ def main() -> int:
     if "gpu" not in skip:
         import torch
 
-        if torch.backends.cuda.is_built() and torch.cuda.device_count() > 0:  # NVML: CUDA is not started here
+        # NVML: CUDA is not started here
+        if torch.backends.cuda.is_built() and torch.cuda.device_count() > 0:
             print("\n=== gpu_check.sh", flush=True)
             if subprocess.call(["bash", str(HERE / "gpu_check.sh")]):
                 failed.append("gpu_check.sh")
         else:
-            print("\nTARGET GPU path (benchmarks/gpu_check.sh): not run, no GPU visible -> UNTESTED")
+            print(
+                "\nTARGET GPU path (benchmarks/gpu_check.sh): not run, no GPU visible -> UNTESTED"
+            )
     if failed:
         print(f"failed: {failed}")
     return 1 if failed else 0

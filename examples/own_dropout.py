@@ -1,8 +1,9 @@
-"""Your TP module trains with dropout: tpcheck checks it exactly, and checks where each mask comes from.
+"""Your TP module trains with dropout: tpcheck checks
+it exactly, and checks where each mask comes from.
 
-    tpcheck verify examples/own_dropout.py --world-size 2 4        # every case in the file
-    tpcheck verify examples/own_dropout.py:correct                 # equivalent
-    tpcheck verify examples/own_dropout.py:seeded_by_rank          # exits 1: rng_diverged at drop_out
+    tpcheck verify examples/own_dropout.py --world-size 2 4  # every case in the file
+    tpcheck verify examples/own_dropout.py:correct           # equivalent
+    tpcheck verify examples/own_dropout.py:seeded_by_rank    # exits 1: rng_diverged at drop_out
 
 The block is own_module.py's (fc1 column-parallel, fc2 row-parallel) with two dropouts:
 `drop_hidden` on fc1's activations, which each rank holds a shard of (the TP region: each rank must
@@ -12,16 +13,17 @@ region: every rank must draw the same mask, from the default generator, seeded t
 
 tpcheck draws each mask once in the dense layout and gives each rank its part, so the comparison is
 as exact as without dropout; the masks the TP side draws itself are compared across ranks. The
-attention cases do the same with `F.scaled_dot_product_attention(dropout_p=...)` (heads sharded), and
-`bernoulli` with a hand-written dropout whose mask comes from `torch.bernoulli`.
+attention cases do the same with `F.scaled_dot_product_attention(dropout_p=...)` (heads sharded),
+and `bernoulli` with a hand-written dropout whose mask comes from `torch.bernoulli`.
 
 Planted bugs (each "not equivalent" at step 1, the values themselves all equal):
   - `seeded_by_rank`: drop_out draws from the per-rank generator: replicas get different masks
     (`rng_diverged` at drop_out);
-  - `not_forked`: drop_hidden draws from the default generator: every rank's shard gets the same mask
-    (`rng_not_forked` at drop_hidden);
+  - `not_forked`: drop_hidden draws from the default generator: every rank's shard gets the same
+    mask (`rng_not_forked` at drop_hidden);
   - `attention_not_forked`: the attention dropout outside the fork (`rng_not_forked`).
 """
+
 import contextlib
 import os
 import sys
@@ -54,7 +56,8 @@ class DenseBlock(nn.Module):
 
 
 def bernoulli_dropout(h):
-    """A hand-written dropout: the mask drawn with torch.bernoulli (tpcheck replays it like F.dropout)."""
+    """A hand-written dropout: the mask drawn with
+    torch.bernoulli (tpcheck replays it like F.dropout)."""
     return h * torch.bernoulli(torch.full_like(h, 1 - P)) / (1 - P)
 
 
@@ -76,7 +79,9 @@ class TPBlock(nn.Module):
         with contextlib.nullcontext() if self.bug == "not_forked" else self.tracker.fork():
             h_local = bernoulli_dropout(h_local) if self.bernoulli else self.drop_hidden(h_local)
         partial = F.linear(h_local, self.fc2.weight)
-        out = (ReduceFromTP.apply(partial, self.pg) if self.pg is not None else partial) + self.fc2.bias
+        out = (
+            ReduceFromTP.apply(partial, self.pg) if self.pg is not None else partial
+        ) + self.fc2.bias
         with self.tracker.fork() if self.bug == "seeded_by_rank" else contextlib.nullcontext():
             out = self.drop_out(out)  # [s, b, h]: replicated on every rank
         return x + out
@@ -87,7 +92,9 @@ class DenseAttention(nn.Module):
 
     def __init__(self, dtype=None):
         super().__init__()
-        self.wq, self.wk, self.wv = (nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=dtype) for _ in range(3))
+        self.wq, self.wk, self.wv = (
+            nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=dtype) for _ in range(3)
+        )
         self.wo = nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=dtype)
 
     def heads(self, t, n):  # [s, b, n * d] -> [b, n, s, d]
@@ -111,30 +118,51 @@ class TPAttention(DenseAttention):
         self.pg, self.bug, self.world = group.pg, bug, group.world_size
         self.tracker = RNGTracker(group, seed=1234)
         local = HIDDEN // group.world_size
-        self.wq, self.wk, self.wv = (nn.Linear(HIDDEN, local, bias=False, dtype=dtype) for _ in range(3))
+        self.wq, self.wk, self.wv = (
+            nn.Linear(HIDDEN, local, bias=False, dtype=dtype) for _ in range(3)
+        )
         self.wo = nn.Linear(local, HIDDEN, bias=False, dtype=dtype)
 
     def forward(self, x):
         x_tp = CopyToTP.apply(x, self.pg) if self.pg is not None else x
         with contextlib.nullcontext() if self.bug == "not_forked" else self.tracker.fork():
-            ctx = self.attend(x_tp, HEADS // self.world)  # this rank's heads: its own dropout stream
+            # this rank's heads: its own dropout stream
+            ctx = self.attend(x_tp, HEADS // self.world)
         partial = self.wo(ctx)
         return x + (ReduceFromTP.apply(partial, self.pg) if self.pg is not None else partial)
 
 
-ATTENTION_PLAN = Plan(params={"wq.weight": Shard(0), "wk.weight": Shard(0), "wv.weight": Shard(0),
-                              "wo.weight": Shard(1)})
+ATTENTION_PLAN = Plan(
+    params={
+        "wq.weight": Shard(0),
+        "wk.weight": Shard(0),
+        "wv.weight": Shard(0),
+        "wo.weight": Shard(1),
+    }
+)
 
 
 def _block(name, bug=None, bernoulli=False, **kw):
-    return Case(name=name, build_dense=lambda dtype: DenseBlock(dtype, bernoulli),
-                build_tp=lambda group, dtype: TPBlock(group, dtype, bug, bernoulli), plan=PLAN,
-                make_batch=make_batch, init=init, **kw)
+    return Case(
+        name=name,
+        build_dense=lambda dtype: DenseBlock(dtype, bernoulli),
+        build_tp=lambda group, dtype: TPBlock(group, dtype, bug, bernoulli),
+        plan=PLAN,
+        make_batch=make_batch,
+        init=init,
+        **kw,
+    )
 
 
 def _attention(name, bug=None):
-    return Case(name=name, build_dense=DenseAttention, build_tp=lambda group, dtype: TPAttention(group, dtype, bug),
-                plan=ATTENTION_PLAN, make_batch=make_batch, init=init)
+    return Case(
+        name=name,
+        build_dense=DenseAttention,
+        build_tp=lambda group, dtype: TPAttention(group, dtype, bug),
+        plan=ATTENTION_PLAN,
+        make_batch=make_batch,
+        init=init,
+    )
 
 
 correct = _block("own_dropout", no_grad_forward=True)

@@ -4,12 +4,13 @@
     tpcheck verify examples/own_module.py:buggy --world-size 2     # exits 1: the planted bug
 
 The block is x + fc2(gelu(fc1(x))), activations [seq, batch, hidden]. The TP version is the classic
-column + row pair: fc1 column-parallel (weight and bias Shard(0)), fc2 row-parallel (weight Shard(1),
-bias replicated). Two hand-written autograd functions carry the collectives.
+column + row pair: fc1 column-parallel (weight and bias Shard(0)), fc2 row-parallel (weight
+Shard(1), bias replicated). Two hand-written autograd functions carry the collectives.
 
 Planted bug (`buggy`): fc2's bias is added on every rank *before* the all-reduce, so it is counted
 world_size times. tpcheck flags the forward output of step 1 as the first divergent tensor.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -95,14 +96,31 @@ def make_batch(g, dtype):
     return {"x": x.to(dtype)}, target.to(dtype)
 
 
-PLAN = Plan(params={
-    "fc1.weight": Shard(0), "fc1.bias": Shard(0),   # column-parallel
-    "fc2.weight": Shard(1), "fc2.bias": Replicate(),  # row-parallel, bias added after the reduction
-})
+PLAN = Plan(
+    params={
+        "fc1.weight": Shard(0),
+        "fc1.bias": Shard(0),  # column-parallel
+        "fc2.weight": Shard(1),
+        "fc2.bias": Replicate(),  # row-parallel, bias added after the reduction
+    }
+)
 
-correct = Case(name="own_mlp", build_dense=DenseBlock, build_tp=lambda group, dtype: TPBlock(group, dtype),
-               plan=PLAN, make_batch=make_batch, init=init, run=RunSettings(steps=2))
+correct = Case(
+    name="own_mlp",
+    build_dense=DenseBlock,
+    build_tp=lambda group, dtype: TPBlock(group, dtype),
+    plan=PLAN,
+    make_batch=make_batch,
+    init=init,
+    run=RunSettings(steps=2),
+)
 
-buggy = Case(name="own_mlp_bias_before_reduce", build_dense=DenseBlock,
-             build_tp=lambda group, dtype: TPBlock(group, dtype, bias_before_reduce=True),
-             plan=PLAN, make_batch=make_batch, init=init, run=RunSettings(steps=2))
+buggy = Case(
+    name="own_mlp_bias_before_reduce",
+    build_dense=DenseBlock,
+    build_tp=lambda group, dtype: TPBlock(group, dtype, bias_before_reduce=True),
+    plan=PLAN,
+    make_batch=make_batch,
+    init=init,
+    run=RunSettings(steps=2),
+)

@@ -1,12 +1,13 @@
-"""The checker stays readable: no function or method in `tpcheck.checker` over 60 lines, and the engine
-(`Engine` in checker/rank/engine.py) over 450 -- it is the step loop; what it calls lives in the
-modules beside it (discover.py, rng.py, applied_on.py, evidence.py, compare.py, ...).
+"""The checker stays readable: no function or method in `tpcheck.checker` over 60 lines, and the
+engine (`Engine` in checker/rank/engine.py) over 450 -- it is the step loop; what it calls lives in
+the modules beside it (discover.py, rng.py, applied_on.py, evidence.py, compare.py, ...).
 
-Read from source with `ast` (nothing is imported). A function's length is `end_lineno - lineno + 1` of
-its `def` (decorators excluded, its docstring, comments and nested functions included); a class's the
-same of its `class` statement. The tests below the rules run the same measuring function on fake
+Read from source with `ast` (nothing is imported). A function's length is `end_lineno - lineno + 1`
+of its `def` (decorators excluded, its docstring, comments and nested functions included); a class's
+the same of its `class` statement. The tests below the rules run the same measuring function on fake
 sources written to tmp_path, so a measurer that stopped seeing long functions would fail them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,22 +26,30 @@ def _length(node: ast.AST) -> int:
 
 
 def long_functions(root: Path, limit: int = MAX_FUNCTION) -> list[str]:
-    """Every function or method (nested ones included) in the .py files under `root` longer than `limit`
-    lines, as "path:line name (N lines)", path relative to `root`'s parent."""
+    """Every function or method (nested ones included) in the .py files under `root` longer than
+    `limit` lines, as "path:line name (N lines)", path relative to `root`'s parent."""
     out = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _length(node) > limit:
-                out.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({_length(node)} lines)")
+                out.append(
+                    f"{path.relative_to(root.parent)}:{node.lineno} {node.name} "
+                    f"({_length(node)} lines)"
+                )
     return out
 
 
 def long_class(path: Path, name: str, limit: int) -> str | None:
-    """"path:line name (N lines)" when class `name` in `path` is longer than `limit` lines, else None;
-    a class that is not there is an offender too (the rule would otherwise pass by a rename)."""
+    """ "path:line name (N lines)" when class `name` in `path` is longer than `limit` lines, else
+    None; a class that is not there is an offender too (the rule would otherwise
+    pass by a rename)."""
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ClassDef) and node.name == name:
-            return f"{path}:{node.lineno} {name} ({_length(node)} lines)" if _length(node) > limit else None
+            return (
+                f"{path}:{node.lineno} {name} ({_length(node)} lines)"
+                if _length(node) > limit
+                else None
+            )
     return f"{path}: no class {name}"
 
 
@@ -49,12 +58,16 @@ def long_class(path: Path, name: str, limit: int) -> str | None:
 
 def test_no_function_in_the_checker_is_over_60_lines():
     offenders = long_functions(CHECKER)
-    assert not offenders, f"functions over {MAX_FUNCTION} lines (split them):\n" + "\n".join(offenders)
+    assert not offenders, f"functions over {MAX_FUNCTION} lines (split them):\n" + "\n".join(
+        offenders
+    )
 
 
 def test_the_engine_is_the_step_loop_at_most_450_lines():
     offender = long_class(ENGINE, "Engine", MAX_ENGINE)
-    assert offender is None, f"{offender}: over {MAX_ENGINE} lines; move what it calls into a module beside it"
+    assert offender is None, (
+        f"{offender}: over {MAX_ENGINE} lines; move what it calls into a module beside it"
+    )
 
 
 # ------------------------------------------------------------------------------------ the measurer
@@ -80,9 +93,14 @@ def test_a_long_method_or_nested_function_is_reported_and_decorators_do_not_coun
     decorated = "import functools\n\n\n" + "@functools.cache\n" * 5 + _function("decorated", 60)
     (pkg / "decorated.py").write_text(decorated)
     (pkg / "method.py").write_text("class C:\n" + _function("method", 61, indent="    "))
-    (pkg / "nested.py").write_text("def outer():\n" + _function("inner", 61, indent="    ") + "    return inner\n")
-    assert long_functions(pkg) == ["fake/method.py:2 method (61 lines)", "fake/nested.py:1 outer (63 lines)",
-                                   "fake/nested.py:2 inner (61 lines)"]
+    (pkg / "nested.py").write_text(
+        "def outer():\n" + _function("inner", 61, indent="    ") + "    return inner\n"
+    )
+    assert long_functions(pkg) == [
+        "fake/method.py:2 method (61 lines)",
+        "fake/nested.py:1 outer (63 lines)",
+        "fake/nested.py:2 inner (61 lines)",
+    ]
 
 
 def test_a_long_class_is_reported_and_a_missing_one_too(tmp_path):

@@ -14,14 +14,15 @@ Rules on the real package:
 2. `tpcheck.checker.*` imports none of the layers above it (blocks, faults, resolve, cli, seed,
    adapters, report, pytest_plugin);
 2b. the checker's three rooms (`tpcheck.checker.pool`, `.rank`, `.verdict`): `rank` (one case on one
-   rank) imports neither `pool` nor `verdict`; `verdict` (payloads to a result, in the parent) imports
-   no `pool`; `pool` (processes) imports no comparison module: of `rank`, only its entry point
-   (`engine.run_case_on_rank`) and the collective tap (`ledger`);
-3. collapsed to sub-packages (`tpcheck.checker`, ...; a top-level module is its own node; `tpcheck` is
-   the package `__init__`), the import graph is acyclic;
+   rank) imports neither `pool` nor `verdict`; `verdict` (payloads to a result, in the parent)
+   imports no `pool`; `pool` (processes) imports no comparison module: of `rank`, only its entry
+   point (`engine.run_case_on_rank`) and the collective tap (`ledger`);
+3. collapsed to sub-packages (`tpcheck.checker`, ...; a top-level module is its own node; `tpcheck`
+   is the package `__init__`), the import graph is acyclic;
 4. module by module, the import graph is acyclic.
 The tests below those check the reader and the cycle finder on fake packages written to tmp_path.
 """
+
 from __future__ import annotations
 
 import ast
@@ -37,8 +38,14 @@ PACKAGE = "tpcheck"
 LIBRARY = {"tpcheck.parallel", "tpcheck.plan", "tpcheck.models"}
 LIBRARY_MAY_IMPORT = LIBRARY | {"tpcheck.errors"}
 CHECK_MUST_NOT_IMPORT = {
-    "tpcheck.blocks", "tpcheck.faults", "tpcheck.resolve", "tpcheck.cli", "tpcheck.seed",
-    "tpcheck.adapters", "tpcheck.report", "tpcheck.pytest_plugin",
+    "tpcheck.blocks",
+    "tpcheck.faults",
+    "tpcheck.resolve",
+    "tpcheck.cli",
+    "tpcheck.seed",
+    "tpcheck.adapters",
+    "tpcheck.report",
+    "tpcheck.pytest_plugin",
 }
 
 
@@ -71,12 +78,14 @@ def package_modules(src_root: Path, package: str) -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 class _Collector(ast.NodeVisitor):
     def __init__(self) -> None:
-        self.found: list[tuple[int, int, str | None, list[str]]] = []  # (line, level, module, names)
+        # (line, level, module, names)
+        self.found: list[tuple[int, int, str | None, list[str]]] = []
 
     def visit_If(self, node: ast.If) -> None:
         if _is_type_checking(node.test):  # the body never runs; the else branch does
@@ -123,20 +132,24 @@ def read_imports(src_root: Path, package: str, rel_to: Path | None = None) -> li
 
 
 def node_of(module: str) -> str:
-    """A module's sub-package (`tpcheck.checker.rank.compare` -> `tpcheck.checker`); a top-level module is its own
-    node, and the package `__init__` is `tpcheck`."""
+    """A module's sub-package (`tpcheck.checker.rank.compare` -> `tpcheck.checker`); a top-level
+    module is its own node, and the package `__init__` is `tpcheck`."""
     return ".".join(module.split(".")[:2])
 
 
 def collapse(edges: list[Import]) -> list[Import]:
     """The same imports between sub-package nodes; imports within one node are dropped."""
-    return [Import(node_of(e.src), node_of(e.dst), e.file, e.line) for e in edges if node_of(e.src) != node_of(e.dst)]
+    return [
+        Import(node_of(e.src), node_of(e.dst), e.file, e.line)
+        for e in edges
+        if node_of(e.src) != node_of(e.dst)
+    ]
 
 
 @dataclass(frozen=True)
 class Cycle:
-    """A strongly connected component of more than one node (`nodes`), and one shortest cycle through
-    its first node, as its edges (one witnessing import each)."""
+    """A strongly connected component of more than one node (`nodes`), and one shortest cycle
+    through its first node, as its edges (one witnessing import each)."""
 
     nodes: tuple[str, ...]
     edges: tuple[Import, ...]
@@ -217,12 +230,20 @@ def format_cycle(cycle: Cycle) -> str:
     lines = [f"  {' -> '.join(path)}"]
     lines += [f"    {e.src} -> {e.dst}  ({e.where()})" for e in cycle.edges]
     if len(cycle.nodes) > len(cycle.edges):
-        lines.append(f"    (one cycle of the tangle {', '.join(cycle.nodes)}: break it and rerun for the next)")
+        lines.append(
+            f"    (one cycle of the tangle {', '.join(cycle.nodes)}: break it "
+            "and rerun for the next)"
+        )
     return "\n".join(lines)
 
 
-def forbidden_imports(edges: list[Import], src_nodes: set[str], *, deny: set[str] | None = None,
-                      allow: set[str] | None = None) -> list[Import]:
+def forbidden_imports(
+    edges: list[Import],
+    src_nodes: set[str],
+    *,
+    deny: set[str] | None = None,
+    allow: set[str] | None = None,
+) -> list[Import]:
     """Imports from a module in `src_nodes` to another node that is in `deny` / not in `allow`."""
     bad = []
     for e in edges:
@@ -235,22 +256,24 @@ def forbidden_imports(edges: list[Import], src_nodes: set[str], *, deny: set[str
 
 
 def room_of(module: str, checker: str) -> str | None:
-    """The room of a module of the checker package `checker` (`pool`, `rank`, `verdict`), None for the
-    checker's own top-level modules (case, usercode, payload, devices, sync) and for modules outside it."""
+    """The room of a module of the checker package `checker` (`pool`, `rank`, `verdict`), None for
+    the checker's own top-level modules (case, usercode, payload, devices, sync) and for
+    modules outside it."""
     if not module.startswith(checker + "."):
         return None
-    rest = module[len(checker) + 1:].split(".")
+    rest = module[len(checker) + 1 :].split(".")
     return rest[0] if len(rest) > 1 and rest[0] in ROOMS else None
 
 
 ROOMS = ("pool", "rank", "verdict")
-# the modules of `rank` that `pool` may import: the entry point of a case on a rank, and the collective tap
+# the modules of `rank` that `pool` may import: the entry
+# point of a case on a rank, and the collective tap
 POOL_MAY_IMPORT_OF_RANK = {"engine", "ledger"}
 
 
 def room_violations(edges: list[Import], checker: str) -> list[tuple[Import, str]]:
-    """Imports that break the rooms' rules: rank -> pool | verdict, verdict -> pool, pool -> a comparison
-    module of rank (anything but its entry point and tap)."""
+    """Imports that break the rooms' rules: rank -> pool | verdict, verdict -> pool, pool -> a
+    comparison module of rank (anything but its entry point and tap)."""
     bad = []
     for e in edges:
         src, dst = room_of(e.src, checker), room_of(e.dst, checker)
@@ -260,8 +283,18 @@ def room_violations(edges: list[Import], checker: str) -> list[tuple[Import, str
             bad.append((e, f"rank/ runs one case on one rank and imports no {dst}/"))
         elif src == "verdict" and dst == "pool":
             bad.append((e, "verdict/ reads payloads and imports no pool/"))
-        elif src == "pool" and dst == "rank" and e.dst.split(".")[-1] not in POOL_MAY_IMPORT_OF_RANK:
-            bad.append((e, f"pool/ imports of rank/ only {sorted(POOL_MAY_IMPORT_OF_RANK)}, no comparison module"))
+        elif (
+            src == "pool" and dst == "rank" and e.dst.split(".")[-1] not in POOL_MAY_IMPORT_OF_RANK
+        ):
+            bad.append(
+                (
+                    e,
+                    (
+                        f"pool/ imports of rank/ only {sorted(POOL_MAY_IMPORT_OF_RANK)}, "
+                        "no comparison module"
+                    ),
+                )
+            )
     return bad
 
 
@@ -269,7 +302,7 @@ def format_imports(edges: list[Import]) -> str:
     return "\n".join(f"  {e.where()}: {e.src} imports {e.dst}" for e in edges)
 
 
-# ------------------------------------------------------------------------------------ the real package
+# --------------------------------------------------------------------------------- the real package
 
 
 def _real_edges() -> list[Import]:
@@ -280,32 +313,39 @@ def test_the_real_package_is_read():
     modules = package_modules(SRC, PACKAGE)
     edges = _real_edges()
     assert {"tpcheck", "tpcheck.parallel.collectives", "tpcheck.parallel.group"} <= set(modules)
-    assert any(e.src == "tpcheck.parallel.collectives" and e.dst == "tpcheck.parallel.group" for e in edges)
+    assert any(
+        e.src == "tpcheck.parallel.collectives" and e.dst == "tpcheck.parallel.group" for e in edges
+    )
 
 
 def test_library_imports_only_itself_and_errors():
     bad = forbidden_imports(_real_edges(), LIBRARY, allow=LIBRARY_MAY_IMPORT)
     assert not bad, (
-        f"the library half ({', '.join(sorted(LIBRARY))}) may import only itself and tpcheck.errors; "
-        f"{len(bad)} import(s) reach further:\n{format_imports(bad)}")
+        f"the library half ({', '.join(sorted(LIBRARY))}) may import only itself and "
+        f"tpcheck.errors; {len(bad)} import(s) reach further:\n{format_imports(bad)}"
+    )
 
 
 def test_checker_imports_no_layer_above_it():
     bad = forbidden_imports(_real_edges(), {"tpcheck.checker"}, deny=CHECK_MUST_NOT_IMPORT)
     assert not bad, (
         f"tpcheck.checker must not import {', '.join(sorted(CHECK_MUST_NOT_IMPORT))}; "
-        f"{len(bad)} import(s) do:\n{format_imports(bad)}")
+        f"{len(bad)} import(s) do:\n{format_imports(bad)}"
+    )
 
 
 def test_checker_rooms_import_as_the_rules_say():
     bad = room_violations(_real_edges(), "tpcheck.checker")
     assert not bad, "the checker's rooms import across their rules:\n" + "\n".join(
-        f"  {e.where()}: {e.src} imports {e.dst} ({why})" for e, why in bad)
+        f"  {e.where()}: {e.src} imports {e.dst} ({why})" for e, why in bad
+    )
 
 
 def test_no_cycle_between_subpackages():
     cycles = find_cycles(collapse(_real_edges()))
-    assert not cycles, "import cycle(s) between sub-packages:\n" + "\n".join(map(format_cycle, cycles))
+    assert not cycles, "import cycle(s) between sub-packages:\n" + "\n".join(
+        map(format_cycle, cycles)
+    )
 
 
 def test_no_cycle_between_modules():
@@ -313,7 +353,7 @@ def test_no_cycle_between_modules():
     assert not cycles, "import cycle(s) between modules:\n" + "\n".join(map(format_cycle, cycles))
 
 
-# ------------------------------------------------------------------------------------ the reader, on fakes
+# ----------------------------------------------------------------------------- the reader, on fakes
 
 
 def _write_package(root: Path, files: dict[str, str]) -> Path:
@@ -391,28 +431,36 @@ def test_reader_finds_function_local_relative_and_conditional_imports(tmp_path):
     src = _write_package(tmp_path, FAKE)
     edges = read_imports(src, "fake")
     assert _pairs(edges) == {
-        ("fake", "fake.core"),                # relative import in a package __init__
-        ("fake.core", "fake.other"),          # the else branch of `if TYPE_CHECKING:` runs
-        ("fake.core", "fake.util"),           # function-local relative import
-        ("fake.core", "fake.classlocal"),     # class-body import
-        ("fake.core", "fake.opt.mod"),        # under try, `import ... as`
-        ("fake.sub", "fake.sub.leaf"),        # `from . import leaf` (a submodule) and `from .leaf import name`
-        ("fake.sub.leaf", "fake"),            # `from .. import __version__`: a name of the package __init__
-        ("fake.sub.leaf", "fake.util"),       # `from ..util import helper` and `from fake import util`
-        ("fake.sub.leaf", "fake.other"),      # `from fake import util, other`: two submodules
-        ("fake.sub.leaf", "fake.sub"),        # `from fake.sub import *`
-        ("fake.sub.leaf", "fake.core"),       # absolute import in a nested function
+        ("fake", "fake.core"),  # relative import in a package __init__
+        ("fake.core", "fake.other"),  # the else branch of `if TYPE_CHECKING:` runs
+        ("fake.core", "fake.util"),  # function-local relative import
+        ("fake.core", "fake.classlocal"),  # class-body import
+        ("fake.core", "fake.opt.mod"),  # under try, `import ... as`
+        (
+            "fake.sub",
+            "fake.sub.leaf",
+        ),  # `from . import leaf` (a submodule) and `from .leaf import name`
+        ("fake.sub.leaf", "fake"),  # `from .. import __version__`: a name of the package __init__
+        ("fake.sub.leaf", "fake.util"),  # `from ..util import helper` and `from fake import util`
+        ("fake.sub.leaf", "fake.other"),  # `from fake import util, other`: two submodules
+        ("fake.sub.leaf", "fake.sub"),  # `from fake.sub import *`
+        ("fake.sub.leaf", "fake.core"),  # absolute import in a nested function
     }
-    # TYPE_CHECKING imports (plain name and typing.TYPE_CHECKING) and outside imports (os, typing) are not edges.
+    # TYPE_CHECKING imports (plain name and typing.TYPE_CHECKING)
+    # and outside imports (os, typing) are not edges.
     assert not {d for _, d in _pairs(edges)} & {"fake.hinted", "fake.hinted2", "os", "typing"}
     # Each edge carries the file and line of the import statement.
     (local,) = [e for e in edges if (e.src, e.dst) == ("fake.core", "fake.util")]
-    assert (src / "fake/core.py").read_text().splitlines()[local.line - 1].strip() == "from .util import helper"
+    assert (src / "fake/core.py").read_text().splitlines()[
+        local.line - 1
+    ].strip() == "from .util import helper"
     assert local.where() == "src/fake/core.py:16"
 
 
 def test_reader_rejects_a_relative_import_above_the_package(tmp_path):
-    src = _write_package(tmp_path, {"fake/__init__.py": "", "fake/a.py": "def f():\n    from .. import x\n"})
+    src = _write_package(
+        tmp_path, {"fake/__init__.py": "", "fake/a.py": "def f():\n    from .. import x\n"}
+    )
     try:
         read_imports(src, "fake")
     except ValueError as e:
@@ -422,13 +470,17 @@ def test_reader_rejects_a_relative_import_above_the_package(tmp_path):
 
 
 def test_cycle_finder_reports_a_function_local_cycle_with_file_and_line(tmp_path):
-    src = _write_package(tmp_path, {
-        "cyc/__init__.py": "",
-        "cyc/a.py": "from cyc import b\n",
-        "cyc/b.py": "import cyc.c\n",
-        "cyc/c.py": "import os\n\ndef late():\n    from .a import x\n",  # closes the cycle, function-locally
-        "cyc/d.py": "from cyc import a\n",  # hangs off the cycle, is not in it
-    })
+    src = _write_package(
+        tmp_path,
+        {
+            "cyc/__init__.py": "",
+            "cyc/a.py": "from cyc import b\n",
+            "cyc/b.py": "import cyc.c\n",
+            # closes the cycle, function-locally
+            "cyc/c.py": "import os\n\ndef late():\n    from .a import x\n",
+            "cyc/d.py": "from cyc import a\n",  # hangs off the cycle, is not in it
+        },
+    )
     cycles = find_cycles(read_imports(src, "cyc"))
     assert len(cycles) == 1
     (cycle,) = cycles
@@ -441,39 +493,53 @@ def test_cycle_finder_reports_a_function_local_cycle_with_file_and_line(tmp_path
 
 
 def test_cycle_finder_ignores_a_type_checking_back_edge(tmp_path):
-    src = _write_package(tmp_path, {
-        "acyc/__init__.py": "",
-        "acyc/a.py": "from acyc import b\n",
-        "acyc/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from acyc.a import A\n",
-    })
+    src = _write_package(
+        tmp_path,
+        {
+            "acyc/__init__.py": "",
+            "acyc/a.py": "from acyc import b\n",
+            "acyc/b.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from acyc.a import A\n"
+            ),
+        },
+    )
     assert find_cycles(read_imports(src, "acyc")) == []
 
 
 def test_cycle_finder_reports_each_strongly_connected_component(tmp_path):
-    src = _write_package(tmp_path, {
-        "two/__init__.py": "",
-        "two/a.py": "from two import b\n",
-        "two/b.py": "from two import a\n",
-        "two/c.py": "from two import d\nfrom two import a\n",
-        "two/d.py": "from two import e\n",
-        "two/e.py": "from two import c\n",
-    })
+    src = _write_package(
+        tmp_path,
+        {
+            "two/__init__.py": "",
+            "two/a.py": "from two import b\n",
+            "two/b.py": "from two import a\n",
+            "two/c.py": "from two import d\nfrom two import a\n",
+            "two/d.py": "from two import e\n",
+            "two/e.py": "from two import c\n",
+        },
+    )
     cycles = find_cycles(read_imports(src, "two"))
     assert [c.nodes for c in cycles] == [("two.a", "two.b"), ("two.c", "two.d", "two.e")]
-    assert [[e.src for e in c.edges] for c in cycles] == [["two.a", "two.b"], ["two.c", "two.d", "two.e"]]
+    assert [[e.src for e in c.edges] for c in cycles] == [
+        ["two.a", "two.b"],
+        ["two.c", "two.d", "two.e"],
+    ]
 
 
 def test_collapsing_finds_a_cycle_between_subpackages_that_modules_do_not_have(tmp_path):
-    src = _write_package(tmp_path, {
-        "pkg/__init__.py": "from pkg.x import m1\n",  # the top node may import anything
-        "pkg/x/__init__.py": "",
-        "pkg/x/m1.py": "from pkg.y.m2 import f\n",
-        "pkg/x/m4.py": "",
-        "pkg/y/__init__.py": "",
-        "pkg/y/m2.py": "f = 1\n",
-        "pkg/y/m3.py": "def g():\n    from pkg.x import m4\n",
-        "pkg/top.py": "from pkg.y import m3\n",
-    })
+    src = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.x import m1\n",  # the top node may import anything
+            "pkg/x/__init__.py": "",
+            "pkg/x/m1.py": "from pkg.y.m2 import f\n",
+            "pkg/x/m4.py": "",
+            "pkg/y/__init__.py": "",
+            "pkg/y/m2.py": "f = 1\n",
+            "pkg/y/m3.py": "def g():\n    from pkg.x import m4\n",
+            "pkg/top.py": "from pkg.y import m3\n",
+        },
+    )
     edges = read_imports(src, "pkg")
     assert find_cycles(edges) == []
     (cycle,) = find_cycles(collapse(edges))
@@ -491,50 +557,73 @@ def test_a_subpackage_importing_the_package_init_is_a_cycle_only_if_init_reaches
     }
     src = _write_package(tmp_path / "ok", files)
     assert find_cycles(collapse(read_imports(src, "top"))) == []
-    files["top/lib/core.py"] = "from top import __version__\ndef f(): ...\n"  # top imports lib: a cycle
+    # top imports lib: a cycle
+    files["top/lib/core.py"] = "from top import __version__\ndef f(): ...\n"
     src = _write_package(tmp_path / "bad", files)
     (cycle,) = find_cycles(collapse(read_imports(src, "top")))
     assert cycle.nodes == ("top", "top.lib")
 
 
 def test_forbidden_imports_flags_the_offending_import(tmp_path):
-    src = _write_package(tmp_path, {
-        "p/__init__.py": "",
-        "p/errors.py": "",
-        "p/lib/__init__.py": "",
-        "p/lib/a.py": "from p.errors import E\nfrom p.lib import b\n\ndef f():\n    from p.app.run import go\n",
-        "p/lib/b.py": "",
-        "p/app/__init__.py": "",
-        "p/app/run.py": "from p.lib.a import f\n",
-    })
+    src = _write_package(
+        tmp_path,
+        {
+            "p/__init__.py": "",
+            "p/errors.py": "",
+            "p/lib/__init__.py": "",
+            "p/lib/a.py": (
+                "from p.errors import E\nfrom p.lib import b\n\ndef f():\n    from "
+                "p.app.run import go\n"
+            ),
+            "p/lib/b.py": "",
+            "p/app/__init__.py": "",
+            "p/app/run.py": "from p.lib.a import f\n",
+        },
+    )
     edges = read_imports(src, "p")
     bad = forbidden_imports(edges, {"p.lib"}, allow={"p.lib", "p.errors"})
-    assert [(e.src, e.dst, e.where()) for e in bad] == [("p.lib.a", "p.app.run", "src/p/lib/a.py:5")]
+    assert [(e.src, e.dst, e.where()) for e in bad] == [
+        ("p.lib.a", "p.app.run", "src/p/lib/a.py:5")
+    ]
     assert forbidden_imports(edges, {"p.lib"}, deny={"p.app"}) == bad
     assert forbidden_imports(edges, {"p.app"}, deny={"p.errors"}) == []
 
 
 def test_room_rules_catch_each_crossing_on_a_fake_checker(tmp_path):
-    """Mutants of a checker package: each forbidden crossing is reported with its file and line, and the
-    allowed ones (pool -> rank's entry point and tap, verdict -> rank, anyone -> the checker's top level) are not."""
-    src = _write_package(tmp_path, {
-        "fk/__init__.py": "",
-        "fk/checker/__init__.py": "",
-        "fk/checker/payload.py": "",
-        "fk/checker/pool/__init__.py": "",
-        "fk/checker/pool/launch.py": "from fk.checker.rank import engine, ledger\nfrom fk.checker import payload\n",
-        "fk/checker/pool/worker.py": "def f():\n    from fk.checker.rank.compare import x\n",
-        "fk/checker/rank/__init__.py": "",
-        "fk/checker/rank/engine.py": "from fk.checker.payload import y\nfrom fk.checker.verdict import result\n",
-        "fk/checker/rank/ledger.py": "import fk.checker.pool.launch\n",
-        "fk/checker/rank/compare.py": "",
-        "fk/checker/verdict/__init__.py": "",
-        "fk/checker/verdict/result.py": "from fk.checker.rank import compare\nfrom fk.checker.pool import worker\n",
-    })
+    """Mutants of a checker package: each forbidden crossing is reported with its file and line, and
+    the allowed ones (pool -> rank's entry point and tap, verdict -> rank, anyone -> the checker's
+    top level) are not."""
+    src = _write_package(
+        tmp_path,
+        {
+            "fk/__init__.py": "",
+            "fk/checker/__init__.py": "",
+            "fk/checker/payload.py": "",
+            "fk/checker/pool/__init__.py": "",
+            "fk/checker/pool/launch.py": (
+                "from fk.checker.rank import engine, ledger\nfrom fk.checker import payload\n"
+            ),
+            "fk/checker/pool/worker.py": "def f():\n    from fk.checker.rank.compare import x\n",
+            "fk/checker/rank/__init__.py": "",
+            "fk/checker/rank/engine.py": (
+                "from fk.checker.payload import y\nfrom fk.checker.verdict import result\n"
+            ),
+            "fk/checker/rank/ledger.py": "import fk.checker.pool.launch\n",
+            "fk/checker/rank/compare.py": "",
+            "fk/checker/verdict/__init__.py": "",
+            "fk/checker/verdict/result.py": (
+                "from fk.checker.rank import compare\nfrom fk.checker.pool import worker\n"
+            ),
+        },
+    )
     bad = room_violations(read_imports(src, "fk"), "fk.checker")
     assert sorted((e.src, e.dst, e.where()) for e, _ in bad) == [
         ("fk.checker.pool.worker", "fk.checker.rank.compare", "src/fk/checker/pool/worker.py:2"),
         ("fk.checker.rank.engine", "fk.checker.verdict.result", "src/fk/checker/rank/engine.py:2"),
         ("fk.checker.rank.ledger", "fk.checker.pool.launch", "src/fk/checker/rank/ledger.py:1"),
-        ("fk.checker.verdict.result", "fk.checker.pool.worker", "src/fk/checker/verdict/result.py:2"),
+        (
+            "fk.checker.verdict.result",
+            "fk.checker.pool.worker",
+            "src/fk/checker/verdict/result.py:2",
+        ),
     ]

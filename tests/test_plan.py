@@ -1,4 +1,5 @@
 """Placements are pure indexing; unshard(shard(x)) == x for every placement and world size."""
+
 import pytest
 import torch
 
@@ -33,7 +34,12 @@ def test_fused_replicates_parts_with_fewer_units_than_ranks():
     # q: 4 heads, k: 1 head, head size 2; at world 4 every rank holds k head 0.
     p = Fused(0, (4, 1), (2, 2))
     dense = torch.arange(10).float()
-    assert [p.shard(dense, r, 4).tolist() for r in range(4)] == [[0, 1, 8, 9], [2, 3, 8, 9], [4, 5, 8, 9], [6, 7, 8, 9]]
+    assert [p.shard(dense, r, 4).tolist() for r in range(4)] == [
+        [0, 1, 8, 9],
+        [2, 3, 8, 9],
+        [4, 5, 8, 9],
+        [6, 7, 8, 9],
+    ]
     locals_ = [p.shard(dense, r, 4) for r in range(4)]
     locals_[3] = locals_[3].clone()
     locals_[3][-1] += 1.0  # one replica differs
@@ -51,13 +57,18 @@ def test_plan_missing_parameter_is_an_error():
     with pytest.raises(UsageError, match="no placement for dense parameter.*bias"):
         Plan(params={"weight": Shard(0)}).check_against(dense, 2)
     with pytest.raises(UsageError, match="does not have"):
-        Plan(params={"weight": Shard(0), "bias": Replicate(), "extra": Replicate()}).check_against(dense, 2)
+        Plan(params={"weight": Shard(0), "bias": Replicate(), "extra": Replicate()}).check_against(
+            dense, 2
+        )
 
 
 def test_applied_on_rank_names_a_rank_the_world_has():
     dense = torch.nn.Linear(4, 4)
     Plan(params={"weight": Shard(0), "bias": AppliedOnRank(1)}).check_against(dense, 2)
-    with pytest.raises(UsageError, match=r"'bias' \[4\]: AppliedOnRank\(2\) names a rank that world size 2 does not have"):
+    with pytest.raises(
+        UsageError,
+        match=r"'bias' \[4\]: AppliedOnRank\(2\) names a rank that world size 2 does not have",
+    ):
         Plan(params={"weight": Shard(0), "bias": AppliedOnRank(2)}).check_against(dense, 2)
     for bad in (-1, 0.5, True):
         with pytest.raises(UsageError, match="is a rank number"):
@@ -75,13 +86,15 @@ def test_plan_that_leaves_elements_uncovered_is_an_error():
 
 
 def test_copies_counts_the_ranks_holding_each_element():
-    """Elements several ranks hold (a fused part with fewer units than ranks: GQA KV heads) are what the
-    checker compares across ranks; plain shards hold each element once and need no index maps."""
+    """Elements several ranks hold (a fused part with fewer units than ranks: GQA KV heads) are what
+    the checker compares across ranks; plain shards hold each element once and
+    need no index maps."""
     from tpcheck.plan import copies
 
     assert copies(Shard(0), (8, 4), 4) is None
     assert copies(Fused(0, (4, 4)), (8, 4), 2) is None  # every part splits over the ranks
-    held = copies(Fused(0, (4, 1), (1, 2)), (6, 3), 4)  # q: 4 rows sharded; kv: one unit of 2 rows on all 4
+    # q: 4 rows sharded; kv: one unit of 2 rows on all 4
+    held = copies(Fused(0, (4, 1), (1, 2)), (6, 3), 4)
     assert held is not None
     rows = held.reshape(6, 3)[:, 0].tolist()
     assert rows == [1, 1, 1, 1, 4, 4]

@@ -2,11 +2,12 @@
 
     python docs/findings/repro_dtensor_sp_dropout.py
 
-Two gloo ranks on CPU. A Linear under `RowwiseParallel(output_layouts=Shard(0))` (torchtitan's SP plan)
-returns each rank's sequence shard as a local tensor; `nn.Dropout` on it draws from the default
-generator, which a training script seeds the same on every rank. Prints each rank's mask: they are
-identical, so token t of rank 0 and token t + s/2 of rank 1 are always dropped together.
+Two gloo ranks on CPU. A Linear under `RowwiseParallel(output_layouts=Shard(0))` (torchtitan's SP
+plan) returns each rank's sequence shard as a local tensor; `nn.Dropout` on it draws from the
+default generator, which a training script seeds the same on every rank. Prints each rank's mask:
+they are identical, so token t of rank 0 and token t + s/2 of rank 1 are always dropped together.
 """
+
 import os
 
 import torch
@@ -24,8 +25,9 @@ def run(rank: int, world: int, port: int) -> None:
 
     torch.manual_seed(0)  # the training script: the same seed on every rank
     mesh = init_device_mesh("cpu", (world,))
-    proj = parallelize_module(nn.Linear(16, 16, bias=False), mesh,
-                              RowwiseParallel(output_layouts=Shard(0)))  # input sharded on features
+    proj = parallelize_module(
+        nn.Linear(16, 16, bias=False), mesh, RowwiseParallel(output_layouts=Shard(0))
+    )  # input sharded on features
     x_local = torch.randn(8, 16 // world)  # [seq, hidden/world]
     out = proj(x_local)  # [seq/world, hidden]: this rank's sequence shard, a plain tensor
     mask = nn.Dropout(0.5)(torch.ones_like(out)) != 0
@@ -33,7 +35,10 @@ def run(rank: int, world: int, port: int) -> None:
     dist.all_gather(masks, mask.to(torch.uint8))
     if rank == 0:
         print(f"output on each rank: {type(out).__name__} {list(out.shape)}")
-        print(f"masks of the {world} sequence shards identical: {all(torch.equal(masks[0], m) for m in masks)}")
+        print(
+            f"masks of the {world} sequence shards identical: "
+            f"{all(torch.equal(masks[0], m) for m in masks)}"
+        )
     dist.destroy_process_group()
 
 

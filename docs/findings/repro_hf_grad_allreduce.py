@@ -2,10 +2,11 @@
 gradient after every backward, so with gradient accumulation the early micro-batches are counted
 world-size times. Plain torch + transformers 5.24.0 on CPU/gloo, no tpcheck:
 
-    python docs/findings/repro_hf_grad_allreduce.py            # plan as shipped
-    python docs/findings/repro_hf_grad_allreduce.py --fixed    # q_norm/k_norm under a style that reduces
-                                                               # each micro-batch's grad as it arrives
+    python docs/findings/repro_hf_grad_allreduce.py          # plan as shipped
+    python docs/findings/repro_hf_grad_allreduce.py --fixed  # q_norm/k_norm under a style that
+                                                             # reduces each micro-batch's grad
 """
+
 import copy
 import os
 import sys
@@ -36,10 +37,23 @@ def main(rank: int, world: int, fixed: bool) -> None:
             return module
 
     ALL_PARALLEL_STYLES.register("reduce_grad_on_arrival", ReduceGradOnArrival())
-    rules = {"model.layers.*.self_attn.q_norm": "reduce_grad_on_arrival",
-             "model.layers.*.self_attn.k_norm": "reduce_grad_on_arrival"} if fixed else None
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-                      head_dim=8, num_hidden_layers=1, vocab_size=128)
+    rules = (
+        {
+            "model.layers.*.self_attn.q_norm": "reduce_grad_on_arrival",
+            "model.layers.*.self_attn.k_norm": "reduce_grad_on_arrival",
+        }
+        if fixed
+        else None
+    )
+    cfg = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        num_hidden_layers=1,
+        vocab_size=128,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     dense = Qwen3ForCausalLM(cfg)
@@ -58,7 +72,9 @@ def main(rank: int, world: int, fixed: bool) -> None:
             labels = torch.randint(0, 128, (2, 8), generator=g)
             for model in (dense, tp):
                 logits = model(input_ids=ids).logits
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), labels.reshape(-1))
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, 128), labels.reshape(-1)
+                )
                 (loss / micro_batches).backward()
         name = "model.layers.0.self_attn.q_norm.weight"
         want = dict(dense.named_parameters())[name].grad
@@ -66,8 +82,11 @@ def main(rank: int, world: int, fixed: bool) -> None:
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
         if rank == 0:
             err = (got - want).abs().max().item()
-            print(f"{'fixed' if fixed else 'as shipped'}: {micro_batches} micro-batch(es): "
-                  f"max |grad_TP - grad_dense| of {name} = {err:.3g} (max |grad_dense| = {want.abs().max():.3g})")
+            print(
+                f"{'fixed' if fixed else 'as shipped'}: {micro_batches} micro-batch(es): "
+                f"max |grad_TP - grad_dense| of {name} = {err:.3g} (max |grad_dense| "
+                f"= {want.abs().max():.3g})"
+            )
     dist.destroy_process_group()
 
 

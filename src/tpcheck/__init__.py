@@ -1,4 +1,5 @@
 """tpcheck: prove a tensor-parallel implementation computes what its dense model computes."""
+
 from tpcheck._version import __version__
 from tpcheck.api import check, exit_code
 from tpcheck.checker.case import Case, CaseSpec, Injection, RunSettings
@@ -6,5 +7,20 @@ from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import AppliedOnRank, Fused, Placement, Plan, Replicate, Shard
 
-__all__ = ["Case", "CaseSpec", "RunSettings", "Injection", "check", "exit_code", "UsageError", "TPGroup", "Plan",
-           "Placement", "Replicate", "Shard", "Fused", "AppliedOnRank", "__version__"]
+__all__ = [
+    "Case",
+    "CaseSpec",
+    "RunSettings",
+    "Injection",
+    "check",
+    "exit_code",
+    "UsageError",
+    "TPGroup",
+    "Plan",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "Fused",
+    "AppliedOnRank",
+    "__version__",
+]

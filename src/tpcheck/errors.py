@@ -1,9 +1,10 @@
 """Errors with a meaning for the exit code, and the exit codes.
 
 `UsageError`: the user's input is wrong (sizes that do not divide, an unknown name, a plan that does
-not fit). The CLI prints its message and exits `ExitCode.USAGE`. Messages name the offending value and
-the fix.
+not fit). The CLI prints its message and exits `ExitCode.USAGE`. Messages name the offending value
+and the fix.
 """
+
 from __future__ import annotations
 
 import enum
@@ -20,12 +21,14 @@ class ExitCode(enum.IntEnum):
 
     @staticmethod
     def interrupted(signum: int) -> int:
-        """The code of a run stopped by a signal (SIGINT 130, SIGTERM 143, SIGHUP 129): 128 + its number,
-        as a shell reports it."""
+        """The code of a run stopped by a signal (SIGINT 130, SIGTERM 143, SIGHUP 129): 128 + its
+        number, as a shell reports it."""
         return 128 + int(signum)
 
 
-INTERRUPTED_BY = {ExitCode.interrupted(s): s.name for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
+INTERRUPTED_BY = {
+    ExitCode.interrupted(s): s.name for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
+}
 
 
 class UsageError(ValueError):

@@ -12,6 +12,7 @@ one source of truth, and a user placement needs only `shard`.
 Conventions: weights as torch stores them, `[out, in]`; column-parallel shards dim 0 of the weight,
 row-parallel dim 1; activations `[seq, batch, hidden]`, sequence parallelism shards dim 0.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,14 +50,15 @@ class Placement:
 
     @property
     def applied_on(self) -> int | None:
-        """The one rank whose copy the computation uses (its gradient and update live there), when every
-        rank holds the tensor but only one applies it; None for every ordinary placement."""
+        """The one rank whose copy the computation uses (its gradient and update live there), when
+        every rank holds the tensor but only one applies it; None for every ordinary placement."""
         return None
 
 
 @dataclass(frozen=True)
 class Replicate(Placement):
-    """Every rank holds the whole tensor (norm weights, row-parallel bias, replicated activations)."""
+    """Every rank holds the whole tensor (norm weights,
+    row-parallel bias, replicated activations)."""
 
     def shard(self, dense, rank, world):
         return dense
@@ -79,8 +81,10 @@ class Shard(Placement):
     def check_divisible(self, shape, world, what):
         n = shape[self.dim]
         if n % world:
-            raise UsageError(f"{what}: dim {self.dim} has size {n}, which does not divide by world size {world}; "
-                             f"choose a world size that divides {n}")
+            raise UsageError(
+                f"{what}: dim {self.dim} has size {n}, which does not divide by world size "
+                f"{world}; choose a world size that divides {n}"
+            )
 
     def shard(self, dense, rank, world):
         self.check_divisible(tuple(dense.shape), world, "shard")
@@ -95,23 +99,27 @@ class Shard(Placement):
 
 @dataclass(frozen=True)
 class AppliedOnRank(Placement):
-    """Every rank holds the whole tensor, one rank applies it: a row-parallel bias added on rank `rank`
-    only, before the all-reduce (TGI, nano-vllm), instead of on every rank after it. Weights are
-    replicas (compared bitwise across ranks); the gradient and the optimizer's update live on `rank`
-    only (bounded by the float64 reference on rank 0, whose bound is sent to `rank`), and the other
-    ranks' gradient must be absent or zero."""
+    """Every rank holds the whole tensor, one rank applies it: a row-parallel bias added on rank
+    `rank` only, before the all-reduce (TGI, nano-vllm), instead of on every rank after it. Weights
+    are replicas (compared bitwise across ranks); the gradient and the optimizer's update live on
+    `rank` only (bounded by the float64 reference on rank 0, whose bound is sent to `rank`), and the
+    other ranks' gradient must be absent or zero."""
 
     rank: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
-            raise UsageError(f"AppliedOnRank({self.rank!r}): the rank that applies the tensor is a rank number "
-                             "(0, 1, ...)")
+            raise UsageError(
+                f"AppliedOnRank({self.rank!r}): the rank that applies the tensor is a rank number "
+                "(0, 1, ...)"
+            )
 
     def check_divisible(self, shape: tuple[int, ...], world: int, what: str) -> None:
         if self.rank >= world:
-            raise UsageError(f"{what}: AppliedOnRank({self.rank}) names a rank that world size {world} does not "
-                             f"have; name a rank below {world}")
+            raise UsageError(
+                f"{what}: AppliedOnRank({self.rank}) names a rank that world size {world} does not "
+                f"have; name a rank below {world}"
+            )
 
     def shard(self, dense, rank, world):
         return dense
@@ -130,12 +138,13 @@ class AppliedOnRank(Placement):
 
 @dataclass(frozen=True)
 class Fused(Placement):
-    """A fused weight: along `dim` the dense tensor is the concatenation of parts (e.g. [gate; up] or
-    [q; k; v]); part i has `units[i]` units (rows, or heads) of `unit_size[i]` rows each. Rank r holds
-    the concatenation of its block of every part: `[gate_r; up_r]`, `[q_r; k_r; v_r]`. A part with fewer
-    units than ranks (GQA with kv_heads < world) is replicated: rank r holds unit r // (world // units).
-    Concatenating the rank shards gives [g0; u0; g1; u1; ...], not the dense [g; u]: splitting the fused
-    weight contiguously (the naive way) is a classic bug, in the fault catalogue.
+    """A fused weight: along `dim` the dense tensor is the concatenation of parts (e.g. [gate; up]
+    or [q; k; v]); part i has `units[i]` units (rows, or heads) of `unit_size[i]` rows each. Rank r
+    holds the concatenation of its block of every part: `[gate_r; up_r]`, `[q_r; k_r; v_r]`. A part
+    with fewer units than ranks (GQA with kv_heads < world) is replicated: rank r holds unit r //
+    (world // units). Concatenating the rank shards gives [g0; u0; g1; u1; ...], not the dense [g;
+    u]: splitting the fused weight contiguously (the naive way) is a classic bug, in
+    the fault catalogue.
     """
 
     dim: int
@@ -148,12 +157,16 @@ class Fused(Placement):
 
     def check_divisible(self, shape, world, what):
         if shape[self.dim] != sum(self.sizes()):
-            raise UsageError(f"{what}: dim {self.dim} has size {shape[self.dim]} but the fused parts add up to "
-                             f"{sum(self.sizes())} ({self.sizes()})")
+            raise UsageError(
+                f"{what}: dim {self.dim} has size {shape[self.dim]} but the fused parts add up to "
+                f"{sum(self.sizes())} ({self.sizes()})"
+            )
         for n in self.units:
             if n % world and world % n:
-                raise UsageError(f"{what}: a fused part has {n} units, which neither divides by nor divides "
-                                 f"world size {world}; choose a world size that divides {n} or a multiple of it")
+                raise UsageError(
+                    f"{what}: a fused part has {n} units, which neither divides by nor divides "
+                    f"world size {world}; choose a world size that divides {n} or a multiple of it"
+                )
 
     def shard(self, dense, rank, world):
         self.check_divisible(tuple(dense.shape), world, "fused shard")
@@ -171,7 +184,8 @@ class Fused(Placement):
         return any(n < world for n in self.units)
 
     def replica_unit(self, rank: int, world: int, units: int) -> int:
-        """The unit a rank holds of a part with fewer units than ranks: consecutive ranks share one."""
+        """The unit a rank holds of a part with fewer
+        units than ranks: consecutive ranks share one."""
         return rank // (world // units)
 
     def __str__(self) -> str:
@@ -180,7 +194,8 @@ class Fused(Placement):
 
 def copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.Tensor | None:
     """How many ranks hold each dense element (flat), or None when no element is held by two ranks
-    (plain shards: nothing to compare across ranks). Replicate is the trivial case and not asked here."""
+    (plain shards: nothing to compare across ranks). Replicate is the trivial case
+    and not asked here."""
     if not placement.may_share(world):
         return None
     try:
@@ -198,9 +213,12 @@ def _copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.T
     return held if bool((held > 1).any()) else None
 
 
-def unshard(placement: Placement, locals_: list[torch.Tensor], shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:
-    """Reassemble rank-local tensors into the dense tensor. Returns (dense, replica_spread): the max abs
-    difference between copies of one element held by several ranks (0.0 when they agree bitwise)."""
+def unshard(
+    placement: Placement, locals_: list[torch.Tensor], shape: tuple[int, ...]
+) -> tuple[torch.Tensor, float]:
+    """Reassemble rank-local tensors into the dense tensor. Returns (dense, replica_spread): the max
+    abs difference between copies of one element held by several ranks (0.0 when
+    they agree bitwise)."""
     world = len(locals_)
     flat = torch.full((math.prod(shape),), float("nan"), dtype=torch.float64)
     lo = torch.full_like(flat, float("inf"))
@@ -216,27 +234,32 @@ def unshard(placement: Placement, locals_: list[torch.Tensor], shape: tuple[int,
 
 
 def validate(placement: Placement, shape: tuple[int, ...], world: int, what: str) -> None:
-    """Raise UsageError unless the placement fits `shape` at `world` and covers every dense element."""
+    """Raise UsageError unless the placement fits `shape`
+    at `world` and covers every dense element."""
     placement.check_divisible(shape, world, what)
-    if type(placement) in _COVERING:  # these shards cover a divisible shape by construction (not a subclass)
+    # these shards cover a divisible shape by construction (not a subclass)
+    if type(placement) in _COVERING:
         return
     covered = torch.zeros(math.prod(shape), dtype=torch.bool)
     for rank in range(world):
         covered[placement.index_map(shape, rank, world).reshape(-1)] = True
     if not bool(covered.all()):
         missing = int((~covered).sum())
-        raise UsageError(f"{what}: placement {placement} leaves {missing} of {covered.numel()} elements on no rank")
+        raise UsageError(
+            f"{what}: placement {placement} leaves {missing} of {covered.numel()} "
+            "elements on no rank"
+        )
 
 
 # Placements whose shards of a shape that passes `check_divisible` hold every element between them:
-# the identity (Replicate, AppliedOnRank) and `chunk` into equal blocks (Shard). `validate` builds index
-# maps for every other placement (Fused, a user's), ~0.1 s per rank for a 1024 x 4096 weight.
+# the identity (Replicate, AppliedOnRank) and `chunk` into equal blocks (Shard). `validate` builds
+# index maps for every other placement (Fused, a user's), ~0.1 s per rank for a 1024 x 4096 weight.
 _COVERING = (Replicate, AppliedOnRank, Shard)
 
 
 def as_placement(p, what: str) -> Placement:
-    """`p` as a tpcheck placement: one already, or torch.distributed.tensor's `Shard(dim)` / `Replicate()`
-    (the same layouts). Anything else is refused naming `what`."""
+    """`p` as a tpcheck placement: one already, or torch.distributed.tensor's `Shard(dim)` /
+    `Replicate()` (the same layouts). Anything else is refused naming `what`."""
     if isinstance(p, Placement):
         return p
     kind = type(p)
@@ -247,19 +270,23 @@ def as_placement(p, what: str) -> Placement:
             return Replicate()
         if kind.__name__ == "Partial":
             held = "a parameter" if "params" in what else "a module output tpcheck compares"
-            raise UsageError(f"{what} is torch's Partial(): {held} is held on the ranks, not summed across them, so "
-                             "it has no partial placement; use Shard(dim) or Replicate() (tpcheck.plan or "
-                             "torch.distributed.tensor)")
-    raise UsageError(f"{what} is {p!r} ({kind.__module__}.{kind.__qualname__}), not a placement; use "
-                     "Shard(dim), Replicate() or Fused(...) from tpcheck (torch.distributed.tensor's Shard and "
-                     "Replicate are accepted too)")
+            raise UsageError(
+                f"{what} is torch's Partial(): {held} is held on the ranks, not summed across "
+                "them, so it has no partial placement; use Shard(dim) or Replicate() (tpcheck.plan "
+                "or torch.distributed.tensor)"
+            )
+    raise UsageError(
+        f"{what} is {p!r} ({kind.__module__}.{kind.__qualname__}), not a placement; use "
+        "Shard(dim), Replicate() or Fused(...) from tpcheck (torch.distributed.tensor's Shard and "
+        "Replicate are accepted too)"
+    )
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Per dense parameter, its placement; optionally placements of named activations (module outputs)
-    for localizing the first divergent tensor. Parameters absent from `params` are an error, not a
-    silent default: a forgotten entry is how layouts go wrong."""
+    """Per dense parameter, its placement; optionally placements of named activations (module
+    outputs) for localizing the first divergent tensor. Parameters absent from `params` are an
+    error, not a silent default: a forgotten entry is how layouts go wrong."""
 
     params: dict[str, Placement]
     activations: dict[str, Placement] = field(default_factory=dict)
@@ -270,8 +297,15 @@ class Plan:
         for what in ("params", "activations"):
             table = getattr(self, what)
             if not isinstance(table, dict):
-                raise UsageError(f"Plan({what}=...) must be a dict of name -> placement, not {type(table).__name__}")
-            object.__setattr__(self, what, {name: as_placement(p, f"Plan {what}[{name!r}]") for name, p in table.items()})
+                raise UsageError(
+                    f"Plan({what}=...) must be a dict of name -> placement, not "
+                    f"{type(table).__name__}"
+                )
+            object.__setattr__(
+                self,
+                what,
+                {name: as_placement(p, f"Plan {what}[{name!r}]") for name, p in table.items()},
+            )
 
     def tp_name(self, dense_name: str) -> str:
         return self.tp_names.get(dense_name, dense_name)
@@ -281,10 +315,16 @@ class Plan:
         missing = sorted(names - set(self.params))
         extra = sorted(set(self.params) - names)
         if missing:
-            raise UsageError(f"plan has no placement for dense parameter(s) {missing}; add them to the plan "
-                             "(Replicate(), Shard(dim) or Fused(...))")
+            raise UsageError(
+                f"plan has no placement for dense parameter(s) {missing}; add them to the plan "
+                "(Replicate(), Shard(dim) or Fused(...))"
+            )
         if extra:
-            raise UsageError(f"plan names parameter(s) {extra} that the dense module does not have; "
-                             f"dense parameters are {sorted(names)}")
+            raise UsageError(
+                f"plan names parameter(s) {extra} that the dense module does not have; "
+                f"dense parameters are {sorted(names)}"
+            )
         for name, p in dense.named_parameters():
-            validate(self.params[name], tuple(p.shape), world, f"parameter {name!r} {list(p.shape)}")
+            validate(
+                self.params[name], tuple(p.shape), world, f"parameter {name!r} {list(p.shape)}"
+            )

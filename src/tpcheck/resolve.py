@@ -1,11 +1,12 @@
 """CaseSpec -> Case: the one place that knows every kind of case.
 
 A spec names a built-in block (`tpcheck.blocks.BLOCKS`), a user's case file ("file:PATH[:NAME]"), a
-Case registered in this process ("registered:ID") or a HuggingFace architecture with transformers' own
-TP plan ("hf:MODEL_TYPE", `tpcheck.adapters.transformers`), optionally with a catalogue fault
-(`tpcheck.faults`). `RESOLVER` is handed to the launcher: the checker (`tpcheck.check`) runs whatever
-Case it is given and imports neither the blocks nor the faults.
+Case registered in this process ("registered:ID") or a HuggingFace architecture with transformers'
+own TP plan ("hf:MODEL_TYPE", `tpcheck.adapters.transformers`), optionally with a catalogue fault
+(`tpcheck.faults`). `RESOLVER` is handed to the launcher: the checker (`tpcheck.check`) runs
+whatever Case it is given and imports neither the blocks nor the faults.
 """
+
 from __future__ import annotations
 
 from tpcheck.blocks import BLOCKS, config_for
@@ -28,19 +29,25 @@ class DefaultResolver:
         spec.validate()
         if spec.block.startswith(HF_PREFIX):
             if spec.device != "cpu":
-                raise UsageError(f"device {spec.device!r}: HuggingFace architectures are checked on the CPU only "
-                                 "(their reduced models on a CPU device mesh); leave the device out")
+                raise UsageError(
+                    f"device {spec.device!r}: HuggingFace architectures are checked on the CPU "
+                    "only (their reduced models on a CPU device mesh); leave the device out"
+                )
             if spec.fault:
-                raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; override a "
-                                 "rule of the HuggingFace plan instead (tpcheck hf --rule)")
+                raise UsageError(
+                    f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; "
+                    "override a rule of the HuggingFace plan instead (tpcheck hf --rule)"
+                )
             from tpcheck.adapters.transformers import prepare_spec
 
             prepare_spec(spec)
             return
         if is_user_block(spec.block):
             if spec.fault:
-                raise UsageError(f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; plant the "
-                                 "bug in your case file instead")
+                raise UsageError(
+                    f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; plant "
+                    "the bug in your case file instead"
+                )
             return
         block = _block(spec.block)
         block.check_config(config_for(spec), spec)

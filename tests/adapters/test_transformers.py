@@ -1,8 +1,9 @@
 """HuggingFace transformers' own TP plans (tpcheck.adapters.transformers, `tpcheck hf`).
 
-Needs the extra `tpcheck[transformers]` (transformers==5.24.0, installed by .ci/run): skipped with the
-reason without it, or with another version (the findings pinned here are that version's).
+Needs the extra `tpcheck[transformers]` (transformers==5.24.0, installed by .ci/run): skipped with
+the reason without it, or with another version (the findings pinned here are that version's).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-transformers = pytest.importorskip("transformers", reason="the extra tpcheck[transformers] is not installed")
+transformers = pytest.importorskip(
+    "transformers", reason="the extra tpcheck[transformers] is not installed"
+)
 from tpcheck.adapters import transformers as hf  # noqa: E402
 from tpcheck.checker.pool.session import run_specs  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
-pytestmark = pytest.mark.skipif(transformers.__version__ != hf.PINNED,
-                                reason=f"findings pinned for transformers {hf.PINNED}, "
-                                       f"found {transformers.__version__}")
+pytestmark = pytest.mark.skipif(
+    transformers.__version__ != hf.PINNED,
+    reason=f"findings pinned for transformers {hf.PINNED}, found {transformers.__version__}",
+)
 
 from torch.distributed.tensor import Replicate as DReplicate  # noqa: E402
 from torch.distributed.tensor import Shard as DShard  # noqa: E402
@@ -30,13 +34,14 @@ from transformers.distributed.tensor_parallel import (  # noqa: E402
     TensorParallelLayer,
 )
 
-# ------------------------------------------------------------------ styles registered before the ranks fork
+# ---------------------------------------------------------- styles registered before the ranks fork
 
 
 class ReduceGradOnArrival(TensorParallelLayer):
     """The fix for transformers' `replicated_with_grad_allreduce` (docs/findings/
-    hf-replicated-grad-allreduce-accumulation.md): each micro-batch's partial gradient is all-reduced as it
-    arrives (a tensor hook, before accumulation), not the accumulated `.grad` after every backward."""
+    hf-replicated-grad-allreduce-accumulation.md): each micro-batch's partial gradient is
+    all-reduced as it arrives (a tensor hook, before accumulation), not the accumulated `.grad`
+    after every backward."""
 
     def install_forward(self, module, mesh):
         original, hooked = module.forward, {}
@@ -69,8 +74,10 @@ class RowwiseNoGradReduceSkipped(RowwiseParallel):
 
 
 ALL_PARALLEL_STYLES.register("test_reduce_grad_on_arrival", ReduceGradOnArrival())
-ALL_PARALLEL_STYLES.register("test_rowwise_nograd_unreduced",
-                             RowwiseNoGradReduceSkipped(input_layouts=DShard(-1), output_layouts=DReplicate()))
+ALL_PARALLEL_STYLES.register(
+    "test_rowwise_nograd_unreduced",
+    RowwiseNoGradReduceSkipped(input_layouts=DShard(-1), output_layouts=DReplicate()),
+)
 
 
 def run(*specs):
@@ -85,7 +92,9 @@ def names(result: dict, prefix: str) -> set[str]:
 # ------------------------------------------------------------------ the reduction, in this process
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mixtral", "deepseek_v3", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mixtral", "deepseek_v3", "qwen3", "gemma2", "phi3"]
+)
 @pytest.mark.parametrize("world", [2, 4])
 def test_small_config_keeps_every_divisibility(model_type, world):
     prep = hf.prepare(model_type, world)
@@ -96,8 +105,13 @@ def test_small_config_keeps_every_divisibility(model_type, world):
     meta = hf.build_lm(model_type, cfg, torch.float32, device="meta")
     assert sum(p.numel() for p in meta.parameters()) < hf.MAX_PARAMS
     modules = dict(meta.named_modules())
-    linear_rules = {n for n, style in prep.tp_plan.items() if n in modules and style.startswith(("colwise", "rowwise"))}
-    assert linear_rules and linear_rules <= set(prep.activations)  # every planned linear's output is checked
+    linear_rules = {
+        n
+        for n, style in prep.tp_plan.items()
+        if n in modules and style.startswith(("colwise", "rowwise"))
+    }
+    # every planned linear's output is checked
+    assert linear_rules and linear_rules <= set(prep.activations)
     assert "model.layers.0" in prep.activations and "model.layers.1" in prep.activations
 
 
@@ -119,8 +133,8 @@ def test_unbuildable_architectures_are_skipped_with_a_reason():
 
 
 def test_plain_architectures_are_equivalent_on_every_path():
-    """llama, mistral, qwen2, gemma2, phi3, mixtral at world 2: logits, loss, per-module outputs and their
-    grads, every grad, AdamW state and weights, 2 micro-batches, and the no-grad forward."""
+    """llama, mistral, qwen2, gemma2, phi3, mixtral at world 2: logits, loss, per-module outputs and
+    their grads, every grad, AdamW state and weights, 2 micro-batches, and the no-grad forward."""
     archs = ["llama", "mistral", "qwen2", "gemma2", "phi3", "mixtral"]
     results = run(*(hf.hf_spec(a, 2, steps=2) for a in archs))
     for name, r in results.items():
@@ -128,27 +142,38 @@ def test_plain_architectures_are_equivalent_on_every_path():
         assert {"output", "output:no_grad"} <= names(r, "output")
         assert {"act:model.layers.0", "act:model.layers.1"} <= names(r, "act:")
         assert names(r, "update:") and names(r, "state:") and names(r, "grad:model.")
-        assert r["inferred_plan"] and "Shard(0)" in r["inferred_plan"] and "Shard(1)" in r["inferred_plan"]
+        assert (
+            r["inferred_plan"]
+            and "Shard(0)" in r["inferred_plan"]
+            and "Shard(1)" in r["inferred_plan"]
+        )
     llama = results["hf:llama/tp2/float32"]
-    assert "act:model.layers.0.self_attn.q_proj" in names(llama, "act:")  # colwise: this rank's slice
+    # colwise: this rank's slice
+    assert "act:model.layers.0.self_attn.q_proj" in names(llama, "act:")
     assert "act:model.layers.0.mlp.down_proj" in names(llama, "act:")  # rowwise: whole
 
 
 @pytest.mark.slow
 def test_world_4_and_bfloat16():
-    results = run(hf.hf_spec("llama", 4, steps=2), hf.hf_spec("mixtral", 4, steps=2),
-                  hf.hf_spec("qwen2", 2, "bfloat16", steps=2))
+    results = run(
+        hf.hf_spec("llama", 4, steps=2),
+        hf.hf_spec("mixtral", 4, steps=2),
+        hf.hf_spec("qwen2", 2, "bfloat16", steps=2),
+    )
     for name, r in results.items():
         assert r["verdict"] == "equivalent", (name, r["summary"])
 
 
 def test_replicated_with_grad_allreduce_counts_early_micro_batches_world_times():
-    """The finding (docs/findings/hf-replicated-grad-allreduce-accumulation.md): Qwen3's q_norm/k_norm
-    under `replicated_with_grad_allreduce` all-reduce the accumulated grad after every micro-batch. One
-    micro-batch: equivalent; two: the q_norm grad is wrong; the style that reduces each micro-batch's
-    grad as it arrives (the fix, as a rule override): equivalent with two."""
-    fixed = {"model.layers.*.self_attn.q_norm": "test_reduce_grad_on_arrival",
-             "model.layers.*.self_attn.k_norm": "test_reduce_grad_on_arrival"}
+    """The finding (docs/findings/hf-replicated-grad-allreduce-accumulation.md): Qwen3's
+    q_norm/k_norm under `replicated_with_grad_allreduce` all-reduce the accumulated grad after
+    every micro-batch. One
+    micro-batch: equivalent; two: the q_norm grad is wrong; the style that reduces each
+    micro-batch's grad as it arrives (the fix, as a rule override): equivalent with two."""
+    fixed = {
+        "model.layers.*.self_attn.q_norm": "test_reduce_grad_on_arrival",
+        "model.layers.*.self_attn.k_norm": "test_reduce_grad_on_arrival",
+    }
     one = hf.hf_spec("qwen3", 2, steps=1, micro_batches=1, label="one")
     two = hf.hf_spec("qwen3", 2, steps=1, micro_batches=2, label="two")
     mended = hf.hf_spec("qwen3", 2, rules=fixed, steps=1, micro_batches=2, label="mended")
@@ -167,14 +192,18 @@ def test_replicated_with_grad_allreduce_counts_early_micro_batches_world_times()
 
 def test_a_plan_rule_that_double_reduces_a_grad_is_caught_at_that_parameter():
     rules = {"model.layers.*.input_layernorm": "replicated_with_grad_allreduce"}
-    r = run(hf.hf_spec("llama", 2, rules=rules, steps=1, micro_batches=1))["hf:llama/tp2/float32/rules"]
+    r = run(hf.hf_spec("llama", 2, rules=rules, steps=1, micro_batches=1))[
+        "hf:llama/tp2/float32/rules"
+    ]
     assert r["verdict"] == "not equivalent"
     assert r["first_divergence"]["name"] == "grad:model.layers.0.input_layernorm.weight"
 
 
 def test_a_bug_in_the_no_grad_path_only_is_caught_by_the_no_grad_forward():
     rules = {"model.layers.*.mlp.down_proj": "test_rowwise_nograd_unreduced"}
-    r = run(hf.hf_spec("llama", 2, rules=rules, steps=1, micro_batches=1))["hf:llama/tp2/float32/rules"]
+    r = run(hf.hf_spec("llama", 2, rules=rules, steps=1, micro_batches=1))[
+        "hf:llama/tp2/float32/rules"
+    ]
     assert r["verdict"] == "not equivalent"
     failed = {c["name"] for c in r["checks"] if not c["passed"]}
     assert failed == {"output:no_grad"}, failed  # the training path is right
@@ -182,15 +211,23 @@ def test_a_bug_in_the_no_grad_path_only_is_caught_by_the_no_grad_forward():
 
 
 def test_a_model_whose_tp_forward_raises_is_an_error_naming_the_exception():
-    """Doge's plan shards q/k/v by head but its dynamic mask (dt_proj, rowwise) keeps every head: the TP
-    forward raises a shape error (docs/findings/hf-doge-dynamic-mask.md). Llama4's MoE adds in place to
-    a rowwise output, a DTensor view: the grad-enabled forward raises
-    (docs/findings/hf-llama4-text-training-path.md). Inkling normalizes its vocab-parallel embedding's
-    partial lookup inside the sharded module: DTensor refuses to reduce it."""
-    results = run(*(hf.hf_spec(a, 2, steps=1, micro_batches=1) for a in ("doge", "llama4_text", "inkling_text")))
+    """Doge's plan shards q/k/v by head but its dynamic mask (dt_proj, rowwise) keeps every head:
+    the TP forward raises a shape error (docs/findings/hf-doge-dynamic-mask.md). Llama4's MoE adds
+    in place to a rowwise output, a DTensor view: the grad-enabled forward raises
+    (docs/findings/hf-llama4-text-training-path.md). Inkling normalizes its vocab-parallel
+    embedding's partial lookup inside the sharded module: DTensor refuses to reduce it."""
+    results = run(
+        *(
+            hf.hf_spec(a, 2, steps=1, micro_batches=1)
+            for a in ("doge", "llama4_text", "inkling_text")
+        )
+    )
     doge, llama4 = results["hf:doge/tp2/float32"], results["hf:llama4_text/tp2/float32"]
     assert doge["verdict"] == "error" and "must match the size of tensor b" in doge["summary"]
-    assert llama4["verdict"] == "error" and "is a view and is being modified inplace" in llama4["summary"]
+    assert (
+        llama4["verdict"] == "error"
+        and "is a view and is being modified inplace" in llama4["summary"]
+    )
     inkling = results["hf:inkling_text/tp2/float32"]  # docs/findings/hf-inkling-embedding-norm.md
     assert inkling["verdict"] == "error" and "AssertionError" in inkling["summary"]
     assert "raised at transformers/models/inkling/modeling_inkling.py" in inkling["summary"]
@@ -200,8 +237,13 @@ def test_a_model_whose_tp_forward_raises_is_an_error_naming_the_exception():
 
 
 def tpcheck(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tpcheck", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tpcheck", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -210,15 +252,30 @@ def test_cli_sweep_report(tmp_path):
 
     from tpcheck.report.schema import load_schema
 
-    out = tpcheck("hf", "llama", "qwen3", "qwen2_vl_text", "--steps", "1", "--json", str(tmp_path / "r.json"),
-                  "--html", str(tmp_path / "r.html"))
+    out = tpcheck(
+        "hf",
+        "llama",
+        "qwen3",
+        "qwen2_vl_text",
+        "--steps",
+        "1",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--html",
+        str(tmp_path / "r.html"),
+    )
     assert out.returncode == 1, out.stderr  # qwen3 is not equivalent
     report = json.loads((tmp_path / "r.json").read_text())
     jsonschema.validate(report, load_schema())
     rows = {r["architecture"]: r for r in report["sweep"]["rows"]}
     assert rows["llama"]["verdict"] == "equivalent" and rows["qwen3"]["verdict"] == "not equivalent"
-    assert rows["qwen3"]["first_divergence"].startswith("grad:model.layers.0.self_attn.q_norm.weight")
-    assert rows["qwen2_vl_text"]["verdict"] == "skipped" and "causal-LM" in rows["qwen2_vl_text"]["reason"]
+    assert rows["qwen3"]["first_divergence"].startswith(
+        "grad:model.layers.0.self_attn.q_norm.weight"
+    )
+    assert (
+        rows["qwen2_vl_text"]["verdict"] == "skipped"
+        and "causal-LM" in rows["qwen2_vl_text"]["reason"]
+    )
     assert report["sweep"]["counts"] == {"equivalent": 1, "not equivalent": 1, "skipped": 1}
     llama = next(c for c in report["cases"] if c["name"] == "hf:llama/tp2/float32")
     assert llama["checks"] == [] and llama["checks_omitted"]["passed"] > 500
@@ -233,14 +290,21 @@ def test_cli_sweep_report(tmp_path):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("args, message", [
-    (["lama"], "unknown architecture 'lama' (did you mean"),
-    pytest.param(["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped", marks=SLOW),
-    pytest.param([], "name architectures", marks=SLOW),
-    pytest.param(["llama", "--rule", "nonsense"], "write PATTERN=STYLE", marks=SLOW),
-    (["llama", "--world-size", "1"], "transformers shards nothing on one rank"),
-    pytest.param(["llama", "--rule", "model.layers.*.mlp.nothing=colwise"], "match nothing", marks=SLOW),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["lama"], "unknown architecture 'lama' (did you mean"),
+        pytest.param(
+            ["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped", marks=SLOW
+        ),
+        pytest.param([], "name architectures", marks=SLOW),
+        pytest.param(["llama", "--rule", "nonsense"], "write PATTERN=STYLE", marks=SLOW),
+        (["llama", "--world-size", "1"], "transformers shards nothing on one rank"),
+        pytest.param(
+            ["llama", "--rule", "model.layers.*.mlp.nothing=colwise"], "match nothing", marks=SLOW
+        ),
+    ],
+)
 def test_cli_bad_input_exits_2_with_a_message(args, message):
     out = tpcheck("hf", *args)
     assert out.returncode == 2, out.stderr

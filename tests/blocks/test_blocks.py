@@ -1,7 +1,9 @@
-"""The transformer blocks against their dense twins: attention, layer, the tiny LM, the vocab-parallel
-embedding and cross-entropy, at world sizes 1, 2, 4, with and without sequence parallelism, float32
-and bfloat16, 3 AdamW steps (CaseSpec defaults); GQA/MQA with kv_heads below the world size; a naive
-contiguous split of fused weights caught while the interleaved layout passes."""
+"""The transformer blocks against their dense twins: attention, layer, the tiny LM, the
+vocab-parallel embedding and cross-entropy, at world sizes 1, 2, 4, with and without sequence
+parallelism, float32 and bfloat16, 3 AdamW steps (CaseSpec defaults); GQA/MQA with kv_heads below
+the world size; a naive contiguous split of fused weights caught while the
+interleaved layout passes."""
+
 import dataclasses
 
 import pytest
@@ -21,8 +23,15 @@ BLOCK_NAMES = tuple(b for b in BLOCKS if b != "mlp")  # the MLP has its own suit
 
 
 def _matrix(worlds):
-    return [CaseSpec(block=b, preset="tiny", world_size=w, run=RunSettings(dtype=dt), sequence_parallel=sp)
-            for b in BLOCK_NAMES for w in worlds for sp in (False, True) for dt in ("float32", "bfloat16")]
+    return [
+        CaseSpec(
+            block=b, preset="tiny", world_size=w, run=RunSettings(dtype=dt), sequence_parallel=sp
+        )
+        for b in BLOCK_NAMES
+        for w in worlds
+        for sp in (False, True)
+        for dt in ("float32", "bfloat16")
+    ]
 
 
 def _assert_equivalent(results):
@@ -34,26 +43,53 @@ def _assert_equivalent(results):
 
 
 def _count(result, phase, op, site):
-    return sum(1 for e in result["ledger"]["expected"] if (e["phase"], e["op"], e["site"]) == (phase, op, site))
+    return sum(
+        1
+        for e in result["ledger"]["expected"]
+        if (e["phase"], e["op"], e["site"]) == (phase, op, site)
+    )
 
 
 def test_blocks_at_world_sizes_1_and_2():
-    tied = [CaseSpec(block="lm", preset="tiny", world_size=2, sequence_parallel=sp,
-                     overrides=(("tie_embeddings", True),), label=f"lm-tied-sp{sp}") for sp in (False, True)]
+    tied = [
+        CaseSpec(
+            block="lm",
+            preset="tiny",
+            world_size=2,
+            sequence_parallel=sp,
+            overrides=(("tie_embeddings", True),),
+            label=f"lm-tied-sp{sp}",
+        )
+        for sp in (False, True)
+    ]
     _assert_equivalent(check(_matrix((1, 2)) + tied))
 
 
 def test_gqa_at_world_size_4():
-    gqa = [CaseSpec(block="attention", preset="tiny", world_size=4, overrides=(("heads", 8), ("kv_heads", kv),
-                                                                           ("hidden", 64)), label=f"gqa-kv{kv}")
-           for kv in (1, 2, 4, 8)]
-    gqa_sp = CaseSpec(block="attention", preset="tiny", world_size=4, run=RunSettings(dtype="bfloat16"),
-                      sequence_parallel=True, overrides=(("heads", 8), ("kv_heads", 1), ("hidden", 64)),
-                      label="mqa-sp-bf16")
+    gqa = [
+        CaseSpec(
+            block="attention",
+            preset="tiny",
+            world_size=4,
+            overrides=(("heads", 8), ("kv_heads", kv), ("hidden", 64)),
+            label=f"gqa-kv{kv}",
+        )
+        for kv in (1, 2, 4, 8)
+    ]
+    gqa_sp = CaseSpec(
+        block="attention",
+        preset="tiny",
+        world_size=4,
+        run=RunSettings(dtype="bfloat16"),
+        sequence_parallel=True,
+        overrides=(("heads", 8), ("kv_heads", 1), ("hidden", 64)),
+        label="mqa-sp-bf16",
+    )
     results = check(gqa + [gqa_sp])
     _assert_equivalent(results)
     by_name = {r["name"]: r for r in results}
-    # kv heads replicated (kv < 4): exactly one optimizer all-reduce of the qkv grads per step; else none
+    # kv heads replicated (kv < 4): exactly one optimizer
+    # all-reduce of the qkv grads per step; else none
     for kv in (1, 2, 4, 8):
         observed = by_name[f"gqa-kv{kv}"]["ledger"]["per_rank"]["0"].get("optimizer", {})
         assert observed.get("all_reduce", {}).get("count", 0) == (3 if kv < 4 else 0)
@@ -64,7 +100,9 @@ def test_blocks_at_world_size_4():
     results = check(_matrix((4,)))
     _assert_equivalent(results)
     by_name = {r["name"]: r for r in results}
-    assert _count(by_name["lm/tiny/tp4/float32"], "optimizer", "all_reduce", "layers.1.attention.qkv.weight")
+    assert _count(
+        by_name["lm/tiny/tp4/float32"], "optimizer", "all_reduce", "layers.1.attention.qkv.weight"
+    )
 
 
 def test_vocab_not_divisible_by_world_size_is_invalid():
@@ -83,7 +121,11 @@ def _replica_grads(group, kv):
     plan = attention_plan(cfg)
     with torch.no_grad():
         for name, p in tp.named_parameters():
-            p.copy_(plan.params[name].shard(dict(dense.named_parameters())[name], group.rank, group.world_size))
+            p.copy_(
+                plan.params[name].shard(
+                    dict(dense.named_parameters())[name], group.rank, group.world_size
+                )
+            )
     x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g)
     dense(x).pow(2).sum().backward()
     tp(x).pow(2).sum().backward()
@@ -99,7 +141,8 @@ def test_replicated_kv_grads_are_summed_and_bitwise_equal(kv):
     q_rows = out[0][3]
     for before, after, want, _ in out:
         torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-5)
-        assert not torch.allclose(before[q_rows:], want[q_rows:], rtol=1e-3, atol=1e-4)  # partial before
+        # partial before
+        assert not torch.allclose(before[q_rows:], want[q_rows:], rtol=1e-3, atol=1e-4)
     replicas = 4 // kv  # ranks r sharing kv head r // replicas hold bitwise-equal k/v grads
     for r in range(4):
         first = out[r - r % replicas][1][q_rows:]
@@ -108,6 +151,7 @@ def test_replicated_kv_grads_are_summed_and_bitwise_equal(kv):
 
 def _naive(base: str, name: str, make_plan, fused: str):
     """The block with its plan's fused weight split contiguously (Shard(0)) instead of per part."""
+
     def plan(cfg, sp):
         right = make_plan(cfg, sp)
         return Plan(params={**right.params, fused: Shard(0)}, activations=right.activations)
@@ -117,16 +161,23 @@ def _naive(base: str, name: str, make_plan, fused: str):
 
 def test_naive_contiguous_split_of_fused_weights_is_caught(monkeypatch):
     # registered before check() forks the ranks, which inherit it
-    monkeypatch.setitem(BLOCKS, "attention_naive_qkv", _naive("attention", "attention_naive_qkv", attention_plan,
-                                                              "qkv.weight"))
-    monkeypatch.setitem(BLOCKS, "mlp_naive_gate_up", _naive("mlp", "mlp_naive_gate_up", mlp_plan, "gate_up.weight"))
+    monkeypatch.setitem(
+        BLOCKS,
+        "attention_naive_qkv",
+        _naive("attention", "attention_naive_qkv", attention_plan, "qkv.weight"),
+    )
+    monkeypatch.setitem(
+        BLOCKS, "mlp_naive_gate_up", _naive("mlp", "mlp_naive_gate_up", mlp_plan, "gate_up.weight")
+    )
     concat = (("gate_up_layout", "concat"),)
-    naive_att, good_att, naive_mlp, good_mlp = check([
-        CaseSpec(block="attention_naive_qkv", preset="tiny", world_size=2),
-        CaseSpec(block="attention", preset="tiny", world_size=2),
-        CaseSpec(block="mlp_naive_gate_up", preset="tiny", world_size=2, overrides=concat),
-        CaseSpec(block="mlp", preset="tiny", world_size=2, overrides=concat),
-    ])
+    naive_att, good_att, naive_mlp, good_mlp = check(
+        [
+            CaseSpec(block="attention_naive_qkv", preset="tiny", world_size=2),
+            CaseSpec(block="attention", preset="tiny", world_size=2),
+            CaseSpec(block="mlp_naive_gate_up", preset="tiny", world_size=2, overrides=concat),
+            CaseSpec(block="mlp", preset="tiny", world_size=2, overrides=concat),
+        ]
+    )
     for naive in (naive_att, naive_mlp):
         assert naive["verdict"] == "not equivalent", naive["summary"]
         # the weights load consistently with the (wrong) plan: the math, not the loading, diverges
@@ -138,8 +189,9 @@ def test_naive_contiguous_split_of_fused_weights_is_caught(monkeypatch):
 
 
 def _nudge_kv_grad_on_rank1(module, group):
-    """After the replica all-reduce, rank 1's gradient of its (replicated) k/v rows moves by a few ulps:
-    far inside any calibrated bound, but two ranks holding the same kv head must agree bitwise."""
+    """After the replica all-reduce, rank 1's gradient of its (replicated) k/v rows moves by a few
+    ulps: far inside any calibrated bound, but two ranks holding the same kv head
+    must agree bitwise."""
     if group.rank != 1:
         return
     qkv, finalize = module.qkv, module.finalize_grads
@@ -165,14 +217,26 @@ def test_gqa_kv_replicas_are_compared_bitwise(monkeypatch):
             case = super().case(spec, cfg)
             return dataclasses.replace(case, inject=Injection(tamper=_nudge_kv_grad_on_rank1))
 
-    monkeypatch.setitem(BLOCKS, "attention_nudged_kv", Nudged(**{f.name: getattr(base, f.name)
-                                                                 for f in dataclasses.fields(base)}))
+    monkeypatch.setitem(
+        BLOCKS,
+        "attention_nudged_kv",
+        Nudged(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}),
+    )
     gqa = (("heads", 8), ("kv_heads", 2), ("hidden", 64))
-    nudged, correct = check([CaseSpec(block=b, preset="tiny", world_size=4, run=RunSettings(steps=1), overrides=gqa)
-                             for b in ("attention_nudged_kv", "attention")])
+    nudged, correct = check(
+        [
+            CaseSpec(block=b, preset="tiny", world_size=4, run=RunSettings(steps=1), overrides=gqa)
+            for b in ("attention_nudged_kv", "attention")
+        ]
+    )
     assert correct["verdict"] == "equivalent", correct["summary"]
-    replica_checks = [c for c in correct["checks"] if c["stage"] == "replicas" and c["name"].endswith("qkv.weight")]
-    assert replica_checks  # the fused qkv weight (not a replicated placement) gets replica checks too
+    replica_checks = [
+        c
+        for c in correct["checks"]
+        if c["stage"] == "replicas" and c["name"].endswith("qkv.weight")
+    ]
+    # the fused qkv weight (not a replicated placement) gets replica checks too
+    assert replica_checks
     assert nudged["verdict"] == "not equivalent", nudged["summary"]
     first = nudged["first_divergence"]
     assert (first["stage"], first["name"]) == ("replicas", "grad:qkv.weight"), nudged["summary"]

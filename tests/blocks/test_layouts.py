@@ -1,5 +1,7 @@
-"""Per-rank layouts of the transformer blocks, pinned without processes: a module is built for rank r
-of a world-w group (`TPGroup(rank=r, world_size=w)`, no process group) and compared with the plan."""
+"""Per-rank layouts of the transformer blocks, pinned without processes: a module is built for rank
+r of a world-w group (`TPGroup(rank=r, world_size=w)`, no process group) and
+compared with the plan."""
+
 import pytest
 import torch
 
@@ -24,8 +26,16 @@ def _cfg(heads=8, kv=2):
 def _labelled_qkv(cfg):
     """Dense [q; k; v] whose every row holds part * 1000 + head (part 0 = q, 1 = k, 2 = v)."""
     d, kv = cfg.head_dim, cfg.num_kv_heads
-    labels = [0 * 1000 + h for h in range(cfg.heads)] + [1000 + h for h in range(kv)] + [2000 + h for h in range(kv)]
-    return torch.tensor(labels, dtype=torch.float64).repeat_interleave(d)[:, None].expand(-1, cfg.hidden)
+    labels = (
+        [0 * 1000 + h for h in range(cfg.heads)]
+        + [1000 + h for h in range(kv)]
+        + [2000 + h for h in range(kv)]
+    )
+    return (
+        torch.tensor(labels, dtype=torch.float64)
+        .repeat_interleave(d)[:, None]
+        .expand(-1, cfg.hidden)
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -37,26 +47,35 @@ def test_rank_holds_the_heads_the_docstring_says(world, kv):
     for r in range(world):
         qkv = ParallelQKV(cfg, TPGroup(rank=r, world_size=world))
         q_heads, kv_heads = qkv.head_ids()
-        # the docstring: query heads r*heads/tp ..; kv heads r*kv/tp .. or the one kv head r // (tp // kv)
+        # the docstring: query heads r*heads/tp ..; kv heads
+        # r*kv/tp .. or the one kv head r // (tp // kv)
         assert q_heads == list(range(r * 8 // world, (r + 1) * 8 // world))
-        want_kv = list(range(r * kv // world, (r + 1) * kv // world)) if kv >= world else [r // (world // kv)]
+        want_kv = (
+            list(range(r * kv // world, (r + 1) * kv // world))
+            if kv >= world
+            else [r // (world // kv)]
+        )
         assert kv_heads == want_kv
         local = placement.shard(dense, r, world)
         assert local.shape == qkv.weight.shape
         d = cfg.head_dim
         q, k, v = local[:, 0].split([qkv.n_q * d, qkv.n_kv * d, qkv.n_kv * d])
-        assert q[::d].long().tolist() == q_heads  # the module reads q_r, k_r, v_r where the plan put them
+        # the module reads q_r, k_r, v_r where the plan put them
+        assert q[::d].long().tolist() == q_heads
         assert (k[::d] - 1000).long().tolist() == kv_heads
         assert (v[::d] - 2000).long().tolist() == kv_heads
         # every local query head attends with a kv head of its own group: j // (heads // kv)
         group = cfg.heads // kv
-        assert [kv_heads[j // (qkv.n_q // qkv.n_kv)] for j in range(qkv.n_q)] == [h // group for h in q_heads]
+        assert [kv_heads[j // (qkv.n_q // qkv.n_kv)] for j in range(qkv.n_q)] == [
+            h // group for h in q_heads
+        ]
 
 
 def test_naive_contiguous_split_puts_other_heads_on_a_rank():
     cfg, world = _cfg(kv=2), 2
     dense = _labelled_qkv(cfg)
-    naive = Shard(0).shard(dense, 0, world)[:, 0]  # rows 0 .. 47 of [q; k; v]: query heads 0-5, no k or v
+    # rows 0 .. 47 of [q; k; v]: query heads 0-5, no k or v
+    naive = Shard(0).shard(dense, 0, world)[:, 0]
     good = attention_plan(cfg).params["qkv.weight"].shard(dense, 0, world)[:, 0]
     assert naive.shape == good.shape  # same shape: only the values tell (the checker does)
     assert set(naive.long().tolist()) == set(range(6))
@@ -72,7 +91,8 @@ def test_vocab_parallel_embedding_masks_other_ranks_ids(world):
     tokens = torch.tensor([[0, 15], [4, 7], [8, 12]])
     total = torch.zeros(3, 2, hidden)
     for r in range(world):
-        group = TPGroup(rank=r, world_size=world, tap=lambda op, site, phase, x, perform: x)  # keep the partial
+        # keep the partial
+        group = TPGroup(rank=r, world_size=world, tap=lambda op, site, phase, x, perform: x)
         emb = VocabParallelEmbedding(vocab, hidden, group)
         with torch.no_grad():
             emb.weight.copy_(Shard(0).shard(weight, r, world))
@@ -119,6 +139,8 @@ def test_inspect_lists_every_block_with_shapes_and_collectives():
         for key in (name, f"{name}/sp"):
             assert blocks[key]["params"] and blocks[key]["collectives"]["forward"]
     qkv = blocks["attention"]["params"]["qkv.weight"]
-    assert qkv["dense"] == [64, 32] and qkv["rank_local"][3] == [24, 32]  # 1 q head + the shared k, v
-    assert "all_reduce at qkv.weight" in blocks["attention"]["collectives"]["optimizer"]  # kv 2 < tp 4
+    # 1 q head + the shared k, v
+    assert qkv["dense"] == [64, 32] and qkv["rank_local"][3] == [24, 32]
+    # kv 2 < tp 4
+    assert "all_reduce at qkv.weight" in blocks["attention"]["collectives"]["optimizer"]
     assert blocks["lm/sp"]["params"]["embed.weight"]["rank_local"][0] == [16, 32]

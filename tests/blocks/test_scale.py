@@ -1,5 +1,6 @@
-"""At a realistic width (hidden 1024, FFN 4096) the same tolerance policy passes a correct MLP in fp32 and
-bf16 at world sizes 2 and 4, and flags a 1e-3 relative perturbation of one weight shard."""
+"""At a realistic width (hidden 1024, FFN 4096) the same tolerance policy passes a correct MLP in
+fp32 and bf16 at world sizes 2 and 4, and flags a 1e-3 relative perturbation of one weight shard."""
+
 import dataclasses
 
 import pytest
@@ -14,8 +15,13 @@ def test_wide_mlp_passes_and_a_perturbed_shard_is_flagged():
     specs = []
     for world in (2, 4):
         for dtype in ("float32", "bfloat16"):
-            ok = CaseSpec(block="mlp", preset="seed", world_size=world, run=RunSettings(dtype=dtype, steps=2),
-                          overrides=WIDE)
+            ok = CaseSpec(
+                block="mlp",
+                preset="seed",
+                world_size=world,
+                run=RunSettings(dtype=dtype, steps=2),
+                overrides=WIDE,
+            )
             specs += [ok, dataclasses.replace(ok, fault="stale_shard")]
     results = check(specs, timeout_s=120)
     for spec, r in zip(specs, results):
@@ -26,4 +32,8 @@ def test_wide_mlp_passes_and_a_perturbed_shard_is_flagged():
         else:
             assert r["verdict"] == "not equivalent", r["summary"]
             first = r["first_divergence"]
-            assert (first["stage"], first["name"], first["ranks"]) == ("weights", "param:gate_up.weight", [1])
+            assert (first["stage"], first["name"], first["ranks"]) == (
+                "weights",
+                "param:gate_up.weight",
+                [1],
+            )

@@ -1,8 +1,9 @@
 """--device: the CPU (gloo) by default, or one GPU per rank (NCCL beside gloo). What can be checked
-without a GPU is checked here: the refusals (exit 2, naming the value and the fix, before any rank is
-forked), the spec, name and report of a device, and that no forward path of the library creates a
+without a GPU is checked here: the refusals (exit 2, naming the value and the fix, before any rank
+is forked), the spec, name and report of a device, and that no forward path of the library creates a
 tensor on the CPU whatever the device of its inputs. The runs on GPUs are in tests/gpu (skipped
 without one)."""
+
 import ast
 import dataclasses
 import json
@@ -21,7 +22,19 @@ from tpcheck.errors import UsageError
 from tpcheck.report.schema import build_report, load_schema
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "tpcheck"
-FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "rand", "randn", "randint", "eye", "linspace"}
+FACTORIES = {
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "tensor",
+    "rand",
+    "randn",
+    "randint",
+    "eye",
+    "linspace",
+}
 
 
 def validate(report: dict) -> None:
@@ -68,10 +81,14 @@ def test_cuda_refusals_name_what_is_missing(monkeypatch):
     devices.check_device("cuda", 8, local_world=1)  # torchrun: 8 ranks, one on this machine
     _gpus(monkeypatch, 4)
     devices.check_device("cuda", 4)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # this process already used the GPU
-    with pytest.raises(UsageError, match="already started CUDA, and ranks forked from it cannot use the GPU"):
+    # this process already used the GPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(
+        UsageError, match="already started CUDA, and ranks forked from it cannot use the GPU"
+    ):
         devices.check_device("cuda", 2)
-    devices.check_device("cuda", 2, forking=False)  # torchrun's ranks are not forked from this process
+    # torchrun's ranks are not forked from this process
+    devices.check_device("cuda", 2, forking=False)
 
 
 def test_the_device_is_in_the_spec_the_name_and_the_report():
@@ -94,9 +111,13 @@ def test_the_device_is_in_the_spec_the_name_and_the_report():
         validate(build_report([gpu_result], exit_code=0))
 
 
-@pytest.mark.skipif(torch.backends.cuda.is_built() and torch.cuda.device_count() > 0, reason="a GPU is present")
-@pytest.mark.parametrize("argv", [["run", "--block", "mlp", "--world-size", "2"],
-                                  ["verify", "examples/own_module.py:correct"]])
+@pytest.mark.skipif(
+    torch.backends.cuda.is_built() and torch.cuda.device_count() > 0, reason="a GPU is present"
+)
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "--block", "mlp", "--world-size", "2"], ["verify", "examples/own_module.py:correct"]],
+)
 def test_device_cuda_without_a_gpu_exits_2_before_any_rank(argv, capsys, monkeypatch):
     monkeypatch.chdir(SRC.parents[1])
     assert main([*argv, "--device", "cuda", "-q"]) == 2
@@ -119,7 +140,9 @@ def test_an_unknown_device_flag_is_an_argparse_error(capsys):
 
 def test_a_spec_on_cuda_through_the_api_is_an_invalid_case_when_refused(monkeypatch):
     _gpus(monkeypatch, 0)
-    (result,) = check([CaseSpec(block="mlp", world_size=2, run=RunSettings(steps=1), device="cuda")])
+    (result,) = check(
+        [CaseSpec(block="mlp", world_size=2, run=RunSettings(steps=1), device="cuda")]
+    )
     assert result["verdict"] == "invalid" and "no GPU is visible" in result["summary"]
 
 
@@ -132,19 +155,30 @@ def test_hf_architectures_are_refused_on_cuda(monkeypatch):
 
 
 def _factory_calls_without_device(path: Path, root: Path = SRC):
-    """torch factory calls with no device= in `path`, outside `__init__` (modules are built on the CPU
-    and moved) and outside draws from a seeded generator (those draw on the CPU by design)."""
+    """torch factory calls with no device= in `path`, outside `__init__` (modules are built on the
+    CPU and moved) and outside draws from a seeded generator (those draw on the CPU by design)."""
     found = []
 
     def visit(node, fn):
         for child in ast.iter_child_nodes(node):
             inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
-                    and isinstance(child.func.value, ast.Name) and child.func.value.id == "torch" \
-                    and child.func.attr in FACTORIES:
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and isinstance(child.func.value, ast.Name)
+                and child.func.value.id == "torch"
+                and child.func.attr in FACTORIES
+            ):
                 kws = {k.arg for k in child.keywords}
-                if "device" not in kws and "generator" not in kws and getattr(fn, "name", "") != "__init__":
-                    found.append(f"{path.relative_to(root)}:{child.lineno} torch.{child.func.attr} in {fn.name}")
+                if (
+                    "device" not in kws
+                    and "generator" not in kws
+                    and getattr(fn, "name", "") != "__init__"
+                ):
+                    found.append(
+                        f"{path.relative_to(root)}:{child.lineno} torch.{child.func.attr} "
+                        f"in {fn.name}"
+                    )
             visit(child, inner)
 
     visit(ast.parse(path.read_text()), None)
@@ -154,7 +188,11 @@ def _factory_calls_without_device(path: Path, root: Path = SRC):
 def test_no_forward_path_creates_a_tensor_on_the_cpu():
     """The GPU bug class a CPU run cannot show: a tensor made in a forward or backward without
     device= lands on the CPU beside CUDA inputs (RoPE tables, a causal mask, a gather buffer)."""
-    files = [*(SRC / "models").glob("*.py"), *(SRC / "parallel").glob("*.py"), SRC / "adapters" / "dtensor.py"]
+    files = [
+        *(SRC / "models").glob("*.py"),
+        *(SRC / "parallel").glob("*.py"),
+        SRC / "adapters" / "dtensor.py",
+    ]
     found = [f for path in sorted(files) for f in _factory_calls_without_device(path)]
     assert found == []
 
@@ -162,8 +200,11 @@ def test_no_forward_path_creates_a_tensor_on_the_cpu():
 def test_the_scan_sees_a_cpu_tensor_in_a_forward(tmp_path):
     """The scan's own mutant: a causal mask made without device= in a forward is found."""
     bad = tmp_path / "probe.py"
-    bad.write_text("import torch\n\ndef forward(q):\n    return torch.ones(3, 3, dtype=torch.bool).triu(1)\n\n\n"
-                   "def fine(q, g):\n    return torch.ones(3, device=q.device) + torch.randn(3, generator=g)\n")
+    bad.write_text(
+        "import torch\n\ndef forward(q):\n    return torch.ones(3, 3, "
+        "dtype=torch.bool).triu(1)\n\n\n"
+        "def fine(q, g):\n    return torch.ones(3, device=q.device) + torch.randn(3, generator=g)\n"
+    )
     assert _factory_calls_without_device(bad, tmp_path) == ["probe.py:4 torch.ones in forward"]
 
 

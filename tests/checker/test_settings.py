@@ -1,10 +1,12 @@
-"""One settings object: a CaseSpec carries one `RunSettings`, and what runs is what the report names.
+"""One settings object: a CaseSpec carries one
+`RunSettings`, and what runs is what the report names.
 
 The case file below logs, from inside the ranks, the dtype of the TP module's output (a tensor the
 checker compares) at every forward, and its own `RunSettings` says float32 and 2 steps. Run through
-`tpcheck.check` with other settings, the ranks must run those (observed in the log and in the steps of
-the checks), and the report must name them; run with none, the case file's own.
+`tpcheck.check` with other settings, the ranks must run those (observed in the log and in the steps
+of the checks), and the report must name them; run with none, the case file's own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +53,9 @@ def make_batch(g, dtype):
     return {"x": torch.randn(3, 4, generator=g).to(dtype)}, torch.randn(3, 4, generator=g).to(dtype)
 
 
-x = Case(name="own", build_dense=Dense, build_tp=build_tp, plan=Plan(params={"w.weight": Replicate(),
-         "w.bias": Replicate()}), make_batch=make_batch, run=RunSettings(dtype="float32", steps=2))
+x = Case(name="own", build_dense=Dense, build_tp=build_tp,
+         plan=Plan(params={"w.weight": Replicate(), "w.bias": Replicate()}), make_batch=make_batch,
+         run=RunSettings(dtype="float32", steps=2))
 """
 
 
@@ -71,7 +74,9 @@ def _ran(path) -> list[str]:
 
 
 def test_the_settings_given_to_check_are_what_the_ranks_run_and_what_the_report_names(case_file):
-    spec = CaseSpec(block=f"file:{case_file}:x", world_size=1, run=RunSettings(dtype="bfloat16", steps=1))
+    spec = CaseSpec(
+        block=f"file:{case_file}:x", world_size=1, run=RunSettings(dtype="bfloat16", steps=1)
+    )
     (r,) = check([spec])
     assert r["verdict"] == "equivalent", r["summary"]
     ran = _ran(case_file)
@@ -106,4 +111,5 @@ def test_a_spec_has_no_flat_copy_of_a_run_setting():
     spec_fields = {f.name for f in dataclasses.fields(CaseSpec)}
     assert not spec_fields & set(RUN_FIELDS), "a run setting declared twice"
     with pytest.raises(TypeError):
-        CaseSpec(block="mlp", dtype="bfloat16")  # the old flat form is refused, not silently ignored
+        # the old flat form is refused, not silently ignored
+        CaseSpec(block="mlp", dtype="bfloat16")

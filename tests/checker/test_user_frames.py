@@ -1,6 +1,7 @@
-"""One rule for whose code a frame is (`usercode.frame_kind`), shared by the three places that name the
-user's line: an exception in user code (`user_frame`), a rank's traceback (`failures.raised_in`) and a
-rank's live stack (`heartbeat.spot_of`); and `call_user`, the one way user code is called."""
+"""One rule for whose code a frame is (`usercode.frame_kind`), shared by the three places that name
+the user's line: an exception in user code (`user_frame`), a rank's traceback (`failures.raised_in`)
+and a rank's live stack (`heartbeat.spot_of`); and `call_user`, the one way user code is called."""
+
 from __future__ import annotations
 
 import os
@@ -18,20 +19,29 @@ TORCH = os.path.dirname(torch.__file__)
 TPCHECK = os.path.dirname(tpcheck.__file__)
 
 
-@pytest.mark.parametrize("path, kind", [
-    (__file__, "user"),
-    ("/home/me/project/tp_model.py", "user"),
-    ("/home/me/tpcheck/examples/own_module.py", "user"),  # a folder named like us is not our code
-    ("/opt/venv/lib/python3.11/site-packages/transformers/models/llama/modeling_llama.py", "user"),
-    (os.path.join(TORCH, "distributed", "distributed_c10d.py"), "torch"),
-    ("/other/host/lib/python3.12/site-packages/torch/nn/modules/module.py", "torch"),
-    (os.path.join(TPCHECK, "checker", "rank", "engine.py"), "tpcheck"),
-    ("/other/host/lib/python3.12/site-packages/tpcheck/checker/rank/engine.py", "tpcheck"),
-    (os.__file__, "python"),
-    ("/other/host/lib/python3.12/threading.py", "python"),
-    ("<frozen runpy>", "python"),
-    ("", "python"),
-])
+@pytest.mark.parametrize(
+    "path, kind",
+    [
+        (__file__, "user"),
+        ("/home/me/project/tp_model.py", "user"),
+        (
+            "/home/me/tpcheck/examples/own_module.py",
+            "user",
+        ),  # a folder named like us is not our code
+        (
+            "/opt/venv/lib/python3.11/site-packages/transformers/models/llama/modeling_llama.py",
+            "user",
+        ),
+        (os.path.join(TORCH, "distributed", "distributed_c10d.py"), "torch"),
+        ("/other/host/lib/python3.12/site-packages/torch/nn/modules/module.py", "torch"),
+        (os.path.join(TPCHECK, "checker", "rank", "engine.py"), "tpcheck"),
+        ("/other/host/lib/python3.12/site-packages/tpcheck/checker/rank/engine.py", "tpcheck"),
+        (os.__file__, "python"),
+        ("/other/host/lib/python3.12/threading.py", "python"),
+        ("<frozen runpy>", "python"),
+        ("", "python"),
+    ],
+)
 def test_frame_kind(path, kind):
     assert frame_kind(path) == kind
 
@@ -54,7 +64,9 @@ def test_call_user_names_the_users_line_and_lets_tpchecks_own_messages_pass():
     def broken(x):
         return 1 / x
 
-    with pytest.raises(UsageError, match=r"in your loss \(.*test_user_frames.py:\d+\): ZeroDivisionError"):
+    with pytest.raises(
+        UsageError, match=r"in your loss \(.*test_user_frames.py:\d+\): ZeroDivisionError"
+    ):
         call_user(broken, 0, who="your loss", path=os.path.abspath(__file__))
 
     def refuses():
@@ -62,8 +74,16 @@ def test_call_user_names_the_users_line_and_lets_tpchecks_own_messages_pass():
 
     with pytest.raises(UsageError, match="^tpcheck's own words$"):
         call_user(refuses, who="your build_tp", path=None)
-    with pytest.raises(UsageError, match=r"^importing failed \(.*\): UsageError: tpcheck's own words"):
-        call_user(refuses, who="your case file", path=None, failed="importing failed", usage_is_theirs=True)
+    with pytest.raises(
+        UsageError, match=r"^importing failed \(.*\): UsageError: tpcheck's own words"
+    ):
+        call_user(
+            refuses,
+            who="your case file",
+            path=None,
+            failed="importing failed",
+            usage_is_theirs=True,
+        )
 
     def exits():
         sys.exit(4)

@@ -1,4 +1,5 @@
 """CLI behaviour: exit codes, bad input, no orphan processes."""
+
 import json
 import subprocess
 import sys
@@ -11,10 +12,13 @@ from paths import REPO
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "tpcheck", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-
-
+    return subprocess.run(
+        [sys.executable, "-m", "tpcheck", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def test_bad_world_size_exits_2_naming_both_numbers():
@@ -31,8 +35,14 @@ def test_unknown_fault_and_dtype_exit_2(capsys):
     assert "float8" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("faults", [["missing_forward_reduce", "missing_backward_reduce"],
-                                    pytest.param(["all"], marks=pytest.mark.slow)], ids=["two", "all"])
+@pytest.mark.parametrize(
+    "faults",
+    [
+        ["missing_forward_reduce", "missing_backward_reduce"],
+        pytest.param(["all"], marks=pytest.mark.slow),
+    ],
+    ids=["two", "all"],
+)
 def test_matrix_writes_json_and_exit_0(tmp_path, faults):
     out = tmp_path / "r.json"
     proc = _run("run", "--world-size", "1", "2", "--fault", *faults, "--json", str(out), "-q")
@@ -51,9 +61,24 @@ def test_faults_lists_the_catalogue():
 
 @pytest.mark.slow
 def test_runs_under_torchrun():
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "tpcheck",
-                           "run", "--mode", "equivalence", "-q"], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "tpcheck",
+            "run",
+            "--mode",
+            "equivalence",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["passed"] is True and result["world_size"] == 2

@@ -1,8 +1,9 @@
-"""What a new user meets first: the version, examples in the help, dtype aliases, world sizes before the
-case file, a quiet closed pipe, a case file that imports the package next to it and defines several
-cases, forward arguments with any names, torch's own placements in a Plan, and a module without a
-seeded `reset_parameters`. Each ends in a check or in a message about the user's input, never in a
-traceback from tpcheck."""
+"""What a new user meets first: the version, examples in the help, dtype aliases, world sizes before
+the case file, a quiet closed pipe, a case file that imports the package next to it and defines
+several cases, forward arguments with any names, torch's own placements in a Plan, and a module
+without a seeded `reset_parameters`. Each ends in a check or in a message about the user's input,
+never in a traceback from tpcheck."""
+
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tpcheck.checker.case import seeded_init
 from tpcheck.cli import main
 from tpcheck.errors import UsageError
 
-CASE = '''
+CASE = """
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -31,13 +32,15 @@ class Dense(nn.Module):
         return self.fc({arg})
 
 def make_batch(g, dtype):
-    return {{"{arg}": torch.randn(4, 8, generator=g).to(dtype)}}, torch.randn(4, 8, generator=g).to(dtype)
+    x, target = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    return {{"{arg}": x.to(dtype)}}, target.to(dtype)
 
-first = Case(name="first", build_dense=Dense, build_tp=lambda group, dtype: Dense(dtype),
-             plan=Plan(params={{"fc.weight": Replicate(), "fc.bias": Replicate()}}), make_batch=make_batch)
+PLAN = Plan(params={{"fc.weight": Replicate(), "fc.bias": Replicate()}})
+first = Case(name="first", build_dense=Dense, build_tp=lambda group, dtype: Dense(dtype), plan=PLAN,
+             make_batch=make_batch)
 second = Case(name="second", build_dense=Dense, build_tp=lambda group, dtype: Dense(dtype),
-              plan=Plan(params={{"fc.weight": Replicate(), "fc.bias": Replicate()}}), make_batch=make_batch)
-'''
+              plan=PLAN, make_batch=make_batch)
+"""
 
 
 def _case_file(folder, arg="hidden_states", extra=""):
@@ -63,20 +66,39 @@ def test_version_and_examples_in_help(capsys):
         assert len(line.split(None, 2)) > 1, line  # help text after the flag
 
 
-def test_several_cases_any_argument_name_torch_placements_default_init_aliases_and_world_sizes_first(
-        tmp_path, capsys):
-    """One file, two cases, `hidden_states` as the forward argument, torch's Replicate in the plan, the
-    default init on a module whose reset_parameters takes no generator, bf16, and the world sizes typed
-    before the file: both cases run and are equivalent."""
+def test_several_cases_any_argument_names_torch_placements_default_init_aliases_world_sizes(
+    tmp_path, capsys
+):
+    """One file, two cases, `hidden_states` as the forward argument, torch's Replicate in the plan,
+    the default init on a module whose reset_parameters takes no generator, bf16, and the world
+    sizes typed before the file: both cases run and are equivalent."""
     path = _case_file(tmp_path)
     out = tmp_path / "r.json"
-    code = main(["verify", "--world-size", "1", "2", str(path), "--dtype", "bf16", "fp32", "--steps", "1",
-                 "--json", str(out)])
+    code = main(
+        [
+            "verify",
+            "--world-size",
+            "1",
+            "2",
+            str(path),
+            "--dtype",
+            "bf16",
+            "fp32",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0, err
     names = sorted(c["name"] for c in json.loads(out.read_text())["cases"])
-    assert names == sorted(f"{n}/tp{w}/{d}" for n in ("first", "second") for w in (1, 2)
-                           for d in ("bfloat16", "float32"))
+    assert names == sorted(
+        f"{n}/tp{w}/{d}"
+        for n in ("first", "second")
+        for w in (1, 2)
+        for d in ("bfloat16", "float32")
+    )
 
 
 def test_case_file_imports_the_package_next_to_it(tmp_path):
@@ -85,24 +107,40 @@ def test_case_file_imports_the_package_next_to_it(tmp_path):
     path = _case_file(tmp_path, extra="import mypkg\nassert mypkg.WIDTH == 8")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    done = subprocess.run([sys.executable, "-c", "import sys; from tpcheck.cli import main; "
-                           f"sys.exit(main(['verify', {str(path) + ':first'!r}, '--world-size', '1', '--steps', '1']))"],
-                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tpcheck.cli import main; "
+            f"sys.exit(main(['verify', {str(path) + ':first'!r}, '--world-size', "
+            "'1', '--steps', '1']))",
+        ],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--world-size", "2", "x"], "--world-size x: a world size is a whole number"),
-    (["--world-size", "2"], "verify needs a case file"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--world-size", "2", "x"], "--world-size x: a world size is a whole number"),
+        (["--world-size", "2"], "verify needs a case file"),
+    ],
+)
 def test_world_size_mistakes_are_messages(argv, words, capsys):
     assert main(["verify", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
 def test_a_closed_pipe_is_a_quiet_exit():
-    proc = subprocess.Popen([sys.executable, "-m", "tpcheck", "faults", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpcheck", "faults", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.read(10)
     proc.stdout.close()
     assert proc.wait(timeout=120) == 0
@@ -119,7 +157,9 @@ def test_torch_placements_in_a_plan():
     assert plan.params == {"a": OurShard(1), "b": OurReplicate()}
     with pytest.raises(UsageError, match=r"Plan params\['w'\] is torch's Partial\(\)"):
         Plan(params={"w": Partial()})
-    with pytest.raises(UsageError, match=r"Plan activations\['out'\] is 'shard' \(builtins.str\), not a placement"):
+    with pytest.raises(
+        UsageError, match=r"Plan activations\['out'\] is 'shard' \(builtins.str\), not a placement"
+    ):
         Plan(params={}, activations={"out": "shard"})
 
 
@@ -133,17 +173,21 @@ def test_seeded_init_fills_a_plain_module_reproducibly():
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), name
     gain, bias = a[1].weight, a[1].bias
-    assert not torch.equal(gain, torch.ones(6)) and (gain - 1).abs().max() < 1  # a gain near 1, not all ones
+    # a gain near 1, not all ones
+    assert not torch.equal(gain, torch.ones(6)) and (gain - 1).abs().max() < 1
     assert bias.abs().max() > 0  # a bias that is not zero: a bias added twice shows
 
 
 def test_grad_inputs_naming_a_missing_input_is_a_message(tmp_path, capsys):
     path = tmp_path / "c.py"
-    path.write_text(CASE.format(arg="input_ids", extra="") + textwrap.dedent('''
+    path.write_text(
+        CASE.format(arg="input_ids", extra="")
+        + textwrap.dedent("""
         import dataclasses
         first = dataclasses.replace(first, grad_inputs=("x",))
         del second
-    '''))
+    """)
+    )
     assert main(["verify", str(path), "--world-size", "1", "--steps", "1"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "grad_inputs names ['x'] but make_batch gives the forward inputs ['input_ids']" in err
@@ -153,13 +197,16 @@ def test_grad_inputs_naming_a_missing_input_is_a_message(tmp_path, capsys):
 def test_piped_summary_lines_are_not_wrapped(tmp_path, capsys):
     """Off a terminal, a case's summary is one line however long (grep-able CI logs)."""
     path = tmp_path / "c.py"
-    path.write_text(CASE.format(arg="x", extra="") + textwrap.dedent('''
+    path.write_text(
+        CASE.format(arg="x", extra="")
+        + textwrap.dedent("""
         class Twice(Dense):
             def forward(self, x):
                 return self.fc(x) + self.fc.bias
         first = dataclasses.replace(first, build_tp=lambda group, dtype: Twice(dtype))
         del second
-    ''').replace("class Twice", "import dataclasses\nclass Twice"))
+    """).replace("class Twice", "import dataclasses\nclass Twice")
+    )
     out = tmp_path / "r.json"
     assert main(["verify", str(path), "--world-size", "1", "--steps", "1", "--json", str(out)]) == 1
     err = capsys.readouterr().err
@@ -173,14 +220,30 @@ def test_one_broken_target_is_one_invalid_case_and_the_rest_run(tmp_path, capsys
     broken = tmp_path / "broken.py"
     broken.write_text("import a_package_that_is_not_there\n")
     out = tmp_path / "r.json"
-    assert main(["verify", str(broken), f"{good}:first", "--world-size", "1", "--steps", "1", "--json", str(out)]) == 2
+    assert (
+        main(
+            [
+                "verify",
+                str(broken),
+                f"{good}:first",
+                "--world-size",
+                "1",
+                "--steps",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 2
+    )
     cases = {c["name"]: c for c in json.loads(out.read_text())["cases"]}
     assert cases["first/tp1/float32"]["verdict"] == "equivalent"
     (bad,) = [c for n, c in cases.items() if n.startswith(str(broken))]
     assert bad["verdict"] == "invalid" and "importing your case file failed (" in bad["summary"]
     assert "broken.py:1): ModuleNotFoundError" in bad["summary"]
     capsys.readouterr()
-    assert main(["verify", str(broken), "--world-size", "1"]) == 2  # alone: the message at once, nothing run
+    # alone: the message at once, nothing run
+    assert main(["verify", str(broken), "--world-size", "1"]) == 2
     assert capsys.readouterr().err.startswith("tpcheck: error: importing your case file failed")
 
 
@@ -189,7 +252,23 @@ def test_new_writes_a_case_file_that_verifies_and_never_overwrites(tmp_path, cap
     assert main(["new", "mine.py"]) == 0
     assert "tpcheck verify mine.py --world-size 2 4" in capsys.readouterr().err
     assert "tpcheck verify mine.py --world-size 2 4" in (tmp_path / "mine.py").read_text()
-    assert main(["verify", "mine.py", "--world-size", "1", "2", "--dtype", "float32", "bf16", "--steps", "2"]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "mine.py",
+                "--world-size",
+                "1",
+                "2",
+                "--dtype",
+                "float32",
+                "bf16",
+                "--steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     before = (tmp_path / "mine.py").read_text()
     assert main(["new", "mine.py"]) == 2
@@ -201,7 +280,9 @@ def test_new_writes_a_case_file_that_verifies_and_never_overwrites(tmp_path, cap
 def test_a_target_dict_reaches_the_loss(tmp_path, capsys):
     """Labels and a mask beside each other: the loss sees the dict (cast to the working dtype)."""
     path = tmp_path / "c.py"
-    path.write_text(CASE.format(arg="x", extra="") + textwrap.dedent('''
+    path.write_text(
+        CASE.format(arg="x", extra="")
+        + textwrap.dedent("""
         import dataclasses
         def make_batch_dict(g, dtype):
             inputs, target = make_batch(g, dtype)
@@ -211,17 +292,33 @@ def test_a_target_dict_reaches_the_loss(tmp_path, capsys):
             return ((out - target["labels"]) ** 2 * target["mask"]).mean()
         first = dataclasses.replace(first, make_batch=make_batch_dict, loss=masked)
         del second
-    '''))
-    code = main(["verify", str(path), "--world-size", "1", "2", "--dtype", "float32", "bf16", "--steps", "2"])
+    """)
+    )
+    code = main(
+        [
+            "verify",
+            str(path),
+            "--world-size",
+            "1",
+            "2",
+            "--dtype",
+            "float32",
+            "bf16",
+            "--steps",
+            "2",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
 
 
 def test_make_batch_gets_the_case_dtype(tmp_path, capsys):
-    """`make_batch(generator, dtype)` is called with the case's working dtype: a batch built for that dtype
-    (a mask value from its finfo, say) is the batch every side sees; the float64 truth gets the same
-    values, upcast exactly."""
+    """`make_batch(generator, dtype)` is called with the case's working dtype: a batch built for
+    that dtype (a mask value from its finfo, say) is the batch every side sees; the float64 truth
+    gets the same values, upcast exactly."""
     path = tmp_path / "c.py"
-    path.write_text(CASE.format(arg="x", extra="") + textwrap.dedent('''
+    path.write_text(
+        CASE.format(arg="x", extra="")
+        + textwrap.dedent("""
         import dataclasses
         SEEN = []
         def make_batch_for(g, dtype):
@@ -232,6 +329,7 @@ def test_make_batch_gets_the_case_dtype(tmp_path, capsys):
             return inputs, target
         first = dataclasses.replace(first, make_batch=make_batch_for)
         del second
-    '''))
+    """)
+    )
     code = main(["verify", str(path), "--world-size", "2", "--dtype", "bf16", "--steps", "1"])
     assert code == 0, capsys.readouterr().err

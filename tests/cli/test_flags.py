@@ -1,6 +1,7 @@
-"""Every flag applies or is refused: `run --mode` with options it ignores, `--mode inspect --world-size`,
-the timeout's limits (the same for run and verify), an absurd --lr. Refusals are exit 2 with one line
-naming the flag, before any rank starts."""
+"""Every flag applies or is refused: `run --mode` with options it ignores,
+`--mode inspect --world-size`, the timeout's limits (the same for run and verify), an absurd --lr.
+Refusals are exit 2 with one line naming the flag, before any rank starts."""
+
 import json
 
 import pytest
@@ -11,7 +12,10 @@ from tpcheck.cli.options import MAX_LR
 from paths import REPO
 
 CASE_FILE = str(REPO / "examples" / "own_module.py") + ":correct"
-COMMANDS = {"run": ["run", "--world-size", "1"], "verify": ["verify", CASE_FILE, "--world-size", "1"]}
+COMMANDS = {
+    "run": ["run", "--world-size", "1"],
+    "verify": ["verify", CASE_FILE, "--world-size", "1"],
+}
 
 
 class LauncherReached(Exception):
@@ -39,19 +43,34 @@ def _error_line(capsys) -> str:
     return lines[0]
 
 
-# ------------------------------------------------------------------------------ --mode and the options it ignores
+# ---------------------------------------------------------------- --mode and the options it ignores
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--mode", "equivalence", "--block", "lm", "--dtype", "bfloat16", "--sp"], "--block, --dtype, --sp"),
-    (["--mode", "all", "--fault", "missing_forward_reduce"], "--fault"),
-    (["--mode", "missing_backward_reduce", "--micro-batches", "1"], "--micro-batches"),
-    (["--mode", "equivalence", "--block", "mlp"], "--block"),  # given, even with the value the mode uses
-    (["--mode", "equivalence", "--dt", "float64"], "--dtype"),  # an abbreviation argparse accepts
-    (["--mode", "inspect", "--preset", "tiny", "--steps", "2"], "--preset, --steps"),
-    (["--mode", "inspect", "--optimizer", "sgd", "--lr", "0.1", "--seed", "3"], "--optimizer, --lr, --seed"),
-    (["--mode", "inspect", "--timeout", "30"], "--timeout"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (
+            ["--mode", "equivalence", "--block", "lm", "--dtype", "bfloat16", "--sp"],
+            "--block, --dtype, --sp",
+        ),
+        (["--mode", "all", "--fault", "missing_forward_reduce"], "--fault"),
+        (["--mode", "missing_backward_reduce", "--micro-batches", "1"], "--micro-batches"),
+        (
+            ["--mode", "equivalence", "--block", "mlp"],
+            "--block",
+        ),  # given, even with the value the mode uses
+        (
+            ["--mode", "equivalence", "--dt", "float64"],
+            "--dtype",
+        ),  # an abbreviation argparse accepts
+        (["--mode", "inspect", "--preset", "tiny", "--steps", "2"], "--preset, --steps"),
+        (
+            ["--mode", "inspect", "--optimizer", "sgd", "--lr", "0.1", "--seed", "3"],
+            "--optimizer, --lr, --seed",
+        ),
+        (["--mode", "inspect", "--timeout", "30"], "--timeout"),
+    ],
+)
 def test_mode_refuses_the_options_it_would_ignore(argv, named, capsys, launcher):
     assert main(["run", *argv, "-q"]) == 2
     line = _error_line(capsys)
@@ -59,14 +78,43 @@ def test_mode_refuses_the_options_it_would_ignore(argv, named, capsys, launcher)
     assert launcher == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["--mode", "equivalence", "--world-size", "1", "--preset", "seed", "--steps", "1", "--optimizer", "sgd",
-     "--lr", "0.05", "--seed", "31", "--timeout", "20"],
-    ["--mode", "all", "--world-size", "2", "--preset", "tiny", "--steps", "2"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "--mode",
+            "equivalence",
+            "--world-size",
+            "1",
+            "--preset",
+            "seed",
+            "--steps",
+            "1",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--seed",
+            "31",
+            "--timeout",
+            "20",
+        ],
+        ["--mode", "all", "--world-size", "2", "--preset", "tiny", "--steps", "2"],
+    ],
+)
 def test_mode_accepts_the_options_it_applies(argv, launcher, tmp_path):
     with pytest.raises(LauncherReached):
-        main(["run", *argv, "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"), "-q"])
+        main(
+            [
+                "run",
+                *argv,
+                "--json",
+                str(tmp_path / "r.json"),
+                "--html",
+                str(tmp_path / "r.html"),
+                "-q",
+            ]
+        )
     assert launcher == [20.0]
 
 
@@ -78,17 +126,23 @@ def test_inspect_honours_the_world_size(world_size, capsys):
     ffn = shown["dense_shapes"]["w_down"][1]  # the seed MLP's FFN width, 12
     assert shown["rank_local_shapes"]["down_weight"][1] == ffn // world_size
     assert shown["rank_local_shapes"]["gate_up_weight"][1] == ffn // world_size
-    for block in shown["blocks"].values():  # the built-in blocks, shown for the same ranks (or why not)
+    # the built-in blocks, shown for the same ranks (or why not)
+    for block in shown["blocks"].values():
         if "skipped" in block:
             assert f"world size {world_size} " in block["skipped"]
         else:
             assert all(len(p["rank_local"]) == world_size for p in block["params"].values())
 
 
-@pytest.mark.parametrize("world_size, words", [
-    (0, "world size 0 is outside"), (5, "world size 5 does not divide the FFN width 12"),
-    (1000, "world size 1000 is outside"), (-2, "world size -2"),
-])
+@pytest.mark.parametrize(
+    "world_size, words",
+    [
+        (0, "world size 0 is outside"),
+        (5, "world size 5 does not divide the FFN width 12"),
+        (1000, "world size 1000 is outside"),
+        (-2, "world size -2"),
+    ],
+)
 @pytest.mark.parametrize("mode", ["inspect", "all"])
 def test_inspect_refuses_world_sizes_a_run_would_refuse(mode, world_size, words, capsys, launcher):
     assert main(["run", "--mode", mode, "--world-size", str(world_size)]) == 2
@@ -101,10 +155,15 @@ def test_inspect_refuses_world_sizes_a_run_would_refuse(mode, world_size, words,
 
 @pytest.mark.parametrize("value", ["0", "1e-9", "0.001", "0.999", "-1", "nan", "inf", "3601"])
 @pytest.mark.parametrize("command", COMMANDS)
-def test_timeout_outside_1_to_3600_seconds_is_refused_by_run_and_verify(command, value, capsys, launcher):
+def test_timeout_outside_1_to_3600_seconds_is_refused_by_run_and_verify(
+    command, value, capsys, launcher
+):
     assert main([*COMMANDS[command], "--timeout", value, "-q"]) == 2
     line = _error_line(capsys)
-    assert f"--timeout {float(value):g} must be between 1 and 3600 seconds" in line and "false hang" in line
+    assert (
+        f"--timeout {float(value):g} must be between 1 and 3600 seconds" in line
+        and "false hang" in line
+    )
     assert launcher == []
 
 

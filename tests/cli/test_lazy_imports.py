@@ -7,6 +7,7 @@ and `entry()` keeps the process to one thread (`torch.set_num_threads(1)`) befor
 the torch check stands the package's `__init__` aside (a bare `tpcheck` package on the same path):
 it shows what `main` itself imports; `test_help_through_the_package_imports_no_torch` takes over
 once the package's `__init__` is lazy."""
+
 import json
 import subprocess
 import sys
@@ -41,8 +42,9 @@ def _imported(*argvs: list[str], bare: bool = False) -> dict:
     """{"torch": imported?, "cli": the tpcheck.cli modules imported} after main(argv), each argv
     in turn, in a fresh interpreter."""
     code = HELP.format(setup=BARE_PACKAGE if bare else "", argvs=list(argvs))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -59,14 +61,19 @@ def test_a_commands_help_imports_that_command_alone():
 
 def test_help_and_faults_help_import_no_torch_of_the_clis_own():
     assert _imported(["--help"], ["faults", "--help"], ["torchrun", "--help"], bare=True) == {
-        "torch": False, "cli": sorted([*LIGHT, "tpcheck.cli.faults", "tpcheck.cli.torchrun"])}
+        "torch": False,
+        "cli": sorted([*LIGHT, "tpcheck.cli.faults", "tpcheck.cli.torchrun"]),
+    }
 
 
 def test_help_through_the_package_imports_no_torch():
     code = "import sys, tpcheck; print('torch' in sys.modules)"
-    package = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, cwd=REPO)
+    package = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     if package.stdout.strip() == "True":
-        pytest.skip("tpcheck/__init__.py imports torch (it re-exports check, Case, RunSettings, "
-                    "...): `tpcheck --help` loads it before the CLI runs")
+        pytest.skip(
+            "tpcheck/__init__.py imports torch (it re-exports check, Case, RunSettings, "
+            "...): `tpcheck --help` loads it before the CLI runs"
+        )
     assert _imported(["--help"], ["faults", "--help"])["torch"] is False

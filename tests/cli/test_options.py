@@ -2,6 +2,7 @@
 flag per RunSettings field) and the outputs are the same flags in `run`, `verify` and `hf`, each
 command's default is its own and said in its help, and the timeout the CLI accepts is exactly the
 one the Launcher accepts."""
+
 import argparse
 import dataclasses
 import importlib
@@ -29,8 +30,11 @@ def command_parser(name: str) -> argparse.ArgumentParser:
 
 def options_of(name: str) -> dict[str, argparse.Action]:
     """{longest option string: action} of command `name`."""
-    return {max(a.option_strings, key=len): a for a in command_parser(name)._actions
-            if a.option_strings and a.dest != "help"}
+    return {
+        max(a.option_strings, key=len): a
+        for a in command_parser(name)._actions
+        if a.option_strings and a.dest != "help"
+    }
 
 
 def parsed(*argv: str) -> argparse.Namespace:
@@ -39,8 +43,17 @@ def parsed(*argv: str) -> argparse.Namespace:
 
 def _definition(action: argparse.Action) -> tuple:
     """What makes two argparse options the same flag, the help aside."""
-    return (type(action), tuple(action.option_strings), action.dest, action.nargs, action.const,
-            action.default, action.type, tuple(action.choices or ()), action.metavar)
+    return (
+        type(action),
+        tuple(action.option_strings),
+        action.dest,
+        action.nargs,
+        action.const,
+        action.default,
+        action.type,
+        tuple(action.choices or ()),
+        action.metavar,
+    )
 
 
 # ------------------------------------------------------------------------------ run settings
@@ -73,11 +86,20 @@ def test_a_run_settings_flag_is_one_definition_in_every_command(setting):
         assert text == setting.help, command  # the same words in every command, the default aside
 
 
-RUN_DEFAULTS = {"dtype": "float32", "steps": "3; 1 for --mode",
-                "optimizer": "adamw; sgd for --mode", "lr": "0.05 for sgd, 0.001 for adamw",
-                "micro_batches": "2", "seed": "31", "master_weights": "float32 master weights"}
-SHOWN = {"run": RUN_DEFAULTS, "hf": {**RUN_DEFAULTS, "steps": "2", "optimizer": "adamw"},
-         "verify": dict.fromkeys(RUN_DEFAULTS, "the case's own")}
+RUN_DEFAULTS = {
+    "dtype": "float32",
+    "steps": "3; 1 for --mode",
+    "optimizer": "adamw; sgd for --mode",
+    "lr": "0.05 for sgd, 0.001 for adamw",
+    "micro_batches": "2",
+    "seed": "31",
+    "master_weights": "float32 master weights",
+}
+SHOWN = {
+    "run": RUN_DEFAULTS,
+    "hf": {**RUN_DEFAULTS, "steps": "2", "optimizer": "adamw"},
+    "verify": dict.fromkeys(RUN_DEFAULTS, "the case's own"),
+}
 
 
 @pytest.mark.parametrize("command", SETTINGS_COMMANDS)
@@ -91,8 +113,15 @@ def test_run_defaults_are_float32_three_adamw_steps_of_two_micro_batches_seed_31
     from tpcheck.cli import run
 
     (spec,) = run.matrix_specs(parsed("run"), [2])
-    assert spec.run == RunSettings(dtype="float32", steps=3, optimizer="adamw", lr=None,
-                                   micro_batches=2, seed=31, master_weights=True)
+    assert spec.run == RunSettings(
+        dtype="float32",
+        steps=3,
+        optimizer="adamw",
+        lr=None,
+        micro_batches=2,
+        seed=31,
+        master_weights=True,
+    )
 
 
 def test_run_mode_defaults_are_the_seeds_one_sgd_step():
@@ -123,27 +152,57 @@ def test_verify_defaults_are_the_case_files_own():
     assert options.dtypes(args, verify.DEFAULTS) == [None]
 
 
-@pytest.mark.parametrize("command, words",
-                         [("run", []), ("verify", [CASE_FILE]), ("hf", ["llama"])])
+@pytest.mark.parametrize(
+    "command, words", [("run", []), ("verify", [CASE_FILE]), ("hf", ["llama"])]
+)
 def test_flags_given_are_the_settings_used(command, words):
-    args = parsed(command, *words, "--dtype", "bf16", "fp64", "--steps", "4", "--optimizer", "sgd",
-                  "--lr", "0.5", "--micro-batches", "3", "--seed", "7", "--no-master-weights")
+    args = parsed(
+        command,
+        *words,
+        "--dtype",
+        "bf16",
+        "fp64",
+        "--steps",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        "--micro-batches",
+        "3",
+        "--seed",
+        "7",
+        "--no-master-weights",
+    )
     defaults = importlib.import_module(f"tpcheck.cli.{command}").DEFAULTS
     assert options.dtypes(args, defaults) == ["bfloat16", "float64"]
-    given = {"steps": 4, "optimizer": "sgd", "lr": 0.5, "micro_batches": 3, "seed": 7,
-             "master_weights": False}
+    given = {
+        "steps": 4,
+        "optimizer": "sgd",
+        "lr": 0.5,
+        "micro_batches": 3,
+        "seed": 7,
+        "master_weights": False,
+    }
     assert options.given_settings(args, defaults or {}) == given
-    assert options.run_settings(args, "bfloat16", defaults or {}) == RunSettings(dtype="bfloat16",
-                                                                                 **given)
+    assert options.run_settings(args, "bfloat16", defaults or {}) == RunSettings(
+        dtype="bfloat16", **given
+    )
 
 
 # ------------------------------------------------------------------------------ outputs and device
 
 
-@pytest.mark.parametrize("flag, commands", [
-    ("--timeout", SETTINGS_COMMANDS), ("--json", SETTINGS_COMMANDS), ("--html", SETTINGS_COMMANDS),
-    ("--quiet", SETTINGS_COMMANDS), ("--device", ("run", "verify")),
-])
+@pytest.mark.parametrize(
+    "flag, commands",
+    [
+        ("--timeout", SETTINGS_COMMANDS),
+        ("--json", SETTINGS_COMMANDS),
+        ("--html", SETTINGS_COMMANDS),
+        ("--quiet", SETTINGS_COMMANDS),
+        ("--device", ("run", "verify")),
+    ],
+)
 def test_output_and_device_flags_are_one_definition(flag, commands):
     actions = [options_of(c)[flag] for c in commands]
     assert len({(*_definition(a), a.help) for a in actions}) == 1
@@ -175,13 +234,17 @@ def _launcher_refusal(timeout_s: float) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("value", ["0.5", "0.999", "1", "20", "3600", "3600.5", "3601", "0", "-1",
-                                   "nan", "inf"])
-@pytest.mark.parametrize("command", [["run", "--world-size", "1"],
-                                     ["verify", CASE_FILE, "--world-size", "1"]],
-                         ids=["run", "verify"])
-def test_the_cli_refuses_exactly_the_timeouts_the_launcher_refuses(command, value, monkeypatch,
-                                                                   tmp_path, capsys):
+@pytest.mark.parametrize(
+    "value", ["0.5", "0.999", "1", "20", "3600", "3600.5", "3601", "0", "-1", "nan", "inf"]
+)
+@pytest.mark.parametrize(
+    "command",
+    [["run", "--world-size", "1"], ["verify", CASE_FILE, "--world-size", "1"]],
+    ids=["run", "verify"],
+)
+def test_the_cli_refuses_exactly_the_timeouts_the_launcher_refuses(
+    command, value, monkeypatch, tmp_path, capsys
+):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the Launcher makes no temp dir
     refusal = _launcher_refusal(float(value))
 

@@ -1,7 +1,9 @@
-"""Report outputs (`--json`, `--html` of run/verify, `--html` of report): bad paths refused before any
-rank starts; regular files replaced atomically with the umask's mode; symlinks written through; character
-devices and FIFOs written directly, never replaced; a write that fails after the run (a full disk, here
-/dev/full) keeps the other outputs and exits 2 with a message; stdout on a full disk too."""
+"""Report outputs (`--json`, `--html` of run/verify, `--html` of report): bad paths refused before
+any rank starts; regular files replaced atomically with the umask's mode; symlinks written through;
+character devices and FIFOs written directly, never replaced; a write that fails after the run (a
+full disk, here /dev/full) keeps the other outputs and exits 2 with a message; stdout
+on a full disk too."""
+
 import json
 import os
 import stat
@@ -22,6 +24,7 @@ CASE_FILE = str(REPO / "examples" / "own_module.py") + ":correct"
 @pytest.fixture
 def no_rank_may_start(monkeypatch):
     """Fail the test if a rank pool is created: bad output paths must be refused before that."""
+
     def launcher(*args, **kwargs):
         raise AssertionError("a rank pool was created before the output paths were checked")
 
@@ -37,9 +40,9 @@ def good_report(tmp_path) -> Path:
 
 
 def char_device(tmp_path: Path, name: str, minor: int) -> Path:
-    """A character device like /dev/<name> (mem major 1): made in tmp_path when this process may (root), so
-    that a regression that replaces it harms nothing; else the real one, which a non-root process cannot
-    replace."""
+    """A character device like /dev/<name> (mem major 1): made in tmp_path when this process may
+    (root), so that a regression that replaces it harms nothing; else the real one, which a non-root
+    process cannot replace."""
     path = tmp_path / name
     try:
         os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
@@ -48,7 +51,9 @@ def char_device(tmp_path: Path, name: str, minor: int) -> Path:
         return path
     except OSError:
         if os.geteuid() == 0:
-            pytest.skip("cannot make a device node here, and as root the real one could be replaced")
+            pytest.skip(
+                "cannot make a device node here, and as root the real one could be replaced"
+            )
         return Path("/dev") / name
 
 
@@ -66,14 +71,24 @@ def _bad_paths(tmp_path: Path) -> dict[str, tuple[str, str]]:
     return {
         "empty": ("", "empty path"),
         "directory": (str(tmp_path / "a_dir"), "is a directory"),
-        "trailing separator": (str(tmp_path / "a_dir" / "new") + os.sep, "ends with a path separator"),
+        "trailing separator": (
+            str(tmp_path / "a_dir" / "new") + os.sep,
+            "ends with a path separator",
+        ),
         "under a regular file": (str(tmp_path / "a_file" / "r.out"), "not a directory"),
         "missing parent": (str(tmp_path / "no_such_dir" / "r.out"), "does not exist"),
         "in /proc": ("/proc/tpcheck-report.out", "cannot create a file in '/proc'"),
     }
 
 
-BAD = ["empty", "directory", "trailing separator", "under a regular file", "missing parent", "in /proc"]
+BAD = [
+    "empty",
+    "directory",
+    "trailing separator",
+    "under a regular file",
+    "missing parent",
+    "in /proc",
+]
 COMMANDS = {  # command line before the output flag, and the output flags it has
     "run": (["run", "--world-size", "1", "-q"], ["--json", "--html"]),
     "verify": (["verify", CASE_FILE, "--world-size", "1", "-q"], ["--json", "--html"]),
@@ -82,9 +97,12 @@ COMMANDS = {  # command line before the output flag, and the output flags it has
 
 
 @pytest.mark.parametrize("case", BAD)
-@pytest.mark.parametrize("command, flag", [(c, f) for c, (_, flags) in COMMANDS.items() for f in flags])
+@pytest.mark.parametrize(
+    "command, flag", [(c, f) for c, (_, flags) in COMMANDS.items() for f in flags]
+)
 def test_bad_output_path_exits_2_naming_flag_path_and_problem_before_any_rank(
-        command, flag, case, tmp_path, capsys, good_report, no_rank_may_start):
+    command, flag, case, tmp_path, capsys, good_report, no_rank_may_start
+):
     path, words = _bad_paths(tmp_path)[case]
     argv = ["report", str(good_report)] if command == "report" else COMMANDS[command][0]
     capsys.readouterr()
@@ -97,7 +115,9 @@ def test_bad_output_path_exits_2_naming_flag_path_and_problem_before_any_rank(
 
 def test_unwritable_directory_is_refused(tmp_path, capsys, no_rank_may_start):
     if os.geteuid() == 0:
-        pytest.skip("root may write into a read-only directory (the /proc case covers an unwritable place)")
+        pytest.skip(
+            "root may write into a read-only directory (the /proc case covers an unwritable place)"
+        )
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     try:
@@ -144,7 +164,11 @@ def test_a_character_device_is_written_not_replaced(tmp_path, capsys):
     before, beside = null.stat(), sorted(os.listdir(null.parent))
     assert main([*INSPECT, "--json", str(null), "--html", str(null)]) == 0
     after = null.stat()
-    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and after.st_ino == before.st_ino
+    assert (
+        stat.S_ISCHR(after.st_mode)
+        and after.st_rdev == before.st_rdev
+        and after.st_ino == before.st_ino
+    )
     assert sorted(os.listdir(null.parent)) == beside  # no temp file beside it
     assert "Traceback" not in capsys.readouterr().err
 
@@ -165,14 +189,17 @@ def test_a_fifo_is_written_not_replaced(tmp_path):
 
 @pytest.mark.parametrize("full_flag, ok_flag", [("--json", "--html"), ("--html", "--json")])
 def test_a_full_disk_keeps_the_other_output_and_exits_2(full_flag, ok_flag, tmp_path, capsys):
-    """/dev/full is a character device whose writes fail with ENOSPC: the path check passes, the write
-    after the run fails, as on a full disk."""
+    """/dev/full is a character device whose writes fail with ENOSPC: the path check passes, the
+    write after the run fails, as on a full disk."""
     full = char_device(tmp_path, "full", 7)
     ok = tmp_path / "ok.out"
     assert main(["run", "--mode", "inspect", full_flag, str(full), ok_flag, str(ok)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert f"tpcheck: error: {full_flag} {str(full)!r}: cannot write the report: No space left on device" in err
+    assert (
+        f"tpcheck: error: {full_flag} {str(full)!r}: cannot write the report: "
+        "No space left on device" in err
+    )
     assert "the checks alone give exit 0" in err
     assert f"{ok_flag[2:].upper()} report: {ok}" in err and ok.stat().st_size > 0
     assert stat.S_ISCHR(full.stat().st_mode)
@@ -186,21 +213,37 @@ def test_report_html_on_a_full_disk_exits_2(tmp_path, capsys, good_report):
 
 
 def _tpcheck_commands() -> list[list[str]]:
-    """`python -m tpcheck` and the installed `tpcheck` script (they end the interpreter differently)."""
+    """`python -m tpcheck` and the installed `tpcheck`
+    script (they end the interpreter differently)."""
     script = Path(sys.executable).parent / "tpcheck"
     return [[sys.executable, "-m", "tpcheck"]] + ([[str(script)]] if script.exists() else [])
 
 
-@pytest.mark.parametrize("command", [c if len(c) > 1 else pytest.param(c, marks=pytest.mark.slow)
-                                     for c in _tpcheck_commands()], ids=lambda c: "script" if len(c) == 1 else "module")
+@pytest.mark.parametrize(
+    "command",
+    [c if len(c) > 1 else pytest.param(c, marks=pytest.mark.slow) for c in _tpcheck_commands()],
+    ids=lambda c: "script" if len(c) == 1 else "module",
+)
 def test_stdout_on_a_full_disk_exits_2_with_a_message_and_keeps_the_report(command, tmp_path):
     full = char_device(tmp_path, "full", 7)
     report = tmp_path / "r.json"
     with open(full, "w") as stdout:
-        proc = subprocess.run([*command, "run", "--mode", "inspect", "--json", str(report), "-q"], stdout=stdout,
-                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
-        faults = subprocess.run([*command, "faults"], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120,
-                                cwd=REPO)
+        proc = subprocess.run(
+            [*command, "run", "--mode", "inspect", "--json", str(report), "-q"],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        faults = subprocess.run(
+            [*command, "faults"],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
     for p in (proc, faults):
         assert p.returncode == 2, p.stderr
         assert "stdout: cannot write: No space left on device" in p.stderr

@@ -1,22 +1,27 @@
 """Mistakes in a user's case file: exit 2, a message naming the user's file and line, no traceback
 from tpcheck's internals, no hang. All the rank-side ones run in one launch."""
+
 import pytest
 
 from tpcheck.cli import main
 
-HEAD = '''
+HEAD = """
 import dataclasses, sys
 sys.path.insert(0, {examples!r})
 import own_module
 from own_module import TPBlock, PLAN
 from tpcheck import Plan, Shard
-'''
+"""
 CASES = {
-    "missing_param": "case = dataclasses.replace(own_module.correct, plan=Plan(params={k: v for k, v in "
-                     "PLAN.params.items() if k != 'fc2.bias'}))",
-    "wrong_shard": "case = dataclasses.replace(own_module.correct, plan=Plan(params={**PLAN.params, "
-                   "'fc1.weight': Shard(1)}))",
-    "rand_like_mask": '''
+    "missing_param": (
+        "case = dataclasses.replace(own_module.correct, plan=Plan(params={k: v for k, v in "
+        "PLAN.params.items() if k != 'fc2.bias'}))"
+    ),
+    "wrong_shard": (
+        "case = dataclasses.replace(own_module.correct, plan=Plan(params={**PLAN.params, "
+        "'fc1.weight': Shard(1)}))"
+    ),
+    "rand_like_mask": """
 import torch
 class Dense(own_module.DenseBlock):
     def forward(self, x):
@@ -26,13 +31,13 @@ class TP(TPBlock):
     def forward(self, x):
         out = super().forward(x)
         return out * (torch.rand_like(out) > 0.1)
-case = dataclasses.replace(own_module.correct, build_dense=Dense, build_tp=TP)''',
-    "one_rank_raises": '''
+case = dataclasses.replace(own_module.correct, build_dense=Dense, build_tp=TP)""",
+    "one_rank_raises": """
 def build_tp(group, dtype):
     if group.rank == 1:
         raise ValueError("rank one is unhappy")
     return TPBlock(group, dtype)
-case = dataclasses.replace(own_module.correct, build_tp=build_tp)''',
+case = dataclasses.replace(own_module.correct, build_tp=build_tp)""",
 }
 
 
@@ -54,7 +59,8 @@ def test_import_time_errors_name_file_and_line(tmp_path, capsys):
     assert main(["verify", str(boom)]) == 2
     err = capsys.readouterr().err
     assert "boom.py:3" in err and "RuntimeError: no config here" in err and "Traceback" not in err
-    assert main(["verify", f"{boom}:nope"]) == 2  # import first; listing names needs an importable file
+    # import first; listing names needs an importable file
+    assert main(["verify", f"{boom}:nope"]) == 2
     several = _write(tmp_path, "several", "a = own_module.correct\nb = own_module.buggy")
     assert main(["verify", f"{several}:c"]) == 2
     assert "available: ['a', 'b']" in capsys.readouterr().err
@@ -68,21 +74,39 @@ def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):
     assert "plan has no placement for dense parameter(s) ['fc2.bias']" in err
     assert "'fc1.weight'" in err and "shape" in err
     lineno = HEAD.count("\n") + 4  # the `raise` line in one_rank_raises.py
-    assert "in your build_tp (" in err and f"one_rank_raises.py:{lineno}): ValueError: rank one is unhappy" in err
-    # a mask tpcheck cannot replay (F.dropout and torch.bernoulli masks are replayed: tests/checker/test_dropout.py)
+    assert (
+        "in your build_tp (" in err
+        and f"one_rank_raises.py:{lineno}): ValueError: rank one is unhappy" in err
+    )
+    # a mask tpcheck cannot replay (F.dropout and torch.bernoulli
+    # masks are replayed: tests/checker/test_dropout.py)
     assert "other than through the calls tpcheck replays" in err and "torch.rand/rand_like" in err
     assert "draw the mask with torch.bernoulli or F.dropout" in err
-    assert "checker self-test failed" not in err  # the model's randomness, not the checker, is named
+    # the model's randomness, not the checker, is named
+    assert "checker self-test failed" not in err
     assert "Traceback" not in err
-    # a rank-only failure is reported as the user's error, not waited out as a hang of the other ranks
+    # a rank-only failure is reported as the user's
+    # error, not waited out as a hang of the other ranks
     assert "hang" not in err and "timeout" not in err
 
 
 def test_correct_file_still_passes_with_overrides(tmp_path, capsys):
     from paths import REPO
 
-    code = main(["verify", str(REPO / "examples" / "own_module.py:correct"), "--world-size", "2", "--steps", "1",
-                 "--dtype", "float64", "--json", str(tmp_path / "r.json")])
+    code = main(
+        [
+            "verify",
+            str(REPO / "examples" / "own_module.py:correct"),
+            "--world-size",
+            "2",
+            "--steps",
+            "1",
+            "--dtype",
+            "float64",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     import json
 
@@ -93,54 +117,95 @@ def test_correct_file_still_passes_with_overrides(tmp_path, capsys):
 
 EXITS = {  # name: (body, what the message must say)
     "sys_exit_at_import": ("\nsys.exit(0)\ncase = own_module.correct", "called sys.exit(0)"),
-    "os_exit_at_import": ("\nimport os; os._exit(0)\ncase = own_module.correct", "ended the process (exit code 0)"),
+    "os_exit_at_import": (
+        "\nimport os; os._exit(0)\ncase = own_module.correct",
+        "ended the process (exit code 0)",
+    ),
     "sys_exit_in_case": ("\ndef case(spec):\n    sys.exit(7)", "called sys.exit(7)"),
-    "os_exit_in_case": ("\ndef case(spec):\n    import os; os._exit(7)", "ended the process (exit code 7)"),
-    "sys_exit_in_build_tp": ("\ndef build_tp(group, dtype):\n    sys.exit(0)\n"
-                             "case = dataclasses.replace(own_module.correct, build_tp=build_tp)", "called sys.exit(0)"),
+    "os_exit_in_case": (
+        "\ndef case(spec):\n    import os; os._exit(7)",
+        "ended the process (exit code 7)",
+    ),
+    "sys_exit_in_build_tp": (
+        "\ndef build_tp(group, dtype):\n    sys.exit(0)\n"
+        "case = dataclasses.replace(own_module.correct, build_tp=build_tp)",
+        "called sys.exit(0)",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", EXITS)
 def test_user_code_that_exits_is_invalid_not_a_success(name, tmp_path, capsys):
-    """sys.exit / os._exit in a case file, at import, in case(spec) or in a callable on the ranks: exit 2
-    with a message naming it (never the user's exit code, never 0 with no report)."""
+    """sys.exit / os._exit in a case file, at import, in case(spec) or in a callable on the ranks:
+    exit 2 with a message naming it (never the user's exit code, never 0 with no report)."""
     body, words = EXITS[name]
     path = _write(tmp_path, name, body)
     code = main(["verify", str(path), "--world-size", "2", "--json", str(tmp_path / "r.json")])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2, err
     assert words in err and "must not" in err and "Traceback" not in err
-    if "os_exit" not in name:  # an exception carries the user's line; os._exit leaves no frame behind
-        line = HEAD.count("\n") + 1 + next(i for i, text in enumerate(body.split("\n")) if "exit(" in text)
+    # an exception carries the user's line; os._exit leaves no frame behind
+    if "os_exit" not in name:
+        line = (
+            HEAD.count("\n")
+            + 1
+            + next(i for i, text in enumerate(body.split("\n")) if "exit(" in text)
+        )
         assert f"{name}.py:{line})" in err, err
 
 
 RETURNS = {  # name: (the case's changed field, the message)
-    "build_tp_none": ("build_tp=lambda group, dtype: None", "your build_tp ({file}:{line}) returned None; "
-                      "expected a torch.nn.Module"),
-    "build_tp_tensor": ("build_tp=lambda group, dtype: torch.zeros(3)", "your build_tp ({file}:{line}) returned a "
-                        "torch.Tensor; expected a torch.nn.Module"),
-    "make_batch_tensor": ("make_batch=lambda g, dtype: torch.zeros(3)", "your make_batch ({file}:{line}) returned a "
-                          "torch.Tensor; expected a pair ({{forward argument name: tensor}}, target)"),
-    "loss_float": ("loss=lambda out, target: 0.5", "your loss ({file}:{line}) returned a float; expected a loss tensor"),
-    "loss_unreduced": ("loss=lambda out, target: (out - target) ** 2", "your loss ({file}:{line}) returned a "
-                       "torch.Tensor; expected a loss with one element, not of shape [4, 2, 16]: reduce it"),
-    "loss_detached": ("loss=lambda out, target: ((out - target) ** 2).mean().detach()", "your loss ({file}:{line}) "
-                      "returned a torch.Tensor; expected a loss that requires grad; this one is cut from the output"),
-    "make_batch_int": ("make_batch=lambda g, dtype: ({'x': torch.randn(4, 2, 16, generator=g).to(dtype), 'n': 3}, "
-                       "torch.zeros(4, 2, 16))", "your make_batch ({file}:{line}) returned a tuple of 2: (dict, "
-                       "Tensor); expected every forward input a tensor; {{'n': 'int'}} are not"),
-    "dense_ignores_dtype": ("build_dense=lambda dtype: own_module.DenseBlock()", "your build_dense ({file}:{line}) "
-                            "returned a own_module.DenseBlock; expected its floating parameters in float64, the dtype it was "
-                            "asked for (the float64 ground truth), but ['fc1.weight', 'fc1.bias', 'fc2.weight', "
-                            "'fc2.bias'] are float32"),
+    "build_tp_none": (
+        "build_tp=lambda group, dtype: None",
+        "your build_tp ({file}:{line}) returned None; expected a torch.nn.Module",
+    ),
+    "build_tp_tensor": (
+        "build_tp=lambda group, dtype: torch.zeros(3)",
+        "your build_tp ({file}:{line}) returned a torch.Tensor; expected a torch.nn.Module",
+    ),
+    "make_batch_tensor": (
+        "make_batch=lambda g, dtype: torch.zeros(3)",
+        "your make_batch ({file}:{line}) returned a "
+        "torch.Tensor; expected a pair ({{forward argument name: tensor}}, target)",
+    ),
+    "loss_float": (
+        "loss=lambda out, target: 0.5",
+        "your loss ({file}:{line}) returned a float; expected a loss tensor",
+    ),
+    "loss_unreduced": (
+        "loss=lambda out, target: (out - target) ** 2",
+        "your loss ({file}:{line}) returned a "
+        "torch.Tensor; expected a loss with one element, not of shape [4, 2, 16]: reduce it",
+    ),
+    "loss_detached": (
+        "loss=lambda out, target: ((out - target) ** 2).mean().detach()",
+        "your loss ({file}:{line}) "
+        "returned a torch.Tensor; expected a loss that requires grad; this one "
+        "is cut from the output",
+    ),
+    "make_batch_int": (
+        "make_batch=lambda g, dtype: ({'x': torch.randn(4, 2, 16, generator=g).to(dtype), 'n': 3}, "
+        "torch.zeros(4, 2, 16))",
+        "your make_batch ({file}:{line}) returned a tuple of 2: (dict, "
+        "Tensor); expected every forward input a tensor; {{'n': 'int'}} are not",
+    ),
+    "dense_ignores_dtype": (
+        "build_dense=lambda dtype: own_module.DenseBlock()",
+        "your build_dense ({file}:{line}) "
+        "returned a own_module.DenseBlock; expected its floating parameters in float64, the dtype "
+        "it was asked for (the float64 ground truth), but ['fc1.weight', 'fc1.bias', 'fc2.weight', "
+        "'fc2.bias'] are float32",
+    ),
 }
 
 
 def test_callables_returning_the_wrong_type_are_invalid_naming_them(tmp_path, capsys):
-    paths = {n: _write(tmp_path, n, f"import torch\ncase = dataclasses.replace(own_module.correct, {field})")
-             for n, (field, _) in RETURNS.items()}
+    paths = {
+        n: _write(
+            tmp_path, n, f"import torch\ncase = dataclasses.replace(own_module.correct, {field})"
+        )
+        for n, (field, _) in RETURNS.items()
+    }
     code = main(["verify", *map(str, paths.values()), "--world-size", "2"])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2

@@ -1,16 +1,17 @@
-"""The public autograd collectives of `tpcheck.parallel.collectives`, checked against unsharded tensors.
+"""The public autograd collectives of
+`tpcheck.parallel.collectives`, checked against unsharded tensors.
 
 In the style of Megatron-LM's tests/unit_tests/tensor_parallel/test_mappings.py: every wrapper's
 forward value AND its backward (the adjoint its docstring states) is compared with what the full,
 unsharded tensors say it must be.
 
 Each rank builds the *full* tensors from one seeded generator (`_full_tensors`), takes its own shard
-as the input, runs forward and backward, and returns plain tensors. The parent rebuilds the same full
-tensors and computes the references there, so one fork per world size serves every check
+as the input, runs forward and backward, and returns plain tensors. The parent rebuilds the same
+full tensors and computes the references there, so one fork per world size serves every check
 (`_ranks_results` caches it).
 
-Upstream gradients differ per rank on purpose: an adjoint that sums (or fails to sum) over ranks where
-it should not is then visible.
+Upstream gradients differ per rank on purpose: an adjoint that sums (or fails to sum) over ranks
+where it should not is then visible.
 
 Tolerances:
 - pure data movement (identity, split, all-gather) must be bitwise: `rtol=0, atol=0`;
@@ -18,6 +19,7 @@ Tolerances:
   picks (gloo's ring / tree), so it may differ from any reference sum by rounding: see
   `assert_rank_sum_close` for the bound.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,16 +57,29 @@ EXPECTED_TAPS = {
     "scatter_to_tp_region": [("all_gather", "backward")],
     "gather_from_tp_region": [("all_gather", "forward")],
     "scatter_to_sequence_parallel_region": [("all_gather", "backward")],
-    "gather_from_sequence_parallel_region": [("all_gather", "forward"), ("reduce_scatter", "backward")],
-    "reduce_scatter_to_sequence_parallel_region": [("reduce_scatter", "forward"), ("all_gather", "backward")],
+    "gather_from_sequence_parallel_region": [
+        ("all_gather", "forward"),
+        ("reduce_scatter", "backward"),
+    ],
+    "reduce_scatter_to_sequence_parallel_region": [
+        ("reduce_scatter", "forward"),
+        ("all_gather", "backward"),
+    ],
     "all_reduce_grad_": [("all_reduce", "optimizer")],
 }
 
 
 def test_every_public_collective_is_covered():
-    public = {n for n in dir(C) if not n.startswith("_") and callable(getattr(C, n))
-              and getattr(getattr(C, n), "__module__", None) == C.__name__}
-    assert public == set(ALL), f"untested or renamed public collectives: {sorted(public ^ set(ALL))}"
+    public = {
+        n
+        for n in dir(C)
+        if not n.startswith("_")
+        and callable(getattr(C, n))
+        and getattr(getattr(C, n), "__module__", None) == C.__name__
+    }
+    assert public == set(ALL), (
+        f"untested or renamed public collectives: {sorted(public ^ set(ALL))}"
+    )
 
 
 # ------------------------------------------------------------------------------------ full tensors
@@ -79,11 +94,11 @@ def _full_tensors(world: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g, dtype=torch.float32)
 
     return {
-        "x": randn(S, B, H),                          # a replicated activation
-        "parts": randn(world, S, B, H),               # per-rank partial sums
-        "grad_full": randn(world, S, B, H),           # per-rank upstream grads of a full-size output
-        "grad_tp": randn(world, S, B, H // world),    # per-rank upstream grads of a last-dim shard
-        "grad_sp": randn(world, S // world, B, H),    # per-rank upstream grads of a dim-0 shard
+        "x": randn(S, B, H),  # a replicated activation
+        "parts": randn(world, S, B, H),  # per-rank partial sums
+        "grad_full": randn(world, S, B, H),  # per-rank upstream grads of a full-size output
+        "grad_tp": randn(world, S, B, H // world),  # per-rank upstream grads of a last-dim shard
+        "grad_sp": randn(world, S // world, B, H),  # per-rank upstream grads of a dim-0 shard
     }
 
 
@@ -118,8 +133,9 @@ def _inputs(name: str, full: dict, world: int, r: int) -> tuple[torch.Tensor, to
 
 
 class _Recorder:
-    """A tap that performs every collective and records (stage, op, site, phase); `stage` is what the
-    test is doing when the collective is issued, so a collective mislabelled with a phase shows."""
+    """A tap that performs every collective and records (stage, op, site, phase); `stage` is what
+    the test is doing when the collective is issued, so a collective mislabelled
+    with a phase shows."""
 
     def __init__(self) -> None:
         self.stage = "idle"
@@ -160,8 +176,8 @@ def _run_all(group: TPGroup, record: _Recorder | None = None) -> dict:
 
 
 def _rank_fn(group: TPGroup) -> dict:
-    """Everything one rank does: the plain group (no tap), then the same calls through a recording tap,
-    then non-contiguous inputs (the Megatron bug of reducing into a temporary copy)."""
+    """Everything one rank does: the plain group (no tap), then the same calls through a recording
+    tap, then non-contiguous inputs (the Megatron bug of reducing into a temporary copy)."""
     plain = _run_all(group)
     rec = _Recorder()
     tapped = _run_all(dataclasses.replace(group, tap=rec), rec)
@@ -186,8 +202,8 @@ def _ranks_outcome(world: int) -> tuple[list[dict] | None, BaseException | None]
 
 
 def _ranks_results(world: int) -> list[dict]:
-    """One fork of `world` ranks per world size, shared by every test below (a failure is cached too,
-    so a broken collective costs one fork, not one per test)."""
+    """One fork of `world` ranks per world size, shared by every test below (a failure is cached
+    too, so a broken collective costs one fork, not one per test)."""
     results, error = _ranks_outcome(world)
     if error is not None:
         raise error
@@ -198,24 +214,28 @@ def _ranks_results(world: int) -> list[dict]:
 
 
 def assert_rank_sum_close(actual: torch.Tensor, parts: torch.Tensor, what: str = "") -> None:
-    """`actual` is a float32 sum over ranks of `parts[r]`, added up by the collective in an order of its
-    choosing. Compare it with the exact (float64) sum under the rounding-error bound of float32
-    recursive summation of n terms: |fl(sum) - sum| <= gamma_{n-1} * sum|x_r| (gamma_k = k*u / (1 - k*u),
-    u = 2^-24), plus u*|sum| for the reference's own final rounding. For n = 1 and 2 that bound is at
-    most one rounding (a + b is commutative, so n = 2 is bitwise equal to parts[0] + parts[1]); a wrong
-    reduction (missing rank, doubled rank) is off by O(|x|), far beyond it. assert_close takes a scalar
-    atol, so use the largest element's bound; rtol = 0 since the bound is already absolute."""
+    """`actual` is a float32 sum over ranks of `parts[r]`, added up by the collective in an order of
+    its choosing. Compare it with the exact (float64) sum under the rounding-error bound of float32
+    recursive summation of n terms: |fl(sum) - sum| <= gamma_{n-1} * sum|x_r| (gamma_k = k*u / (1 -
+    k*u), u = 2^-24), plus u*|sum| for the reference's own final rounding. For n = 1 and 2 that
+    bound is at most one rounding (a + b is commutative, so n = 2 is bitwise equal to parts[0] +
+    parts[1]); a wrong reduction (missing rank, doubled rank) is off by O(|x|), far beyond it.
+    assert_close takes a scalar atol, so use the largest element's bound; rtol = 0 since the bound
+    is already absolute."""
     n = parts.shape[0]
     u = torch.finfo(torch.float32).eps / 2
     ref = parts.double().sum(0)
     gamma = (n - 1) * u / (1 - (n - 1) * u)
     atol = float((gamma * parts.double().abs().sum(0) + u * ref.abs()).max())
     assert actual.dtype == parts.dtype, (actual.dtype, parts.dtype)
-    assert_close(actual.double(), ref, rtol=0, atol=atol, msg=lambda m: f"{what}: sum over {n} ranks\n{m}")
+    assert_close(
+        actual.double(), ref, rtol=0, atol=atol, msg=lambda m: f"{what}: sum over {n} ranks\n{m}"
+    )
 
 
 def assert_exact(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Pure data movement (identity, split, gather, concatenate): nothing is computed, so bitwise."""
+    """Pure data movement (identity, split, gather,
+    concatenate): nothing is computed, so bitwise."""
     assert_close(actual, expected, rtol=0, atol=0, msg=lambda m: f"{what}: must be bitwise\n{m}")
 
 
@@ -245,7 +265,8 @@ def _check(name: str, world: int, r: int, out: torch.Tensor, grad: torch.Tensor)
         assert_exact(out, _shard_first(x, world, r), f"{tag} forward")
         assert_exact(grad, torch.cat(list(full["grad_sp"]), dim=0), f"{tag} backward")
     elif name == "gather_from_sequence_parallel_region":
-        # forward: the full sequence back; backward: reduce-scatter, i.e. block r of sum_r upstream_r.
+        # forward: the full sequence back; backward:
+        # reduce-scatter, i.e. block r of sum_r upstream_r.
         assert_exact(out, x, f"{tag} forward")
         assert_rank_sum_close(grad, full["grad_full"].chunk(world, dim=1)[r], f"{tag} backward")
     elif name == "reduce_scatter_to_sequence_parallel_region":
@@ -276,13 +297,15 @@ def test_a_performing_tap_changes_no_value(world):
     for r, res in enumerate(_ranks_results(world)):
         for name in ALL:
             for key in ("out", "grad"):
-                assert_exact(res["tapped"][name][key], res["plain"][name][key], f"{name} {key} rank={r}")
+                assert_exact(
+                    res["tapped"][name][key], res["plain"][name][key], f"{name} {key} rank={r}"
+                )
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_tap_sees_every_collective_with_op_site_and_phase(world):
-    """The tap sees each collective once, in order, labelled with the phase it actually runs in and the
-    site the caller passed; world_size 1 issues none; a parameter without a grad issues none."""
+    """The tap sees each collective once, in order, labelled with the phase it actually runs in and
+    the site the caller passed; world_size 1 issues none; a parameter without a grad issues none."""
     expected = []
     if world > 1:
         for name in ALL:
@@ -297,10 +320,16 @@ def test_tap_sees_every_collective_with_op_site_and_phase(world):
 def test_non_contiguous_inputs(world):
     for r, res in enumerate(_ranks_results(world)):
         full = _full_tensors(world)
-        assert_rank_sum_close(res["noncontig"]["reduce_from_tp_region"], full["parts"].transpose(1, 2),
-                              f"reduce_from_tp_region (non-contiguous) rank={r}")
-        assert_exact(res["noncontig"]["gather_from_tp_region"], full["x"].transpose(0, 1),
-                     f"gather_from_tp_region (non-contiguous) rank={r}")
+        assert_rank_sum_close(
+            res["noncontig"]["reduce_from_tp_region"],
+            full["parts"].transpose(1, 2),
+            f"reduce_from_tp_region (non-contiguous) rank={r}",
+        )
+        assert_exact(
+            res["noncontig"]["gather_from_tp_region"],
+            full["x"].transpose(0, 1),
+            f"gather_from_tp_region (non-contiguous) rank={r}",
+        )
 
 
 # ------------------------------------------------------------------------------------ in process
@@ -336,17 +365,25 @@ def test_world_size_1_all_reduce_grad_is_the_identity():
 
 
 def test_the_taps_return_value_is_what_the_layer_gets():
-    """A tap may replace a collective (the fault injectors drop one by returning its input): the wrapper
-    must use what the tap returns. A two-rank group with no process group and a tap that never performs."""
-    group = TPGroup(rank=1, world_size=2, pg=None, tap=lambda op, site, phase, x, perform: x * 0 + 7)
+    """A tap may replace a collective (the fault injectors drop one by returning its input): the
+    wrapper must use what the tap returns. A two-rank group with no process group and a tap
+    that never performs."""
+    group = TPGroup(
+        rank=1, world_size=2, pg=None, tap=lambda op, site, phase, x, perform: x * 0 + 7
+    )
     x = torch.ones(S, B, H)
-    assert_exact(C.reduce_from_tp_region(x, group), torch.full((S, B, H), 7.0), "reduce_from_tp_region")
+    assert_exact(
+        C.reduce_from_tp_region(x, group), torch.full((S, B, H), 7.0), "reduce_from_tp_region"
+    )
 
 
-@pytest.mark.parametrize("name, shape", [
-    ("scatter_to_tp_region", (S, B, 3)),
-    ("scatter_to_sequence_parallel_region", (3, B, H)),
-])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("scatter_to_tp_region", (S, B, 3)),
+        ("scatter_to_sequence_parallel_region", (3, B, H)),
+    ],
+)
 def test_a_split_that_does_not_divide_raises(name, shape):
     group = TPGroup(rank=0, world_size=2, pg=None, tap=_Forbidden())
     with pytest.raises(ValueError, match="does not divide"):

@@ -1,5 +1,7 @@
 """Vocab-parallel cross-entropy at world size 1 (no communication) against F.cross_entropy; world
-sizes 2 and 4 are checked by the `cross_entropy` and `lm` blocks (tests/distributed/test_blocks.py)."""
+sizes 2 and 4 are checked by the `cross_entropy` and `lm` blocks
+(tests/distributed/test_blocks.py)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,18 +24,23 @@ def test_matches_torch_loss_and_grad(smoothing):
     a = logits.clone().requires_grad_()
     b = logits.clone().requires_grad_()
     ours = vocab_parallel_cross_entropy(a, labels, TPGroup.single(), label_smoothing=smoothing)
-    ref = F.cross_entropy(b.reshape(-1, 11), labels.reshape(-1), ignore_index=-100, label_smoothing=smoothing)
+    ref = F.cross_entropy(
+        b.reshape(-1, 11), labels.reshape(-1), ignore_index=-100, label_smoothing=smoothing
+    )
     ours.backward()
     ref.backward()
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)  # float64: only reordering
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
-    assert torch.all(a.grad[0, 1] == 0) and torch.all(a.grad[3, 2] == 0)  # ignored tokens get no grad
+    # ignored tokens get no grad
+    assert torch.all(a.grad[0, 1] == 0) and torch.all(a.grad[3, 2] == 0)
 
 
 def test_gradcheck():
     logits, labels = _data()
     logits = logits[:2].clone().requires_grad_()
-    fn = lambda x: vocab_parallel_cross_entropy(x, labels[:2], TPGroup.single(), label_smoothing=0.2)  # noqa: E731
+    fn = lambda x: vocab_parallel_cross_entropy(
+        x, labels[:2], TPGroup.single(), label_smoothing=0.2
+    )  # noqa: E731
     assert torch.autograd.gradcheck(fn, (logits,))
 
 
@@ -42,7 +49,8 @@ def test_bfloat16_logits_are_computed_in_float32():
     ours = vocab_parallel_cross_entropy(logits, labels, TPGroup.single())
     truth = F.cross_entropy(logits.double().reshape(-1, 11), labels.reshape(-1))
     assert ours.dtype == torch.bfloat16
-    assert abs(float(ours) - float(truth)) <= 2 ** -8 * abs(float(truth))  # one bf16 rounding of the result
+    # one bf16 rounding of the result
+    assert abs(float(ours) - float(truth)) <= 2**-8 * abs(float(truth))
 
 
 def test_large_logits_do_not_overflow():
@@ -53,4 +61,6 @@ def test_large_logits_do_not_overflow():
 
 def test_bad_labels_shape():
     with pytest.raises(ValueError, match="do not match"):
-        vocab_parallel_cross_entropy(torch.zeros(4, 3), torch.zeros(3, dtype=torch.long), TPGroup.single())
+        vocab_parallel_cross_entropy(
+            torch.zeros(4, 3), torch.zeros(3, dtype=torch.long), TPGroup.single()
+        )

@@ -1,8 +1,9 @@
-"""The pytest plugin, black-box: an inner pytest run (a subprocess, so its forked ranks are isolated)
-using the `tpcheck` fixture with a Case defined in the test module itself."""
+"""The pytest plugin, black-box: an inner pytest run (a subprocess, so its forked ranks are
+isolated) using the `tpcheck` fixture with a Case defined in the test module itself."""
+
 pytest_plugins = ["pytester"]
 
-TEST_MODULE = '''
+TEST_MODULE = """
 import re
 import sys
 
@@ -45,22 +46,27 @@ def test_one_world_size_as_a_number(tpcheck):
 def test_misuse(tpcheck, args, kw, words):
     with pytest.raises(UsageError, match=re.escape(words)):
         tpcheck.verify(*args, **kw)
-'''
+"""
 INI = "[pytest]\ntpcheck_world_sizes = 1 2\ntpcheck_timeout = 30\n"
 
 
 def test_case_object_in_test_module_pass_and_readable_failure(pytester):
-    """Also, in the same inner run: a single number is one world size, and misused arguments (an empty list
-    of world sizes, which would check nothing and pass; an unknown field; a case of another type; an
-    unknown `expect`) are refused with tpcheck.UsageError."""
+    """Also, in the same inner run: a single number is one world size, and misused arguments (an
+    empty list of world sizes, which would check nothing and pass; an unknown field; a case of
+    another type; an unknown `expect`) are refused with tpcheck.UsageError."""
     from paths import REPO
 
     pytester.makepyfile(test_inner=TEST_MODULE.format(examples=str(REPO / "examples")))
     pytester.makeini(INI)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=240)
     result.assert_outcomes(passed=8, failed=2)
-    result.stdout.fnmatch_lines(["*inline_buggy/tp2/float32: not equivalent*",
-                                 "*first: output (forward, step 1) on rank(s) [[]0, 1[]]*"])
-    result.stdout.fnmatch_lines(["*inline_correct/tp2/float32: equivalent (expected not equivalent)*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*inline_buggy/tp2/float32: not equivalent*",
+            "*first: output (forward, step 1) on rank(s) [[]0, 1[]]*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["*inline_correct/tp2/float32: equivalent (expected not equivalent)*"]
+    )
     assert "__tracebackhide__" not in result.stdout.str()  # the fixture's own source is not dumped
-

@@ -1,4 +1,5 @@
 """Real reports for the report tests: produced once per session by the `tpcheck` command itself."""
+
 import pytest
 
 from report_helpers import MATRIX_ARGS, REPO, SEED_ARGS, Run, run_with_reports, tpcheck  # noqa: F401

@@ -1,5 +1,6 @@
 """The HTML report in a real headless browser (Debian's chromium; CI installs it in .ci/run):
 it renders to a non-blank page, shows the verdicts, and raises no errors."""
+
 import shutil
 import subprocess
 from pathlib import Path
@@ -7,10 +8,20 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (CI installs it: "
-                                "`apt-get install -y chromium`, see .ci/run)")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason="chromium is not installed (CI installs it: `apt-get install -y chromium`, see .ci/run)",
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TIMEOUT_S = 90
 
 # Injected into a copy of the page (the report itself has no script): collects script errors, failed
@@ -26,13 +37,17 @@ var ce=console.error;console.error=function(){
 window.addEventListener('load',function(){var n=0;for(var i=0;i<document.images.length;i++){var im=document.images[i];
 if(im.complete&&im.naturalWidth>0)n++;else errs.push('image not decoded: '+im.alt);}
 put();document.getElementById('probe').setAttribute('data-images',document.images.length+'/'+n);});})();
-</script>"""
+</script>"""  # noqa: E501 - the script as the browser reads it
 
 
 def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     profile = tmp_path / f"profile{len(list(tmp_path.glob('profile*')))}"
-    proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
@@ -43,14 +58,23 @@ def with_probe(page: str, path: Path) -> str:
 
 
 def dump_dom(tmp_path: Path, url: str) -> subprocess.CompletedProcess:
-    return chromium(tmp_path, "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--dump-dom", url)
+    return chromium(
+        tmp_path,
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        url,
+    )
 
 
 def test_screenshot_is_a_rendered_page(seed_run, tmp_path):
     from matplotlib.image import imread
 
     shot = tmp_path / "page.png"
-    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,2000", seed_run.html_path.as_uri())
+    chromium(
+        tmp_path, f"--screenshot={shot}", "--window-size=1280,2000", seed_run.html_path.as_uri()
+    )
     pixels = imread(shot)[..., :3]  # [2000, 1280, 3] floats in [0, 1]
     assert pixels.shape[:2] == (2000, 1280)
     assert pixels.std() > 0.05  # not a blank page
@@ -73,8 +97,10 @@ def test_dom_has_the_verdicts_and_no_errors(seed_run, tmp_path):
 
 def test_probe_catches_errors(tmp_path):
     """The probe is not blind: a broken image and a throwing script are reported."""
-    page = ("<!DOCTYPE html><html><head><title>t</title></head><body><img alt=broken "
-            "src='data:image/png;base64,AAAA'><script>undefinedFunction()</script></body></html>")
+    page = (
+        "<!DOCTYPE html><html><head><title>t</title></head><body><img alt=broken "
+        "src='data:image/png;base64,AAAA'><script>undefinedFunction()</script></body></html>"
+    )
     proc = dump_dom(tmp_path, with_probe(page, tmp_path / "bad.html"))
     assert 'data-images="1/0"' in proc.stdout
     assert "image not decoded: broken" in proc.stdout and "undefinedFunction" in proc.stdout

@@ -1,4 +1,6 @@
-"""Terminal output: a table with colours on a terminal, plain text (no ANSI escapes) anywhere else."""
+"""Terminal output: a table with colours on a terminal,
+plain text (no ANSI escapes) anywhere else."""
+
 import io
 
 import pytest
@@ -9,17 +11,43 @@ ANSI = "\x1b["
 
 
 def _case(name, verdict, expected, **extra):
-    return {"name": name, "world_size": 2, "dtype": "float32", "verdict": verdict, "expected": expected,
-            "as_expected": verdict == expected, "summary": f"{verdict}: summary of {name}", **extra}
+    return {
+        "name": name,
+        "world_size": 2,
+        "dtype": "float32",
+        "verdict": verdict,
+        "expected": expected,
+        "as_expected": verdict == expected,
+        "summary": f"{verdict}: summary of {name}",
+        **extra,
+    }
 
 
-FIRST = {"stage": "backward", "step": 1, "name": "grad:x", "ranks": [0, 1], "error": 0.1, "bound": 1e-6,
-         "kind": "calibrated"}
+FIRST = {
+    "stage": "backward",
+    "step": 1,
+    "name": "grad:x",
+    "ranks": [0, 1],
+    "error": 0.1,
+    "bound": 1e-6,
+    "kind": "calibrated",
+}
 RESULTS = [
     _case("equivalence", "equivalent", "equivalent", first_divergence=None),
-    _case("missing_backward_reduce", "not equivalent", "not equivalent", first_divergence=FIRST,
-          diagnosis={"signature": "partial_sum", "cause": "input grad not all-reduced", "location": "gate_up",
-                     "stage": "backward", "step": 1, "ranks": [0, 1]}),
+    _case(
+        "missing_backward_reduce",
+        "not equivalent",
+        "not equivalent",
+        first_divergence=FIRST,
+        diagnosis={
+            "signature": "partial_sum",
+            "cause": "input grad not all-reduced",
+            "location": "gate_up",
+            "stage": "backward",
+            "step": 1,
+            "ranks": [0, 1],
+        },
+    ),
     _case("broken_tp", "not equivalent", "equivalent", first_divergence=FIRST),
 ]
 
@@ -61,7 +89,9 @@ def test_terminal_output_is_coloured(terminal_env):
 
 
 def test_cause_of_an_unexpected_case_is_printed():
-    diagnosed = dict(RESULTS[2], diagnosis={"signature": "scale", "cause": "bias added on every rank"})
+    diagnosed = dict(
+        RESULTS[2], diagnosis={"signature": "scale", "cause": "bias added on every rank"}
+    )
     out = io.StringIO()
     print_summary([diagnosed], out)
     assert "cause: bias added on every rank" in out.getvalue()
@@ -69,9 +99,19 @@ def test_cause_of_an_unexpected_case_is_printed():
 
 
 def test_hang_names_the_collective_it_waited_on():
-    hang = _case("some_ranks", "hang", "not equivalent",
-                 problems=[{"status": "hang", "rank": 0, "message": "timed out",
-                            "last_collective": ["all_reduce", "down", "forward"]}])
+    hang = _case(
+        "some_ranks",
+        "hang",
+        "not equivalent",
+        problems=[
+            {
+                "status": "hang",
+                "rank": 0,
+                "message": "timed out",
+                "last_collective": ["all_reduce", "down", "forward"],
+            }
+        ],
+    )
     out = io.StringIO()
     print_summary([hang], out)
     assert "waiting in all_reduce at down (forward)" in out.getvalue()
@@ -83,8 +123,11 @@ def test_progress_is_one_line_per_case_off_a_terminal(terminal_env):
     for i, r in enumerate(RESULTS):
         progress(i + 1, len(RESULTS), r)
     lines = out.getvalue().splitlines()
-    assert lines == ["[1/3] equivalence: equivalent", "[2/3] missing_backward_reduce: not equivalent",
-                     "[3/3] broken_tp: not equivalent"]
+    assert lines == [
+        "[1/3] equivalence: equivalent",
+        "[2/3] missing_backward_reduce: not equivalent",
+        "[3/3] broken_tp: not equivalent",
+    ]
 
 
 def test_progress_bar_on_a_terminal_finishes_and_restores_the_cursor(terminal_env):

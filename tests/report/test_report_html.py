@@ -1,4 +1,5 @@
 """The HTML report, read as text: self-contained, escaped, and showing what the run found."""
+
 import base64
 import copy
 import dataclasses
@@ -18,16 +19,21 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _images(page: str) -> list[bytes]:
-    return [base64.b64decode(b) for b in re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)]
+    return [
+        base64.b64decode(b)
+        for b in re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    ]
 
 
 def test_page_is_self_contained(seed_run):
     page = seed_run.html_path.read_text()
     assert page.startswith("<!DOCTYPE html>")
-    assert not re.search(r"""(src|href)\s*=\s*['"]?(https?:|//)""", page)  # nothing fetched from a network
+    # nothing fetched from a network
+    assert not re.search(r"""(src|href)\s*=\s*['"]?(https?:|//)""", page)
     assert "<script" not in page and "<link" not in page
     images = _images(page)
-    assert len(images) == 1 and all(i.startswith(PNG_MAGIC) for i in images)  # the heatmap; 1 step: no curves
+    # the heatmap; 1 step: no curves
+    assert len(images) == 1 and all(i.startswith(PNG_MAGIC) for i in images)
 
 
 def test_page_shows_verdicts_diagnosis_and_ledger(seed_run):
@@ -40,19 +46,29 @@ def test_page_shows_verdicts_diagnosis_and_ledger(seed_run):
     assert "<h4>Diagnosis</h4>" in page and "partial_sum" in page
     assert "<h4>First divergent tensor</h4>" in page
     # the forward all-reduce the fault removed, in the ledger table and in the ledger check
-    assert "missing collective: all_reduce at &#x27;down&#x27; in forward: expected 1, issued 0" in page
+    assert (
+        "missing collective: all_reduce at &#x27;down&#x27; in forward: expected 1, issued 0"
+        in page
+    )
 
 
 def test_heatmap_cells_say_which_tensors_diverged(seed_run):
     rows, cols, m = heatmap_matrix(seed_run.report["cases"])
     cell = {(r, c): m[i, j] for i, r in enumerate(rows) for j, c in enumerate(cols)}
-    assert cols.index("output") < cols.index("loss") < cols.index("grad:x") < cols.index("param:down.weight")
+    assert (
+        cols.index("output")
+        < cols.index("loss")
+        < cols.index("grad:x")
+        < cols.index("param:down.weight")
+    )
     assert all(cell[("equivalence", c)] < 0 for c in cols)  # all inside the bound
     for c in ("output", "loss", "grad:x", "grad:down.weight", "param:down.weight"):
         assert cell[("missing_forward_reduce", c)] > 0, c
-    for c in ("output", "loss", "grad:down.weight", "grad:gate_up.weight"):  # forward and TP-region grads fine
+    # forward and TP-region grads fine
+    for c in ("output", "loss", "grad:down.weight", "grad:gate_up.weight"):
         assert cell[("missing_backward_reduce", c)] < 0, c
-    for c in ("grad:x", "grad:norm.weight", "param:norm.weight"):  # upstream of the TP region: partial
+    # upstream of the TP region: partial
+    for c in ("grad:x", "grad:norm.weight", "param:norm.weight"):
         assert cell[("missing_backward_reduce", c)] > 0, c
 
 
@@ -82,7 +98,9 @@ def test_all_text_is_escaped(seed_run):
     report["cases"][1]["ledger_check"] = {"note": evil}  # an unknown key, shown as JSON
     page = render_html(report)
     assert "<script" not in page
-    assert page.count(html_escaped := "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;") >= 3, html_escaped
+    assert page.count(html_escaped := "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;") >= 3, (
+        html_escaped
+    )
 
 
 def test_report_subcommand_renders_a_json_report(seed_run, tmp_path):
@@ -98,7 +116,9 @@ def test_report_subcommand_rejects_other_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": "something/2"}')
     proc = tpcheck("report", str(bad))
-    assert proc.returncode == 2 and "something/2" in proc.stderr and "tpcheck.report/1" in proc.stderr
+    assert (
+        proc.returncode == 2 and "something/2" in proc.stderr and "tpcheck.report/1" in proc.stderr
+    )
     proc = tpcheck("report", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "missing.json" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -113,39 +133,56 @@ def test_demo_run_ends_with_summary_and_both_paths(seed_run):
 
 
 def test_matplotlib_is_imported_only_for_html():
-    code = ("import sys, tpcheck.cli, tpcheck.report.console, tpcheck.report.schema, tpcheck.report.html\n"
-            "assert 'matplotlib' not in sys.modules, 'matplotlib imported without --html'\n"
-            "from tpcheck.report import plots\nassert 'matplotlib' in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    code = (
+        "import sys, tpcheck.cli, tpcheck.report.console, tpcheck.report.schema, "
+        "tpcheck.report.html\n"
+        "assert 'matplotlib' not in sys.modules, 'matplotlib imported without --html'\n"
+        "from tpcheck.report import plots\nassert 'matplotlib' in sys.modules"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_page_shows_the_rng_placement_checks():
-    """A run with dropout and the `rng_diverged` fault: the report validates, and the page lists every random
-    draw with its mask placement, its rule and how many of its checks failed."""
+    """A run with dropout and the `rng_diverged` fault: the report validates, and the page lists
+    every random draw with its mask placement, its rule and how many of its checks failed."""
     from tpcheck import CaseSpec, RunSettings, check, exit_code
     from tpcheck.faults import CATALOGUE
     from tpcheck.report.schema import build_report, load_schema
     from tpcheck.report.validate import first_error
 
-    good = CaseSpec(block="layer", preset="tiny", overrides=(("dropout", 0.1), ("attention_dropout", 0.1)),
-                    run=RunSettings(steps=1))
-    results = check([good, CATALOGUE["rng_diverged"].prepare(dataclasses.replace(good, fault="rng_diverged"))])
+    good = CaseSpec(
+        block="layer",
+        preset="tiny",
+        overrides=(("dropout", 0.1), ("attention_dropout", 0.1)),
+        run=RunSettings(steps=1),
+    )
+    results = check(
+        [good, CATALOGUE["rng_diverged"].prepare(dataclasses.replace(good, fault="rng_diverged"))]
+    )
     report = build_report(results, exit_code=exit_code(results))
     assert first_error(json.loads(json.dumps(report)), load_schema()) is None
     page = render_html(report)
-    assert page.count("<h4>Random masks (RNG placement)</h4>") == 2  # the correct case and the faulty one
-    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>[^<]+</td><td class=num>(\d+)</td>"
-                      r"<td class='num( off)?'>(\d+)</td></tr>", page)
-    assert ("attention.attn_dropout", "shard(dim=1)", "4", "", "0") in rows  # 1 step x 2 micro-batches x 2 ranks
+    # the correct case and the faulty one
+    assert page.count("<h4>Random masks (RNG placement)</h4>") == 2
+    rows = re.findall(
+        r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>[^<]+</td><td class=num>(\d+)</td>"
+        r"<td class='num( off)?'>(\d+)</td></tr>",
+        page,
+    )
+    # 1 step x 2 micro-batches x 2 ranks
+    assert ("attention.attn_dropout", "shard(dim=1)", "4", "", "0") in rows
     assert ("mlp.dropout", "replicate", "4", "", "0") in rows
-    assert ("attention.dropout", "replicate", "4", " off", "4") in rows  # the planted rank-seeded dropout
+    # the planted rank-seeded dropout
+    assert ("attention.dropout", "replicate", "4", " off", "4") in rows
     assert "rng_diverged" in page
 
 
 def test_page_shows_the_inferred_plan():
-    """A case with no plan written: the page shows the plan tpcheck inferred, activations and the outputs it
-    did not check included, as code; a case with a written plan shows none."""
+    """A case with no plan written: the page shows the plan tpcheck inferred, activations and the
+    outputs it did not check included, as code; a case with a written plan shows none."""
     from tpcheck import check, exit_code
     from tpcheck.checker.usercode import file_spec
     from tpcheck.report.schema import build_report, load_schema

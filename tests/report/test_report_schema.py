@@ -1,5 +1,6 @@
 """The JSON report: valid against report/schema.json (draft 2020-12), strict on its core, open for
 additions, and deterministic apart from keys named `seconds`."""
+
 import copy
 import json
 
@@ -19,7 +20,9 @@ def validator():
 
 
 def _errors(validator, report) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(report)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(report)
+    ]
 
 
 def test_schema_names_the_version_build_report_writes():
@@ -29,31 +32,53 @@ def test_schema_names_the_version_build_report_writes():
 def test_seed_modes_report_is_valid(validator, seed_run):
     report = seed_run.report
     assert _errors(validator, report) == []
-    assert [c["verdict"] for c in report["cases"]] == ["equivalent", "not equivalent", "not equivalent"]
-    assert set(report["seed"]) == {"inspect", "equivalence", "missing_forward_reduce", "missing_backward_reduce"}
+    assert [c["verdict"] for c in report["cases"]] == [
+        "equivalent",
+        "not equivalent",
+        "not equivalent",
+    ]
+    assert set(report["seed"]) == {
+        "inspect",
+        "equivalence",
+        "missing_forward_reduce",
+        "missing_backward_reduce",
+    }
 
 
 def test_matrix_report_with_a_hang_is_valid(validator, matrix_run):
     report = matrix_run.report
     assert _errors(validator, report) == []
     verdicts = {c["spec"]["fault"]: c["verdict"] for c in report["cases"]}
-    assert verdicts == {None: "equivalent", "missing_forward_reduce": "not equivalent",
-                        "missing_backward_reduce": "not equivalent", "collective_on_some_ranks": "hang"}
+    assert verdicts == {
+        None: "equivalent",
+        "missing_forward_reduce": "not equivalent",
+        "missing_backward_reduce": "not equivalent",
+        "collective_on_some_ranks": "hang",
+    }
     assert max(c["step"] for c in report["cases"][0]["checks"]) == 2
 
 
-@pytest.mark.parametrize("breakage, expected", [
-    (lambda r: r.update(schema="tpcheck.report/0"), "tpcheck.report/1"),
-    (lambda r: r["summary"].update(extra=1), "'extra' was unexpected"),
-    (lambda r: r["cases"][0].pop("verdict"), "'verdict' is a required property"),
-    (lambda r: r["cases"][0].update(verdict="fine"), "'fine' is not one of"),
-    (lambda r: r["cases"][0].update(as_expected="yes"), "'yes' is not of type 'boolean'"),
-    (lambda r: r["cases"][0].pop("checks"), "'checks' is a required property"),
-    (lambda r: r["cases"][0]["checks"][0].update(typo=1), "'typo' was unexpected"),
-    (lambda r: r["cases"][0]["checks"][0].pop("bound"), "'bound' is a required property"),
-    (lambda r: r["cases"][0]["ledger"]["expected"][0].update(op="broadcast"), "'broadcast' is not one of"),
-    (lambda r: r["cases"][0]["ledger"]["per_rank"]["0"].update(warmup={}), "'warmup' is not one of"),
-])
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        (lambda r: r.update(schema="tpcheck.report/0"), "tpcheck.report/1"),
+        (lambda r: r["summary"].update(extra=1), "'extra' was unexpected"),
+        (lambda r: r["cases"][0].pop("verdict"), "'verdict' is a required property"),
+        (lambda r: r["cases"][0].update(verdict="fine"), "'fine' is not one of"),
+        (lambda r: r["cases"][0].update(as_expected="yes"), "'yes' is not of type 'boolean'"),
+        (lambda r: r["cases"][0].pop("checks"), "'checks' is a required property"),
+        (lambda r: r["cases"][0]["checks"][0].update(typo=1), "'typo' was unexpected"),
+        (lambda r: r["cases"][0]["checks"][0].pop("bound"), "'bound' is a required property"),
+        (
+            lambda r: r["cases"][0]["ledger"]["expected"][0].update(op="broadcast"),
+            "'broadcast' is not one of",
+        ),
+        (
+            lambda r: r["cases"][0]["ledger"]["per_rank"]["0"].update(warmup={}),
+            "'warmup' is not one of",
+        ),
+    ],
+)
 def test_schema_is_strict_on_the_core(validator, seed_run, breakage, expected):
     report = copy.deepcopy(seed_run.report)
     breakage(report)
@@ -63,9 +88,16 @@ def test_schema_is_strict_on_the_core(validator, seed_run, breakage, expected):
 
 def test_schema_is_open_for_additions(validator, seed_run):
     report = copy.deepcopy(seed_run.report)
-    report["cases"][1]["diagnosis"] = {"signature": "partial_sum", "cause": "no forward all-reduce",
-                                       "location": "down", "stage": "forward", "step": 1, "ranks": [0, 1],
-                                       "evidence": {"ratio": 2.0}, "confidence": "high"}
+    report["cases"][1]["diagnosis"] = {
+        "signature": "partial_sum",
+        "cause": "no forward all-reduce",
+        "location": "down",
+        "stage": "forward",
+        "step": 1,
+        "ranks": [0, 1],
+        "evidence": {"ratio": 2.0},
+        "confidence": "high",
+    }
     report["cases"][1]["ledger_check"] = {"missing": ["forward all_reduce at 'down'"]}
     report["environment"]["cpu"] = "x86_64"
     report["generated_by"] = "a later tpcheck"

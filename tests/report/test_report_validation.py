@@ -1,6 +1,8 @@
-"""`tpcheck report FILE` checks FILE against the shipped schema first: a malformed report is exit 2 with
-the first schema error (where in the document, and what), never a traceback. The hand-written checker
-(tpcheck.report.validate; jsonschema is a test dependency only) must agree with jsonschema."""
+"""`tpcheck report FILE` checks FILE against the shipped schema first: a malformed report is exit 2
+with the first schema error (where in the document, and what), never a traceback. The hand-written
+checker (tpcheck.report.validate; jsonschema is a test dependency only) must
+agree with jsonschema."""
+
 import copy
 import json
 
@@ -22,7 +24,8 @@ def base(seed_run, schema) -> dict:
     """A real, valid report (the seed modes: equivalent and not-equivalent cases, checks, ledgers,
     diagnoses), cut to a sample of each list, to the check keys the schema knows (a check is the one
     strict object, and it grows), and without the contents of the parts the schema leaves open (the
-    seed's JSON, a diagnosis's evidence), so that every mutation below is judged in reasonable time."""
+    seed's JSON, a diagnosis's evidence), so that every mutation below is judged
+    in reasonable time."""
     report = copy.deepcopy(seed_run.report)
     known = set(schema["$defs"]["check"]["properties"])
     report["seed"] = {}
@@ -51,8 +54,13 @@ def _one_error_line(capsys) -> str:
 
 
 def _good():
-    return {"schema": SCHEMA, "tpcheck": "0.1.0", "environment": {"python": "3", "torch": "2", "backend": "gloo"},
-            "summary": {"cases": 0, "as_expected": 0, "verdicts": {}, "exit_code": 0}, "cases": []}
+    return {
+        "schema": SCHEMA,
+        "tpcheck": "0.1.0",
+        "environment": {"python": "3", "torch": "2", "backend": "gloo"},
+        "summary": {"cases": 0, "as_expected": 0, "verdicts": {}, "exit_code": 0},
+        "cases": [],
+    }
 
 
 BAD = {  # name: (change to a valid report, where, what the message says)
@@ -60,16 +68,34 @@ BAD = {  # name: (change to a valid report, where, what the message says)
     "cases 'abc'": (lambda r: r.update(cases="abc"), "cases", '"abc" is not of type array'),
     "summary null": (lambda r: r.update(summary=None), "summary", "null is not of type object"),
     "no summary": (lambda r: r.pop("summary"), "the top level", "'summary' is a required property"),
-    "exit code 7": (lambda r: r["summary"].update(exit_code=7), "summary.exit_code",
-                    "7 is not one of [0, 1, 2, 3, 129, 130, 143]"),
-    "exit code true": (lambda r: r["summary"].update(exit_code=True), "summary.exit_code", "true is not one of"),
+    "exit code 7": (
+        lambda r: r["summary"].update(exit_code=7),
+        "summary.exit_code",
+        "7 is not one of [0, 1, 2, 3, 129, 130, 143]",
+    ),
+    "exit code true": (
+        lambda r: r["summary"].update(exit_code=True),
+        "summary.exit_code",
+        "true is not one of",
+    ),
     "extra summary key": (lambda r: r["summary"].update(x=1), "summary", "'x' was unexpected"),
-    "bad verdict name": (lambda r: r["summary"].update(verdicts={"fine": 1}), "summary.verdicts",
-                         "property name \"fine\" is not one of"),
-    "environment list": (lambda r: r.update(environment=[]), "environment", "[] is not of type object"),
-    "interrupted by SIGKILL": (lambda r: r.update(interrupted={"signal": "SIGKILL", "cases_finished": 0,
-                                                               "cases_planned": 1}),
-                               "interrupted.signal", "\"SIGKILL\" is not one of"),
+    "bad verdict name": (
+        lambda r: r["summary"].update(verdicts={"fine": 1}),
+        "summary.verdicts",
+        'property name "fine" is not one of',
+    ),
+    "environment list": (
+        lambda r: r.update(environment=[]),
+        "environment",
+        "[] is not of type object",
+    ),
+    "interrupted by SIGKILL": (
+        lambda r: r.update(
+            interrupted={"signal": "SIGKILL", "cases_finished": 0, "cases_planned": 1}
+        ),
+        "interrupted.signal",
+        '"SIGKILL" is not one of',
+    ),
 }
 
 
@@ -83,14 +109,20 @@ def test_malformed_report_exits_2_with_the_first_schema_error(name, tmp_path, ca
     assert f"is not a valid {SCHEMA} report: at {where}: {what}" in line, line
 
 
-@pytest.mark.parametrize("raw, words", [
-    ("not json at all", "cannot read the report"),
-    ("[1, 2]", "at the top level: [1, 2] is not of type object"),
-    ('"tpcheck.report/1"', "at the top level: \"tpcheck.report/1\" is not of type object"),
-    ("null", "at the top level: null is not of type object"),
-    ("[" * 100_000, "cannot read the report"),  # deeper than the JSON parser recurses
-    ('{"schema": "something/2"}', "has schema 'something/2', this tpcheck reads 'tpcheck.report/1'"),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ("not json at all", "cannot read the report"),
+        ("[1, 2]", "at the top level: [1, 2] is not of type object"),
+        ('"tpcheck.report/1"', 'at the top level: "tpcheck.report/1" is not of type object'),
+        ("null", "at the top level: null is not of type object"),
+        ("[" * 100_000, "cannot read the report"),  # deeper than the JSON parser recurses
+        (
+            '{"schema": "something/2"}',
+            "has schema 'something/2', this tpcheck reads 'tpcheck.report/1'",
+        ),
+    ],
+)
 def test_not_a_report_exits_2(raw, words, tmp_path, capsys):
     assert main(["report", _report(tmp_path, None, raw)]) == 2
     assert words in _one_error_line(capsys)
@@ -108,7 +140,7 @@ def test_the_seed_report_with_its_known_check_keys_is_read(base, tmp_path, capsy
     assert "3 of 3 case(s) as expected" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------ the checker vs jsonschema
+# ------------------------------------------------------------------------ the checker vs jsonschema
 
 
 def _paths(value, path=()):
@@ -122,12 +154,13 @@ def _paths(value, path=()):
             yield from _paths(v, (*path, i))
 
 
-REPLACEMENTS = [None, True, 1.0, -1, 1.5, float("nan"), "", [], {}]  # one of each JSON type, and edges
+# one of each JSON type, and edges
+REPLACEMENTS = [None, True, 1.0, -1, 1.5, float("nan"), "", [], {}]
 
 
 def _mutations(report):
-    """The report with one value replaced (by each of REPLACEMENTS) or one key removed, everywhere; each
-    change is made in place and undone before the next."""
+    """The report with one value replaced (by each of REPLACEMENTS) or one key removed, everywhere;
+    each change is made in place and undone before the next."""
     for path in list(_paths(report)):
         if not path:
             continue
@@ -162,9 +195,10 @@ def test_the_checker_agrees_with_jsonschema_on_every_mutation(base, schema):
         assert (mine is None) == (not theirs), (path, new, mine, [e.message for e in theirs])
         if mine is not None:
             invalid += 1
-            # mine names a place jsonschema also finds wrong (itself, or inside it for oneOf/if-then)
+            # mine names a place jsonschema also finds wrong
+            # (itself, or inside it for oneOf/if-then)
             places = {tuple(e.absolute_path) for e in theirs}
-            assert any(mine.path[:len(p)] == p for p in places), (path, new, str(mine), places)
+            assert any(mine.path[: len(p)] == p for p in places), (path, new, str(mine), places)
         tried += 1
     assert tried > 1000 and invalid > tried // 4, (tried, invalid)
     assert first_error(base, schema) is None  # every change was undone

@@ -3,6 +3,7 @@
 Test-only blocks go into `tpcheck.blocks.BLOCKS` in this (the parent) process before the launcher
 forks its ranks, so the ranks see them too; the fixture restores BLOCKS afterwards.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,17 +24,21 @@ def children():
 
 
 class _Variant(Block):
-    """The seed MLP block whose Case gets `changes` (Case or Injection fields; values may be functions
-    of (case, cfg) marked with `derive`, computed from the correct case)."""
+    """The seed MLP block whose Case gets `changes` (Case or Injection fields; values may be
+    functions of (case, cfg) marked with `derive`, computed from the correct case)."""
 
     def __init__(self, name: str, changes: dict) -> None:
         base = BLOCKS["mlp"]
-        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Block)} | {"name": name})
+        super().__init__(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(Block)} | {"name": name}
+        )
         object.__setattr__(self, "changes", changes)
 
     def case(self, spec, cfg):
         case = super().case(spec, cfg)
-        values = {k: v(case, cfg) if getattr(v, "derive", False) else v for k, v in self.changes.items()}
+        values = {
+            k: v(case, cfg) if getattr(v, "derive", False) else v for k, v in self.changes.items()
+        }
         inject = {k: v for k, v in values.items() if k in INJECTION_FIELDS}
         rest = {k: v for k, v in values.items() if k not in INJECTION_FIELDS}
         return dataclasses.replace(case, inject=dataclasses.replace(case.inject, **inject), **rest)

@@ -1,11 +1,13 @@
 """Helpers for the robustness tests (importable: pytest puts this folder on sys.path)."""
+
 from __future__ import annotations
 
 import os
 
 
 def child_pids() -> list[int]:
-    """Processes whose parent is this one (zombies included: a child not reaped is left behind too)."""
+    """Processes whose parent is this one (zombies
+    included: a child not reaped is left behind too)."""
     me, out = str(os.getpid()), []
     for d in os.listdir("/proc"):
         if not d.isdigit():

@@ -1,6 +1,8 @@
 """Bad input ends with exit 2 and a message naming the value and the fix -- never a traceback from
 tpcheck's internals, never a rank process when the parent can tell before forking."""
+
 import dataclasses
+import inspect
 import re
 import subprocess
 import sys
@@ -56,8 +58,16 @@ def test_bad_flags_exit_2_with_a_clear_message_before_any_fork(args, words, caps
     assert children() == before
 
 
-@pytest.mark.parametrize("args", [["--world-size", "two"], ["--steps", "1.5"], ["--optimizer", "lion"],
-                                  ["--bogus-flag"], ["--lr", "fast"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--world-size", "two"],
+        ["--steps", "1.5"],
+        ["--optimizer", "lion"],
+        ["--bogus-flag"],
+        ["--lr", "fast"],
+    ],
+)
 def test_unparseable_flags_exit_2(args, capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", *args])
@@ -66,12 +76,17 @@ def test_unparseable_flags_exit_2(args, capsys):
 
 
 def test_world_size_must_divide_heads_kv_heads_and_vocab(children):
-    """The config's divisibility rules, checked in the parent: each case is "invalid", none forks."""
+    """The config's divisibility rules, checked in the
+    parent: each case is "invalid", none forks."""
     before = children()
-    specs = [CaseSpec(preset="tiny", world_size=3, overrides=(("ffn", 96),)),
-             CaseSpec(preset="tiny", world_size=2, overrides=(("hidden", 48), ("heads", 6), ("kv_heads", 3))),
-             CaseSpec(preset="tiny", world_size=2, overrides=(("vocab", 63),)),
-             CaseSpec(preset="tiny", world_size=2, overrides=(("no_such_field", 1),))]
+    specs = [
+        CaseSpec(preset="tiny", world_size=3, overrides=(("ffn", 96),)),
+        CaseSpec(
+            preset="tiny", world_size=2, overrides=(("hidden", 48), ("heads", 6), ("kv_heads", 3))
+        ),
+        CaseSpec(preset="tiny", world_size=2, overrides=(("vocab", 63),)),
+        CaseSpec(preset="tiny", world_size=2, overrides=(("no_such_field", 1),)),
+    ]
     results = check(specs)
     assert [r["verdict"] for r in results] == ["invalid"] * 4
     assert "number of heads 4" in results[0]["summary"]
@@ -87,6 +102,7 @@ def _nan_batch(case, cfg):
         inputs, target = case.make_batch(g, dtype)
         inputs["x"][0, 0, 0] = float("nan")
         return inputs, target
+
     return make
 
 
@@ -94,11 +110,14 @@ def _inf_init(case, cfg):
     def init(module, g):
         case.init(module, g)
         module.down.bias.data.fill_(float("inf"))
+
     return init
 
 
 def _params(change):
-    return derive(lambda case, cfg: dataclasses.replace(case.plan, params=change(dict(case.plan.params))))
+    return derive(
+        lambda case, cfg: dataclasses.replace(case.plan, params=change(dict(case.plan.params)))
+    )
 
 
 def test_bad_plans_and_bad_references_are_invalid_not_tp_bugs(register_block):
@@ -114,12 +133,19 @@ def test_bad_plans_and_bad_references_are_invalid_not_tp_bugs(register_block):
     names = [*blocks, "nan_input", "inf_weight"]
     results = check([CaseSpec(block=n) for n in names], timeout_s=10)
     by = dict(zip(names, results))
-    assert all(r["verdict"] == "invalid" for r in results), [(r["name"], r["summary"]) for r in results]
+    assert all(r["verdict"] == "invalid" for r in results), [
+        (r["name"], r["summary"]) for r in results
+    ]
     assert "no placement for dense parameter(s) ['down.bias']" in by["plan_missing"]["summary"]
     assert "['bogus.weight']" in by["plan_extra"]["summary"]
-    assert "'down.weight'" in by["plan_wrong_shard"]["summary"] and "shape" in by["plan_wrong_shard"]["summary"]
+    assert (
+        "'down.weight'" in by["plan_wrong_shard"]["summary"]
+        and "shape" in by["plan_wrong_shard"]["summary"]
+    )
     for name in ("nan_input", "inf_weight"):
-        assert "NaN/Inf" in by[name]["summary"] and "not the TP implementation" in by[name]["summary"]
+        assert (
+            "NaN/Inf" in by[name]["summary"] and "not the TP implementation" in by[name]["summary"]
+        )
     assert not any("traceback" in p for r in results for p in r["problems"])
     assert exit_code(results) == 2
 
@@ -133,7 +159,9 @@ API_BAD = [  # (what is passed to tpcheck.check, words the UsageError must conta
 ]
 
 
-@pytest.mark.parametrize("make,words", API_BAD, ids=["one spec", "a name", "a dict", "a string", "None"])
+@pytest.mark.parametrize(
+    "make,words", API_BAD, ids=["one spec", "a name", "a dict", "a string", "None"]
+)
 def test_the_python_api_refuses_anything_but_a_list_of_specs_before_any_fork(make, words, children):
     from tpcheck.errors import UsageError
 
@@ -145,6 +173,7 @@ def test_the_python_api_refuses_anything_but_a_list_of_specs_before_any_fork(mak
 
 def _forward_returning(side: str, wrap):
     """The seed MLP's dense or TP module, its forward's output passed through `wrap`."""
+
     def build(case, cfg):
         original = case.build_tp if side == "tp" else case.build_dense
 
@@ -153,7 +182,9 @@ def _forward_returning(side: str, wrap):
             inner = module.forward
             module.forward = lambda *a, **k: wrap(inner(*a, **k))
             return module
+
         return make
+
     return derive(build)
 
 
@@ -167,25 +198,42 @@ def test_a_forward_returning_no_tensor_is_invalid_naming_the_side_and_the_line(r
     names = ["tp_tuple", "tp_none", "dense_dict", "mlp"]
     by = dict(zip(names, check([CaseSpec(block=n) for n in names], timeout_s=10)))
     assert by["mlp"]["verdict"] == "equivalent"
-    line = f"test_bad_input.py:{_forward_returning.__code__.co_firstlineno + 8}"  # the wrapping lambda
-    for name, side, what in (("tp_tuple", "TP", "a tuple of 1"), ("tp_none", "TP", "NoneType"),
-                             ("dense_dict", "dense", "a dict of 1")):
+    source, first = inspect.getsourcelines(_forward_returning)  # the wrapping lambda's line
+    line = f"test_bad_input.py:{first + next(i for i, s in enumerate(source) if 'lambda *a' in s)}"
+    for name, side, what in (
+        ("tp_tuple", "TP", "a tuple of 1"),
+        ("tp_none", "TP", "NoneType"),
+        ("dense_dict", "dense", "a dict of 1"),
+    ):
         r = by[name]
         assert r["verdict"] == "invalid", (name, r["summary"])
         assert f"the {side} module's forward (" in r["summary"], r["summary"]
         assert f"{line}) returned {what}, not a tensor" in r["summary"], r["summary"]
-        assert not any("Traceback" in p or "AttributeError" in p for p in r["problems"]), r["problems"]
+        assert not any("Traceback" in p or "AttributeError" in p for p in r["problems"]), r[
+            "problems"
+        ]
 
 
 @pytest.mark.slow
 def test_pure_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subprocess():
     """Pure float16 parameters (no float32 masters): AdamW's eps underflows in float16 and the dense
-    reference itself turns NaN: that is bad input (exit 2, a clear message), not a TP bug. Also: other
-    bad input, via the real command line, in parallel, with no traceback."""
-    cmds = [["run", "--dtype", "float16", "--no-master-weights", "--world-size", "1", "-q"], ["run", "--preset", "huge"],
-            ["run", "--world-size", "5"]]
-    procs = [subprocess.Popen([sys.executable, "-m", "tpcheck", *c], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for c in cmds]
+    reference itself turns NaN: that is bad input (exit 2, a clear message), not a TP bug. Also:
+    other bad input, via the real command line, in parallel, with no traceback."""
+    cmds = [
+        ["run", "--dtype", "float16", "--no-master-weights", "--world-size", "1", "-q"],
+        ["run", "--preset", "huge"],
+        ["run", "--world-size", "5"],
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tpcheck", *c],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for c in cmds
+    ]
     outs = []
     for p in procs:
         try:
@@ -195,6 +243,10 @@ def test_pure_float16_adamw_reference_overflow_is_reported_as_invalid_in_a_subpr
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 2, err
         assert "Traceback" not in err and "tpcheck: error:" in err
-    assert "float16" in outs[0][1] and "AdamW" in outs[0][1] and "not the TP implementation" in outs[0][1]
+    assert (
+        "float16" in outs[0][1]
+        and "AdamW" in outs[0][1]
+        and "not the TP implementation" in outs[0][1]
+    )
     assert "--no-master-weights" in outs[0][1]
     assert "huge" in outs[1][1] and "world size 5" in outs[2][1]

@@ -1,5 +1,6 @@
-"""Two checks at once do not collide (no fixed port, no shared temp file); the same command gives the
-same JSON (timings aside: keys named `seconds`); the report is written atomically."""
+"""Two checks at once do not collide (no fixed port, no shared temp file); the same command gives
+the same JSON (timings aside: keys named `seconds`); the report is written atomically."""
+
 import json
 import os
 import subprocess
@@ -18,8 +19,16 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_two_concurrent_checks_do_not_collide(tmp_path):
     outs = [tmp_path / "a.json", tmp_path / "b.json"]
-    procs = [subprocess.Popen([sys.executable, "-m", "tpcheck", "run", "--mode", "all", "-q", "--json", str(o)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for o in outs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tpcheck", "run", "--mode", "all", "-q", "--json", str(o)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for o in outs
+    ]
     try:
         done = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -33,8 +42,18 @@ def test_two_concurrent_checks_do_not_collide(tmp_path):
 
 
 def test_same_command_twice_gives_identical_json(tmp_path):
-    argv = ["run", "--world-size", "1", "2", "--fault", "missing_forward_reduce", "missing_backward_reduce",
-            "--steps", "2", "-q"]
+    argv = [
+        "run",
+        "--world-size",
+        "1",
+        "2",
+        "--fault",
+        "missing_forward_reduce",
+        "missing_backward_reduce",
+        "--steps",
+        "2",
+        "-q",
+    ]
     reports = []
     for i in range(2):
         path = tmp_path / f"r{i}.json"

@@ -1,6 +1,7 @@
 """A rank that raises or dies brings the case down cleanly: an "error" result with the rank's
 traceback (in problems and in the console summary), exit code 2, and in a matrix the next case runs
 on a respawned pool. No process is left behind."""
+
 import os
 import signal
 
@@ -13,6 +14,7 @@ def _on_rank1(action):
     def tamper(module, group):
         if group.rank == 1:
             action()
+
     return tamper
 
 
@@ -27,9 +29,16 @@ def test_crashes_in_a_matrix_fail_their_case_and_the_matrix_goes_on(register_blo
     register_block("crash_kill", tamper=_on_rank1(lambda: os.kill(os.getpid(), signal.SIGKILL)))
     specs = [CaseSpec(block=b) for b in ("crash_exc", "mlp", "crash_exit", "crash_kill", "mlp")]
     exc, ok1, exited, killed, ok2 = results = check(specs, timeout_s=10)
-    assert [r["verdict"] for r in results] == ["error", "equivalent", "error", "error", "equivalent"]
+    assert [r["verdict"] for r in results] == [
+        "error",
+        "equivalent",
+        "error",
+        "error",
+        "equivalent",
+    ]
     assert exit_code(results) == 3  # no verdict: not bad input (2)
-    for crashed in (exc, exited, killed):  # rank 0 was stopped because rank 1 failed, not by its own timeout
+    # rank 0 was stopped because rank 1 failed, not by its own timeout
+    for crashed in (exc, exited, killed):
         (peer,) = [p for p in crashed["problems"] if p["rank"] == 0]
         assert peer["status"] == "aborted", peer
     (problem,) = [p for p in exc["problems"] if p["rank"] == 1]
@@ -48,5 +57,9 @@ def test_single_crashing_case_exits_3_and_prints_the_traceback(register_block, c
     register_block("crash_exc", tamper=_on_rank1(_raise))
     assert main(["run", "--block", "crash_exc", "--timeout", "10"]) == 3
     err = capsys.readouterr().err
-    assert "boom on rank 1" in err and "in _raise" in err and 'raise RuntimeError("boom on rank 1")' in err
+    assert (
+        "boom on rank 1" in err
+        and "in _raise" in err
+        and 'raise RuntimeError("boom on rank 1")' in err
+    )
     assert children() == before

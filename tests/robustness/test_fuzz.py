@@ -3,6 +3,7 @@ never hang, and always end with exit code 0, 1 or 2 (2 with a one-line message f
 
 Run in-process through `main(argv)` (argparse's SystemExit(2) counts as exit 2); a SIGALRM watchdog
 turns a hang into a test failure instead of a stuck suite."""
+
 import contextlib
 import signal
 
@@ -14,14 +15,21 @@ from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.cli import main
 
 FLAGS = {  # flag -> values (valid and garbage); a list value means nargs="+"
-    "--world-size": st.lists(st.sampled_from(["1", "2", "3", "4", "0", "-1", "999", "x", "1e3"]), min_size=1,
-                             max_size=2),
+    "--world-size": st.lists(
+        st.sampled_from(["1", "2", "3", "4", "0", "-1", "999", "x", "1e3"]), min_size=1, max_size=2
+    ),
     "--block": st.sampled_from([["mlp"], ["nope"], ["mlp", "nope"], [""]]),
     "--preset": st.sampled_from(["seed", "tiny", "nope", "", "llama"]),
-    "--dtype": st.lists(st.sampled_from(["float32", "float64", "bfloat16", "float16", "complex64", "int8", "f"]),
-                        min_size=1, max_size=2),
-    "--fault": st.lists(st.sampled_from(["missing_forward_reduce", "missing_backward_reduce", "nope", "?"]),
-                        min_size=1, max_size=1),
+    "--dtype": st.lists(
+        st.sampled_from(["float32", "float64", "bfloat16", "float16", "complex64", "int8", "f"]),
+        min_size=1,
+        max_size=2,
+    ),
+    "--fault": st.lists(
+        st.sampled_from(["missing_forward_reduce", "missing_backward_reduce", "nope", "?"]),
+        min_size=1,
+        max_size=1,
+    ),
     "--steps": st.sampled_from(["1", "2", "0", "-1", "x", "1.5", str(10**12)]),
     "--micro-batches": st.sampled_from(["1", "2", "0", "-4", str(10**9)]),
     "--optimizer": st.sampled_from(["sgd", "adamw", "lion"]),
@@ -39,7 +47,13 @@ def argvs(draw):
     argv = ["run", "-q"]
     for flag in draw(st.lists(st.sampled_from(sorted(FLAGS)), max_size=5, unique=True)):
         value = draw(FLAGS[flag])
-        argv += [flag] if value is None else [flag, *value] if isinstance(value, list) else [f"{flag}={value}"]
+        argv += (
+            [flag]
+            if value is None
+            else [flag, *value]
+            if isinstance(value, list)
+            else [f"{flag}={value}"]
+        )
     return argv
 
 
@@ -82,16 +96,34 @@ SIZES = st.sampled_from([1, 2, 3, 4, 6, 8, 0, -1])
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(seq=SIZES, batch=SIZES, hidden=SIZES, ffn=st.sampled_from([4, 8, 12, 6, 5, -2]),
-       layout=st.sampled_from(["stacked", "concat", "stacked", "concat", "zigzag"]), world=st.sampled_from([1, 2, 3, 4]),
-       sp=st.booleans(), dtype=st.sampled_from(["float32", "float64", "bfloat16"]))
-def test_random_case_configs_are_equivalent_or_invalid(seq, batch, hidden, ffn, layout, world, sp, dtype, children):
+@given(
+    seq=SIZES,
+    batch=SIZES,
+    hidden=SIZES,
+    ffn=st.sampled_from([4, 8, 12, 6, 5, -2]),
+    layout=st.sampled_from(["stacked", "concat", "stacked", "concat", "zigzag"]),
+    world=st.sampled_from([1, 2, 3, 4]),
+    sp=st.booleans(),
+    dtype=st.sampled_from(["float32", "float64", "bfloat16"]),
+)
+def test_random_case_configs_are_equivalent_or_invalid(
+    seq, batch, hidden, ffn, layout, world, sp, dtype, children
+):
     """A correct implementation on any config it accepts is equivalent; a config it cannot take is
     "invalid" with a message. Never an internal error (which would be "error" with a traceback)."""
     before = children()
-    spec = CaseSpec(world_size=world, run=RunSettings(dtype=dtype, steps=1), sequence_parallel=sp,
-                    overrides=(("seq", seq), ("batch", batch), ("hidden", hidden), ("ffn", ffn),
-                               ("gate_up_layout", layout)))
+    spec = CaseSpec(
+        world_size=world,
+        run=RunSettings(dtype=dtype, steps=1),
+        sequence_parallel=sp,
+        overrides=(
+            ("seq", seq),
+            ("batch", batch),
+            ("hidden", hidden),
+            ("ffn", ffn),
+            ("gate_up_layout", layout),
+        ),
+    )
     with watchdog(90):
         (result,) = check([spec], timeout_s=10)
     assert result["verdict"] in ("equivalent", "invalid"), (spec, result["summary"])

@@ -1,7 +1,8 @@
-"""Every collective wait is bounded, and a hang is told from evidence: each rank's heartbeat says where
-it is (in a collective, at the checker's checkpoint, computing at a file:line, or silent), so the rank
-that holds the others up is named -- not the ones waiting for it. No process is left behind, and the
-verdict is a detection for the fault, a failure for a correct-looking case."""
+"""Every collective wait is bounded, and a hang is told from evidence: each rank's heartbeat says
+where it is (in a collective, at the checker's checkpoint, computing at a file:line, or silent), so
+the rank that holds the others up is named -- not the ones waiting for it. No process is left
+behind, and the verdict is a detection for the fault, a failure for a correct-looking case."""
+
 import os
 import time
 
@@ -35,14 +36,22 @@ def test_fault_hang_is_named_bounded_and_leaves_no_process(children):
     # rank 1 skipped the forward all-reduce, so rank 0's forward all-reduce paired with rank 1's
     # backward one; rank 0 then waited alone in backward while rank 1 sat at the checkpoint.
     h = hang["hang"]
-    assert h["stuck_in_collective"] == [{"rank": 0, "op": "all_reduce", "site": "gate_up", "phase": "backward"}]
+    assert h["stuck_in_collective"] == [
+        {"rank": 0, "op": "all_reduce", "site": "gate_up", "phase": "backward"}
+    ]
     assert [(w["rank"], w["checkpoint"]) for w in h["waiting_at_checkpoint"]] == [
-        (1, "forward and backward of step 1")]
-    assert h["ledger_diff"] == ("collectives issued (rank 0: 2, rank 1: 1) first differ at #1: "
-                                "rank 0: forward all_reduce at 'down'; rank 1: backward all_reduce at 'gate_up'")
+        (1, "forward and backward of step 1")
+    ]
+    assert h["ledger_diff"] == (
+        "collectives issued (rank 0: 2, rank 1: 1) first differ at #1: "
+        "rank 0: forward all_reduce at 'down'; rank 1: backward all_reduce at 'gate_up'"
+    )
     assert h["culprits"] == [] and "ranks wait in different places" in h["cause"]
     assert "in backward all_reduce at 'gate_up'" in hang["summary"]
-    assert "rank 1 waited" in hang["summary"] and "checkpoint after forward and backward of step 1" in hang["summary"]
+    assert (
+        "rank 1 waited" in hang["summary"]
+        and "checkpoint after forward and backward of step 1" in hang["summary"]
+    )
     assert after["verdict"] == "equivalent"  # the pool was respawned after the hang
     assert exit_code([hang, after]) == 0
     assert children() == before
@@ -50,17 +59,22 @@ def test_fault_hang_is_named_bounded_and_leaves_no_process(children):
 
 def test_hang_in_a_correct_case_is_a_failure(register_block, capsys, children):
     before = children()
-    register_block("hangs_unmarked", intercept=skip_on_ranks("all_reduce", "down", "forward", ranks={1}))
+    register_block(
+        "hangs_unmarked", intercept=skip_on_ranks("all_reduce", "down", "forward", ranks={1})
+    )
     assert main(["run", "--block", "hangs_unmarked", "--timeout", "2"]) == 1
     err = capsys.readouterr().err
     assert "hang detected" in err and "in backward all_reduce at 'gate_up'" in err
     assert children() == before
 
 
-def test_rank_stuck_outside_collectives_is_named_at_its_line_without_waiting_for_it(register_block, children):
+def test_rank_stuck_outside_collectives_is_named_at_its_line_without_waiting_for_it(
+    register_block, children
+):
     """Rank 1 sleeps while building its module: rank 0's checkpoint wait times out, and the launcher
     names rank 1 -- computing at the sleeping line -- from its heartbeat, at once: it never waits
     for rank 1 (which would sleep an hour)."""
+
     def sleepy(module, group):
         if group.rank == group.world_size - 1:
             time.sleep(3600)  # SLEEPY
@@ -70,7 +84,8 @@ def test_rank_stuck_outside_collectives_is_named_at_its_line_without_waiting_for
     t0 = time.monotonic()
     with pool_launcher(timeout_s=1) as launcher:
         result = merge(spec, launcher.run(spec)).to_json()
-        solo = CaseSpec(block="sleepy", world_size=1)  # world 1: no collective, only the stall deadline
+        # world 1: no collective, only the stall deadline
+        solo = CaseSpec(block="sleepy", world_size=1)
         launcher.stall_s = 0.2
         alone = merge(solo, launcher.run(solo)).to_json()
     assert time.monotonic() - t0 < 60  # an hour's sleep was not waited for
@@ -80,10 +95,15 @@ def test_rank_stuck_outside_collectives_is_named_at_its_line_without_waiting_for
     by_rank = {e["rank"]: e for e in h["ranks"]}
     here = f"tests/robustness/test_hang.py:{_sleepy_line()} in sleepy"
     assert by_rank[1]["state"] == "compute" and by_rank[1]["at"].endswith(here), by_rank[1]
-    assert by_rank[1]["own_report"] is False  # the launcher's evidence: rank 1 was killed, not waited for
-    assert by_rank[0]["state"] == "checkpoint" and by_rank[0]["checkpoint"] == "building the TP module"
+    # the launcher's evidence: rank 1 was killed, not waited for
+    assert by_rank[1]["own_report"] is False
+    assert (
+        by_rank[0]["state"] == "checkpoint" and by_rank[0]["checkpoint"] == "building the TP module"
+    )
     assert by_rank[0]["own_report"] is True  # rank 0's own wait timed out: that decided the hang
-    assert result["summary"].startswith("hang detected: rank(s) [1] held the others up: rank 1 was computing at ")
+    assert result["summary"].startswith(
+        "hang detected: rank(s) [1] held the others up: rank 1 was computing at "
+    )
     assert "stuck in compute" in result["summary"]
     assert alone["verdict"] == "hang" and alone["hang"]["culprits"] == [0]
     assert "no rank entered a collective or moved" in alone["summary"]
@@ -100,8 +120,13 @@ def test_rank_spinning_in_forward_is_the_culprit():
     h = result["hang"]
     assert result["verdict"] == "hang" and h["culprits"] == [1]
     spin = {e["rank"]: e for e in h["ranks"]}[1]
-    assert spin["state"] == "compute" and spin["at"].endswith(f"runtime.py:{_line('# SPIN')} in forward"), spin
-    assert "rank 1 was computing at" in result["summary"] and "checker:replicas" not in result["summary"]
+    assert spin["state"] == "compute" and spin["at"].endswith(
+        f"runtime.py:{_line('# SPIN')} in forward"
+    ), spin
+    assert (
+        "rank 1 was computing at" in result["summary"]
+        and "checker:replicas" not in result["summary"]
+    )
 
 
 def test_stopped_rank_is_named_as_not_responding():
@@ -110,7 +135,9 @@ def test_stopped_rank_is_named_as_not_responding():
     h = result["hang"]
     assert result["verdict"] == "hang" and h["culprits"] == [1]
     stopped = {e["rank"]: e for e in h["ranks"]}[1]
-    assert stopped["state"] == "unresponsive" and "stopped by a signal" in stopped["process"], stopped
+    assert stopped["state"] == "unresponsive" and "stopped by a signal" in stopped["process"], (
+        stopped
+    )
     assert "rank 1 sent no heartbeat" in result["summary"]
 
 
@@ -126,8 +153,10 @@ def test_users_own_collective_on_one_rank_is_named_at_its_line():
     assert "in forward torch.distributed.all_reduce called at" in result["summary"]
     assert "checker:replicas" not in result["summary"]
     # the user's own collectives are counted: the ledgers part at it
-    assert h["ledger_diff"] == ("collectives issued (rank 0: 1, rank 1: 0) first differ at #1: "
-                                "rank 0: forward all_reduce at 'torch.distributed'; rank 1: nothing")
+    assert h["ledger_diff"] == (
+        "collectives issued (rank 0: 1, rank 1: 0) first differ at #1: "
+        "rank 0: forward all_reduce at 'torch.distributed'; rank 1: nothing"
+    )
 
 
 def test_sigint_to_one_rank_inside_a_case_is_reported_as_such():

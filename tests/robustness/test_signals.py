@@ -1,8 +1,10 @@
-"""Signals and leftovers, through the real command in a child process: SIGINT (as a terminal's Ctrl-C
-sends it, to the foreground process group), SIGTERM and SIGHUP stop every rank, write a partial report
-marked `interrupted`, exit 128 + the signal, print no traceback, and leave no process and no temp dir
-(pool stores, torch's compile cache); a second Ctrl-C exits at once, leaving nothing either. Processes
-spawned by the code under test die with its rank; a closed stderr never leaks the summary into stdout."""
+"""Signals and leftovers, through the real command in a child process: SIGINT (as a terminal's
+Ctrl-C sends it, to the foreground process group), SIGTERM and SIGHUP stop every rank, write a
+partial report marked `interrupted`, exit 128 + the signal, print no traceback, and leave no process
+and no temp dir (pool stores, torch's compile cache); a second Ctrl-C exits at once, leaving nothing
+either. Processes spawned by the code under test die with its rank; a closed stderr never leaks the
+summary into stdout."""
+
 import json
 import os
 import signal
@@ -27,7 +29,8 @@ def _env(tmp_path):
 
 
 def _marked(mark: str) -> list[int]:
-    """Processes (other than zombies reaped by nobody yet) whose environment carries the test's mark."""
+    """Processes (other than zombies reaped by nobody
+    yet) whose environment carries the test's mark."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -56,10 +59,28 @@ def _none_left(mark: str) -> bool:
 
 def _start(tmp_path, *targets, world=2):
     env, tmp, mark = _env(tmp_path)
-    cmd = [sys.executable, "-m", "tpcheck", "verify", *[f"{RUNTIME}:{t}" for t in targets],
-           "--world-size", str(world), "--timeout", "60", "--json", str(tmp_path / "report.json")]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tpcheck",
+        "verify",
+        *[f"{RUNTIME}:{t}" for t in targets],
+        "--world-size",
+        str(world),
+        "--timeout",
+        "60",
+        "--json",
+        str(tmp_path / "report.json"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=tmp_path,
+    )
     return proc, tmp, mark
 
 
@@ -73,13 +94,20 @@ def _wait_for_first_case(proc) -> list[str]:
     raise AssertionError("the run ended before its first case was reported:\n" + "".join(lines))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGINT,
+        pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+        pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
+    ],
+)
 def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, sig):
     proc, tmp, mark = _start(tmp_path, "ok", "sleeps")  # the second case sleeps 600 s on every rank
     seen = _wait_for_first_case(proc)
     if sig == signal.SIGINT:
-        os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does: the whole foreground process group
+        # what a terminal's Ctrl-C does: the whole foreground process group
+        os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
     _, err = proc.communicate(timeout=WAIT_S)
@@ -91,10 +119,25 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, sig):
     assert report["interrupted"] == {"signal": sig.name, "cases_finished": 1, "cases_planned": 2}
     assert report["summary"]["exit_code"] == 128 + sig
     assert [c["verdict"] for c in report["cases"]] == ["equivalent"]
-    shown = subprocess.run([sys.executable, "-m", "tpcheck", "report", str(tmp_path / "report.json"), "--html",
-                            str(tmp_path / "report.html")], capture_output=True, text=True, timeout=WAIT_S)
-    assert shown.returncode == 0 and "1 of 1 case(s) as expected" in shown.stderr  # the partial report is valid
-    assert f"interrupted by {sig.name} after 1 of 2 case(s)" in (tmp_path / "report.html").read_text()
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpcheck",
+            "report",
+            str(tmp_path / "report.json"),
+            "--html",
+            str(tmp_path / "report.html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    # the partial report is valid
+    assert shown.returncode == 0 and "1 of 1 case(s) as expected" in shown.stderr
+    assert (
+        f"interrupted by {sig.name} after 1 of 2 case(s)" in (tmp_path / "report.html").read_text()
+    )
     assert os.listdir(tmp) == []  # no pool store, no compile cache
     assert _none_left(mark)  # no rank left
 
@@ -117,12 +160,15 @@ def test_processes_spawned_by_the_code_under_test_die_with_its_rank(tmp_path):
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err
     assert _none_left(mark)
-    assert os.listdir(tmp) == []  # torch's torchinductor_<user> cache went to a private dir, removed
+    # torch's torchinductor_<user> cache went to a private dir, removed
+    assert os.listdir(tmp) == []
 
 
 def test_closed_stderr_keeps_stdout_pure_json(tmp_path):
     env, tmp, _ = _env(tmp_path)
     cmd = f"{sys.executable} -m tpcheck run --mode equivalence --world-size 2 2>&-"
-    done = subprocess.run(cmd, shell=True, env=env, stdout=subprocess.PIPE, text=True, timeout=WAIT_S, cwd=tmp_path)
+    done = subprocess.run(
+        cmd, shell=True, env=env, stdout=subprocess.PIPE, text=True, timeout=WAIT_S, cwd=tmp_path
+    )
     assert done.returncode == 0
     assert json.loads(done.stdout)["mode"] == "equivalence"

@@ -4,32 +4,33 @@
                         ColwiseParallel(), ...}, make_batch=make_batch)
 
 The TP side is `parallelize_module(copy_of_dense, DeviceMesh(device, ranks), tp_plan)` on the ranks'
-existing group (gloo on the CPU, NCCL with --device cuda). Its parameters are DTensors, so the engine
-sees it through `LocalShards`: a module whose parameters are plain tensors, each the local shard of one
-DTensor parameter, named as the dense parameter. Every forward rebuilds the DTensors from them (`DTensor.from_local`, no copy, no
-communication) and calls the parallelized module with them (`torch.func.functional_call`); gradients
-flow back to the local shards through `from_local`'s backward, which redistributes a grad to the
-parameter's own placement (a replicated norm weight's partial grad under sequence parallelism is
-all-reduced there). AdamW and SGD are elementwise, so stepping the local shards is exactly what a
-DTensor optimizer computes.
+existing group (gloo on the CPU, NCCL with --device cuda). Its parameters are DTensors, so the
+engine sees it through `LocalShards`: a module whose parameters are plain tensors, each the local
+shard of one DTensor parameter, named as the dense parameter. Every forward rebuilds the DTensors
+from them (`DTensor.from_local`, no copy, no communication) and calls the parallelized module with
+them (`torch.func.functional_call`); gradients flow back to the local shards through `from_local`'s
+backward, which redistributes a grad to the parameter's own placement (a replicated norm weight's
+partial grad under sequence parallelism is all-reduced there). AdamW and SGD are elementwise, so
+stepping the local shards is exactly what a DTensor optimizer computes.
 
 Per-module checks: the output of every module the plan parallelizes is compared with the dense
-module's, placed as the style lays it out (ColwiseParallel: sharded on the last dim; RowwiseParallel:
-replicated, or its `output_layouts`; SequenceParallel: sharded on the sequence dim), so a plan bug
-names its module, not only the model's output.
+module's, placed as the style lays it out (ColwiseParallel: sharded on the last dim;
+RowwiseParallel: replicated, or its `output_layouts`; SequenceParallel: sharded on the sequence
+dim), so a plan bug names its module, not only the model's output.
 
 The tpcheck plan is derived from the DTensor placements: `Shard(d)` -> `Shard(d)`, `Replicate` ->
 `Replicate`. It is derived once without a process group, from torch's documented style rules
 (Colwise: Linear weight/bias Shard(0), Embedding weight Shard(1); Rowwise: Linear weight Shard(1),
 bias Replicate, Embedding weight Shard(0); everything else replicated), and on every rank the real
-DTensor placements are checked against it (a custom ParallelStyle that places differently is an error
-naming the parameter; pass `placements=` for it).
+DTensor placements are checked against it (a custom ParallelStyle that places differently is an
+error naming the parameter; pass `placements=` for it).
 
 Collectives: DTensor's collectives do not pass through a TPGroup, so the functional collectives it
-calls are counted (`_CollectiveCount`), per phase, into the case's ledger (site "dtensor"): forward = during the
-module's forward; backward = from the output's gradient to the end of the backward pass. The checker
-compares the ledgers of all ranks like any other, and reports them.
+calls are counted (`_CollectiveCount`), per phase, into the case's ledger (site "dtensor"): forward
+= during the module's forward; backward = from the output's gradient to the end of the backward
+pass. The checker compares the ledgers of all ranks like any other, and reports them.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -49,8 +50,8 @@ _MESHES: dict[tuple[int, str], object] = {}
 
 
 def device_mesh(group: TPGroup):
-    """A 1-D mesh on the rank's device over its existing default group (gloo on the CPU, NCCL on GPUs);
-    one per world size and device per process."""
+    """A 1-D mesh on the rank's device over its existing default group (gloo on the CPU, NCCL on
+    GPUs); one per world size and device per process."""
     from torch.distributed.device_mesh import DeviceMesh
 
     key = (group.world_size, group.device.type)
@@ -83,9 +84,10 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _output_placement(style) -> Placement | None:
-    """How the output of a module under `style` lies on this rank, as tpcheck compares it: the style's
-    output layout (ColwiseParallel: Shard(-1); RowwiseParallel: Replicate unless told; SequenceParallel:
-    Shard(sequence dim)). None for a style whose output tpcheck does not know, or a Partial one."""
+    """How the output of a module under `style` lies on this rank, as tpcheck compares it: the
+    style's output layout (ColwiseParallel: Shard(-1); RowwiseParallel: Replicate unless told;
+    SequenceParallel: Shard(sequence dim)). None for a style whose output tpcheck does not know,
+    or a Partial one."""
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -104,7 +106,9 @@ def _output_placement(style) -> Placement | None:
     return None
 
 
-def derive_plan(dense: nn.Module, tp_plan: dict, placements: dict[str, Placement] | None = None) -> Plan:
+def derive_plan(
+    dense: nn.Module, tp_plan: dict, placements: dict[str, Placement] | None = None
+) -> Plan:
     """{dense parameter: tpcheck placement} for `parallelize_module(dense, mesh, tp_plan)`, and the
     output placement of every module the plan parallelizes (its per-module check)."""
     params: dict[str, Placement] = {n: Replicate() for n, _ in dense.named_parameters()}
@@ -112,8 +116,10 @@ def derive_plan(dense: nn.Module, tp_plan: dict, placements: dict[str, Placement
     for pattern, style in tp_plan.items():
         hits = [(n, m) for n, m in dense.named_modules() if _matches(pattern, n)]
         if not hits:
-            raise UsageError(f"the DTensor plan's key {pattern!r} matches no submodule of the dense model; "
-                             f"modules are {[n for n, _ in dense.named_modules() if n][:12]}...")
+            raise UsageError(
+                f"the DTensor plan's key {pattern!r} matches no submodule of the dense model; "
+                f"modules are {[n for n, _ in dense.named_modules() if n][:12]}..."
+            )
         for name, module in hits:
             for pname, placement in _style_placements(style, module).items():
                 params[f"{name}.{pname}" if name else pname] = placement
@@ -132,8 +138,10 @@ def from_dtensor_placements(placements, ndim: int, name: str) -> Placement:
         return Shard(p.dim % ndim)
     if isinstance(p, DReplicate):
         return Replicate()
-    raise UsageError(f"parameter {name!r} is placed {p} by the DTensor plan; tpcheck compares Shard and Replicate "
-                     "parameters only")
+    raise UsageError(
+        f"parameter {name!r} is placed {p} by the DTensor plan; tpcheck compares Shard and "
+        "Replicate parameters only"
+    )
 
 
 # ------------------------------------------------------------------------------ the TP side
@@ -154,22 +162,33 @@ class LocalShards(nn.Module):
         self.shards = nn.ParameterDict()
         for name, p in parallel.named_parameters():
             if hasattr(p, "to_local"):
-                seen = from_dtensor_placements(p.placements, p.dim(), name) if plan is not None else None
+                seen = (
+                    from_dtensor_placements(p.placements, p.dim(), name)
+                    if plan is not None
+                    else None
+                )
                 if plan is not None and str(seen) != str(plan.params[name]):
-                    raise UsageError(f"parameter {name!r}: the DTensor plan placed it {seen}, the derived plan says "
-                                     f"{plan.params[name]}; pass placements={{{name!r}: {seen!r}}} to dtensor_case")
+                    raise UsageError(
+                        f"parameter {name!r}: the DTensor plan placed it {seen}, the derived plan "
+                        f"says {plan.params[name]}; pass placements={{{name!r}: "
+                        f"{seen!r}}} to dtensor_case"
+                    )
                 self.specs[name] = (p.placements, p.shape, p.stride())
                 local = p.to_local()
             else:
                 local = p
             self.shards[name.replace(".", "__")] = nn.Parameter(local.detach().clone())
-        self.comm = None  # an open counting mode from a step's first forward to the end of its backward
+        # an open counting mode from a step's first forward to the end of its backward
+        self.comm = None
 
     def capture_modules(self):
-        """The parallelized module's submodules, under the dense names: their outputs are checked."""
+        """The parallelized module's submodules, under
+        the dense names: their outputs are checked."""
         return self.parallel.named_modules()
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ):
         for key, p in self.shards.items():
             yield prefix + key.replace("__", "."), p
 
@@ -180,12 +199,15 @@ class LocalShards(nn.Module):
         for name, p in self.named_parameters():
             if name in self.specs:
                 placements, shape, stride = self.specs[name]
-                p = DTensor.from_local(p, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+                p = DTensor.from_local(
+                    p, self.mesh, placements, run_check=False, shape=shape, stride=stride
+                )
             out[name] = p
         return out
 
     def forward(self, **inputs):
-        if self.comm is None:  # one mode per step: every micro-batch's forward and backward, to finalize_grads
+        # one mode per step: every micro-batch's forward and backward, to finalize_grads
+        if self.comm is None:
             self.comm = _counting_mode()
             self.comm.__enter__()
         before = _counts(self.comm)
@@ -203,11 +225,14 @@ class LocalShards(nn.Module):
 
     def _on_backward_start(self, grad):
         start = _counts(self.comm)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._record("backward", start))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self._record("backward", start)
+        )
         return grad
 
     def _record(self, phase: str, since: Counter) -> None:
-        note = getattr(self.group.tap, "note", None)  # the checker's tap records; a bare group does not
+        # the checker's tap records; a bare group does not
+        note = getattr(self.group.tap, "note", None)
         if self.comm is None or note is None:
             return
         now = _counts(self.comm)
@@ -227,11 +252,20 @@ class LocalShards(nn.Module):
 
 # DTensor's collectives, at the Python layer it issues them through (placements and redistribution
 # call `funcol.<name>(...)`, looked up on the module at call time): {function: the ledger's op}.
-_FUNCOL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_gather_single": "all_gather",
-           "all_gather_tensor": "all_gather", "all_gather_inplace": "all_gather",
-           "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_single": "reduce_scatter",
-           "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-           "all_to_all_single": "all_to_all", "broadcast": "broadcast", "permute_tensor": "all_to_all"}
+_FUNCOL = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_tensor": "all_gather",
+    "all_gather_inplace": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "permute_tensor": "all_to_all",
+}
 _ACTIVE: list[Counter] = []  # the open counters (innermost last); counted only while one is open
 _DEPTH = [0]  # a funcol function calling another counts once
 
@@ -291,8 +325,15 @@ def _counts(comm) -> Counter:
 # ------------------------------------------------------------------------------ the Case
 
 
-def dtensor_case(*, name: str, build_dense: Callable[[torch.dtype], nn.Module], tp_plan: dict,
-                 make_batch: Callable, placements: dict[str, Placement] | None = None, **fields) -> Case:
+def dtensor_case(
+    *,
+    name: str,
+    build_dense: Callable[[torch.dtype], nn.Module],
+    tp_plan: dict,
+    make_batch: Callable,
+    placements: dict[str, Placement] | None = None,
+    **fields,
+) -> Case:
     """A Case whose TP side is `parallelize_module(build_dense(dtype), mesh, tp_plan)`. `fields` are
     any other Case fields (init, loss, tp_loss, input_placements, output_placement, steps, ...)."""
     plan = derive_plan(build_dense(torch.float32), tp_plan, placements)
@@ -304,4 +345,11 @@ def dtensor_case(*, name: str, build_dense: Callable[[torch.dtype], nn.Module], 
         parallel = parallelize_module(build_dense(dtype), mesh, dict(tp_plan))
         return LocalShards(parallel, mesh, group, plan)
 
-    return Case(name=name, build_dense=build_dense, build_tp=build_tp, plan=plan, make_batch=make_batch, **fields)
+    return Case(
+        name=name,
+        build_dense=build_dense,
+        build_tp=build_tp,
+        plan=plan,
+        make_batch=make_batch,
+        **fields,
+    )

@@ -1,4 +1,5 @@
-"""Check real Megatron-Core layers (optional extra `tpcheck[megatron]`, megatron-core==0.16.1) on CPU/gloo.
+"""Check real Megatron-Core layers (optional extra
+`tpcheck[megatron]`, megatron-core==0.16.1) on CPU/gloo.
 
 Cases: `column_case` (ColumnParallelLinear), `row_case` (RowParallelLinear), `embedding_case`
 (VocabParallelEmbedding), `cross_entropy_case` (vocab_parallel_cross_entropy after a column-parallel
@@ -10,19 +11,21 @@ with the same parameter names.
 Running Megatron-Core on CPU needs four things, done by `init_megatron(group)` on every rank:
 - `torch.cuda.current_device` is replaced by a function returning the CPU device (its layers ask for
   it when they allocate weights; a process-wide monkeypatch, only on the rank processes);
-- Megatron's CUDA RNG tracker is replaced by its CPU counterpart (`_CPUTracker`): the same named states,
-  seeded as `model_parallel_cuda_manual_seed` seeds them (the model-parallel one `seed + 2718 + tp rank`),
-  swapped into the CPU generator by `fork()` (DotProductAttention forks around the attention dropout,
-  TransformerBlock around every layer under SP, the embedding around its dropout under SP), so the
-  cases can train with dropout and tpcheck checks where Megatron draws each mask;
+- Megatron's CUDA RNG tracker is replaced by its CPU counterpart (`_CPUTracker`): the same named
+  states, seeded as `model_parallel_cuda_manual_seed` seeds them (the model-parallel one
+  `seed + 2718 + tp rank`), swapped into the CPU generator by `fork()` (DotProductAttention forks
+  around the attention dropout, TransformerBlock around every layer under SP, the embedding around
+  its dropout under SP), so the cases can train with dropout and tpcheck checks where
+  Megatron draws each mask;
 - the config sets `use_cpu_initialization=True, gradient_accumulation_fusion=False`;
-- `parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)` on the rank's existing
-  gloo group (once per process: a rank pool serves one world size).
+- `parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)` on the rank's
+  existing gloo group (once per process: a rank pool serves one world size).
 Attention gets an explicit causal mask (`causal_mask`): given None, Megatron makes it on "cuda".
 Megatron's layers return `(output, bias)`; `Unpack` keeps the output (bias is None when
-`skip_bias_add=False`). Megatron's collectives do not pass through a TPGroup, so the case ledger holds
-only the checker's own; every tensor is still compared on every rank.
+`skip_bias_add=False`). Megatron's collectives do not pass through a TPGroup, so the case ledger
+holds only the checker's own; every tensor is still compared on every rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +45,9 @@ try:  # imported at module load, so a case file importing this pays it once, bef
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mtp
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as mrandom
@@ -51,7 +56,9 @@ try:  # imported at module load, so a case file importing this pays it once, bef
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 except ImportError as e:  # pragma: no cover - depends on the optional extra
-    MEGATRON_ERROR: str | None = f"megatron-core is not importable ({e}); pip install 'tpcheck[megatron]'"
+    MEGATRON_ERROR: str | None = (
+        f"megatron-core is not importable ({e}); pip install 'tpcheck[megatron]'"
+    )
 else:
     MEGATRON_ERROR = None
 
@@ -65,11 +72,16 @@ def init_megatron(group: TPGroup) -> None:
     if MEGATRON_ERROR:
         raise ImportError(MEGATRON_ERROR)
     if group.device.type != "cpu":
-        raise UsageError("Megatron-Core layers are checked on the CPU only (tpcheck runs them with their CUDA calls "
-                         "patched to the CPU); leave --device out")
+        raise UsageError(
+            "Megatron-Core layers are checked on the CPU only (tpcheck runs them with their CUDA "
+            "calls patched to the CPU); leave --device out"
+        )
     torch.cuda.current_device = lambda: torch.device("cpu")
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPUTracker):
-        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _CPUTracker(group.rank), True
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
+            _CPUTracker(group.rank),
+            True,
+        )
     if parallel_state.model_parallel_is_initialized():
         have = parallel_state.get_tensor_model_parallel_world_size()
         if have == group.world_size:
@@ -83,9 +95,10 @@ SEED = 1234  # the training script's seed, as given to model_parallel_cuda_manua
 
 class _CPUTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else object):
     """Megatron's RNG tracker on CPU: its named states as CPU generator states, seeded as
-    `model_parallel_cuda_manual_seed(SEED)` seeds them on tensor-parallel rank `tp_rank` (data-parallel:
-    SEED; model-parallel: SEED + 2718 + tp_rank; expert: SEED + 1024 + tp_rank); `fork(name)` swaps one
-    into the CPU default generator and back, as Megatron's swaps the CUDA one."""
+    `model_parallel_cuda_manual_seed(SEED)` seeds them on tensor-parallel rank `tp_rank`
+    (data-parallel: SEED; model-parallel: SEED + 2718 + tp_rank; expert: SEED + 1024 + tp_rank);
+    `fork(name)` swaps one into the CPU default generator and back, as Megatron's
+    swaps the CUDA one."""
 
     def __init__(self, tp_rank: int) -> None:
         super().__init__()
@@ -102,16 +115,26 @@ class _CPUTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else ob
         self.seeds_.add(seed)
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
-    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME if MEGATRON_ERROR is None else ""):
+    def fork(
+        self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME if MEGATRON_ERROR is None else ""
+    ):
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
         return drawing_from(self.states_, name)
 
 
 def config(world: int, dtype: torch.dtype, hidden: int, ffn: int, **kw) -> TransformerConfig:
-    return TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
-                             tensor_model_parallel_size=world, params_dtype=dtype, use_cpu_initialization=True,
-                             gradient_accumulation_fusion=False, **kw)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=4,
+        tensor_model_parallel_size=world,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        **kw,
+    )
 
 
 class Unpack(nn.Module):
@@ -136,11 +159,12 @@ class Keep(Unpack):
 
 
 class Finalized(Keep):
-    """A Megatron model as its training loop sees it: `finalize_grads()` (called by the engine in the
-    optimizer phase, before the step) runs Megatron's own `_allreduce_non_tensor_model_parallel_grads`,
-    the part of `finalize_model_grads` that sums over the TP group the grads of parameters marked
-    `sequence_parallel=True` (norm weights under SP: each rank saw only its sequence shard, so its
-    grad is partial). No-op without SP. `ddp_config` is what that function reads off a model chunk."""
+    """A Megatron model as its training loop sees it: `finalize_grads()` (called by the engine in
+    the optimizer phase, before the step) runs Megatron's own
+    `_allreduce_non_tensor_model_parallel_grads`, the part of `finalize_model_grads` that sums over
+    the TP group the grads of parameters marked `sequence_parallel=True` (norm weights under SP:
+    each rank saw only its sequence shard, so its grad is partial). No-op without SP. `ddp_config`
+    is what that function reads off a model chunk."""
 
     def __init__(self, layer: nn.Module, cfg: TransformerConfig) -> None:
         super().__init__(layer)
@@ -169,17 +193,26 @@ def _fields(kw: dict) -> dict:
 
 
 def column_case(hidden: int = 16, out: int = 32, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """ColumnParallelLinear(bias, gather_output=True): weight and bias Shard(0), output replicated."""
+    """ColumnParallelLinear(bias, gather_output=True):
+    weight and bias Shard(0), output replicated."""
 
     def build_tp(group, dtype):
         init_megatron(group)
         cfg = config(group.world_size, dtype, hidden, out)
-        return Unpack(mtp.ColumnParallelLinear(hidden, out, config=cfg, init_method=cfg.init_method, bias=True,
-                                               gather_output=True))
+        return Unpack(
+            mtp.ColumnParallelLinear(
+                hidden, out, config=cfg, init_method=cfg.init_method, bias=True, gather_output=True
+            )
+        )
 
-    return Case(name="megatron_column", build_dense=lambda dtype: Unpack(nn.Linear(hidden, out, dtype=dtype)),
-                build_tp=build_tp, plan=Plan(params={"layer.weight": Shard(0), "layer.bias": Shard(0)}),
-                make_batch=hidden_batch(seq, batch, hidden, out), **_fields(kw))
+    return Case(
+        name="megatron_column",
+        build_dense=lambda dtype: Unpack(nn.Linear(hidden, out, dtype=dtype)),
+        build_tp=build_tp,
+        plan=Plan(params={"layer.weight": Shard(0), "layer.bias": Shard(0)}),
+        make_batch=hidden_batch(seq, batch, hidden, out),
+        **_fields(kw),
+    )
 
 
 def row_case(hidden: int = 32, out: int = 16, seq: int = 4, batch: int = 2, **kw) -> Case:
@@ -188,16 +221,31 @@ def row_case(hidden: int = 32, out: int = 16, seq: int = 4, batch: int = 2, **kw
     def build_tp(group, dtype):
         init_megatron(group)
         cfg = config(group.world_size, dtype, out, hidden)
-        return Unpack(mtp.RowParallelLinear(hidden, out, config=cfg, init_method=cfg.init_method, bias=True,
-                                            input_is_parallel=False, skip_bias_add=False))
+        return Unpack(
+            mtp.RowParallelLinear(
+                hidden,
+                out,
+                config=cfg,
+                init_method=cfg.init_method,
+                bias=True,
+                input_is_parallel=False,
+                skip_bias_add=False,
+            )
+        )
 
-    return Case(name="megatron_row", build_dense=lambda dtype: Unpack(nn.Linear(hidden, out, dtype=dtype)),
-                build_tp=build_tp, plan=Plan(params={"layer.weight": Shard(1), "layer.bias": Replicate()}),
-                make_batch=hidden_batch(seq, batch, hidden, out), **_fields(kw))
+    return Case(
+        name="megatron_row",
+        build_dense=lambda dtype: Unpack(nn.Linear(hidden, out, dtype=dtype)),
+        build_tp=build_tp,
+        plan=Plan(params={"layer.weight": Shard(1), "layer.bias": Replicate()}),
+        make_batch=hidden_batch(seq, batch, hidden, out),
+        **_fields(kw),
+    )
 
 
 def embedding_case(vocab: int = 64, hidden: int = 16, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """VocabParallelEmbedding: weight Shard(0) (a vocab range per rank, masked lookup + all-reduce)."""
+    """VocabParallelEmbedding: weight Shard(0) (a vocab
+    range per rank, masked lookup + all-reduce)."""
 
     def build_tp(group, dtype):
         init_megatron(group)
@@ -208,9 +256,15 @@ def embedding_case(vocab: int = 64, hidden: int = 16, seq: int = 4, batch: int =
         tokens = torch.randint(0, vocab, (batch, seq), generator=g)
         return {"input_": tokens}, torch.randn(batch, seq, hidden, generator=g).to(dtype)
 
-    return Case(name="megatron_vocab_embedding", build_dense=lambda dtype: _Embedding(vocab, hidden, dtype),
-                build_tp=build_tp, plan=Plan(params={"weight": Shard(0)}), make_batch=make, grad_inputs=(),
-                **_fields(kw))
+    return Case(
+        name="megatron_vocab_embedding",
+        build_dense=lambda dtype: _Embedding(vocab, hidden, dtype),
+        build_tp=build_tp,
+        plan=Plan(params={"weight": Shard(0)}),
+        make_batch=make,
+        grad_inputs=(),
+        **_fields(kw),
+    )
 
 
 class _Embedding(nn.Embedding):
@@ -226,21 +280,37 @@ class _Head(nn.Module):
 
     def __init__(self, hidden, vocab, dtype, parallel=None):
         super().__init__()
-        self.layer = parallel if parallel is not None else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+        self.layer = (
+            parallel if parallel is not None else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+        )
 
     def forward(self, x):
         out = self.layer(x)
         return out[0] if isinstance(out, tuple) else out
 
 
-def cross_entropy_case(hidden: int = 16, vocab: int = 64, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """vocab_parallel_cross_entropy on column-parallel logits [s, b, vocab/tp] vs F.cross_entropy."""
+def cross_entropy_case(
+    hidden: int = 16, vocab: int = 64, seq: int = 4, batch: int = 2, **kw
+) -> Case:
+    """vocab_parallel_cross_entropy on column-parallel
+    logits [s, b, vocab/tp] vs F.cross_entropy."""
 
     def build_tp(group, dtype):
         init_megatron(group)
         cfg = config(group.world_size, dtype, hidden, 4 * hidden)
-        return _Head(hidden, vocab, dtype, mtp.ColumnParallelLinear(
-            hidden, vocab, config=cfg, init_method=cfg.init_method, bias=False, gather_output=False))
+        return _Head(
+            hidden,
+            vocab,
+            dtype,
+            mtp.ColumnParallelLinear(
+                hidden,
+                vocab,
+                config=cfg,
+                init_method=cfg.init_method,
+                bias=False,
+                gather_output=False,
+            ),
+        )
 
     def make(g, dtype):
         x = torch.randn(seq, batch, hidden, generator=g)
@@ -252,13 +322,22 @@ def cross_entropy_case(hidden: int = 16, vocab: int = 64, seq: int = 4, batch: i
     def tp_loss(logits_local, target, group):
         return mtp.vocab_parallel_cross_entropy(logits_local, target).mean()
 
-    return Case(name="megatron_vocab_cross_entropy", build_dense=lambda dtype: _Head(hidden, vocab, dtype),
-                build_tp=build_tp, plan=Plan(params={"layer.weight": Shard(0)}), make_batch=make, loss=loss,
-                tp_loss=tp_loss, output_placement=Shard(2), **_fields(kw))
+    return Case(
+        name="megatron_vocab_cross_entropy",
+        build_dense=lambda dtype: _Head(hidden, vocab, dtype),
+        build_tp=build_tp,
+        plan=Plan(params={"layer.weight": Shard(0)}),
+        make_batch=make,
+        loss=loss,
+        tp_loss=tp_loss,
+        output_placement=Shard(2),
+        **_fields(kw),
+    )
 
 
 class DenseGatedMLP(nn.Module):
-    """Dense twin of Megatron's gated MLP: fc1 [gate; up] = [2*ffn, h], silu(gate) * up, fc2 [h, ffn]."""
+    """Dense twin of Megatron's gated MLP: fc1 [gate;
+    up] = [2*ffn, h], silu(gate) * up, fc2 [h, ffn]."""
 
     def __init__(self, hidden: int, ffn: int, dtype=None) -> None:
         super().__init__()
@@ -275,45 +354,89 @@ def gated_mlp_case(hidden: int = 16, ffn: int = 32, seq: int = 4, batch: int = 2
 
     def build_tp(group, dtype):
         init_megatron(group)
-        cfg = config(group.world_size, dtype, hidden, ffn, gated_linear_unit=True, activation_func=F.silu,
-                     add_bias_linear=False)
+        cfg = config(
+            group.world_size,
+            dtype,
+            hidden,
+            ffn,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+        )
         subs = MLPSubmodules(linear_fc1=mtp.ColumnParallelLinear, linear_fc2=mtp.RowParallelLinear)
         return Unpack(MLP(cfg, subs))
 
-    plan = Plan(params={"layer.linear_fc1.weight": Fused(0, (ffn, ffn)), "layer.linear_fc2.weight": Shard(1)})
-    return Case(name="megatron_gated_mlp", build_dense=lambda dtype: Unpack(DenseGatedMLP(hidden, ffn, dtype)),
-                build_tp=build_tp, plan=plan, make_batch=hidden_batch(seq, batch, hidden), **_fields(kw))
+    plan = Plan(
+        params={
+            "layer.linear_fc1.weight": Fused(0, (ffn, ffn)),
+            "layer.linear_fc2.weight": Shard(1),
+        }
+    )
+    return Case(
+        name="megatron_gated_mlp",
+        build_dense=lambda dtype: Unpack(DenseGatedMLP(hidden, ffn, dtype)),
+        build_tp=build_tp,
+        plan=plan,
+        make_batch=hidden_batch(seq, batch, hidden),
+        **_fields(kw),
+    )
 
 
-# ------------------------------------------------------------------ a transformer layer and a GPT model
+# -------------------------------------------------------------- a transformer layer and a GPT model
 
 
 class CPUNorm:
     """The layer specs' norm on CPU under SP. Megatron's CPU norm (`WrappedTorchNorm`, torch's
-    RMSNorm/LayerNorm) refuses `sequence_parallel`; the SP-capable ones (TENorm, FusedLayerNorm) need
-    Transformer Engine or apex. This is torch's norm with its parameters marked
+    RMSNorm/LayerNorm) refuses `sequence_parallel`; the SP-capable ones (TENorm, FusedLayerNorm)
+    need Transformer Engine or apex. This is torch's norm with its parameters marked
     `sequence_parallel=config.sequence_parallel`, as TENorm and FusedLayerNorm mark theirs: the mark
     that Megatron's finalize_model_grads reduces by (see `Finalized`)."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
-        norm = (nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm)(hidden_size, eps=eps)
+        norm = (nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm)(
+            hidden_size, eps=eps
+        )
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
 
 
-def layer_config(world: int, dtype: torch.dtype, hidden: int, ffn: int, heads: int, groups: int,
-                 sequence_parallel: bool = False, layers: int = 1, dropout: float = 0.0, **kw) -> TransformerConfig:
-    """GQA attention, gated SiLU MLP, RMSNorm, no biases; `dropout` for both the hidden and the attention
-    dropout (0 by default). Megatron refuses SP without TP, so at world 1 SP is off (a Shard(0) over one
-    rank is the whole tensor: the case is unchanged)."""
-    return TransformerConfig(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-                             num_query_groups=groups, tensor_model_parallel_size=world,
-                             sequence_parallel=sequence_parallel and world > 1, params_dtype=dtype,
-                             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
-                             gradient_accumulation_fusion=False, gated_linear_unit=True, activation_func=F.silu,
-                             add_bias_linear=False, normalization="RMSNorm", hidden_dropout=dropout,
-                             attention_dropout=dropout, **kw)
+def layer_config(
+    world: int,
+    dtype: torch.dtype,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    groups: int,
+    sequence_parallel: bool = False,
+    layers: int = 1,
+    dropout: float = 0.0,
+    **kw,
+) -> TransformerConfig:
+    """GQA attention, gated SiLU MLP, RMSNorm, no biases; `dropout` for both the hidden and the
+    attention dropout (0 by default). Megatron refuses SP without TP, so at world 1 SP is off (a
+    Shard(0) over one rank is the whole tensor: the case is unchanged)."""
+    return TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        tensor_model_parallel_size=world,
+        sequence_parallel=sequence_parallel and world > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        **kw,
+    )
 
 
 def layer_spec(cfg: TransformerConfig):
@@ -321,19 +444,22 @@ def layer_spec(cfg: TransformerConfig):
     RowParallelLinear proj and fc2, DotProductAttention with a causal mask; `CPUNorm` under SP."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if cfg.sequence_parallel:
-        subs = dataclasses.replace(spec.submodules, input_layernorm=CPUNorm, pre_mlp_layernorm=CPUNorm)
+        subs = dataclasses.replace(
+            spec.submodules, input_layernorm=CPUNorm, pre_mlp_layernorm=CPUNorm
+        )
         spec = dataclasses.replace(spec, submodules=subs)
     return spec
 
 
 def causal_mask(seq: int) -> torch.Tensor:
-    """Megatron's attention mask [1, 1, s, s], True = masked (above the diagonal). Passed explicitly:
-    with attention_mask=None, DotProductAttention makes this mask on device "cuda"."""
+    """Megatron's attention mask [1, 1, s, s], True = masked (above the diagonal). Passed
+    explicitly: with attention_mask=None, DotProductAttention makes this mask on device "cuda"."""
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
 
 
 def rope_freqs(seq: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """RotaryEmbedding's angles for positions 0..s-1 (not interleaved): [s, 1, 1, head_dim], float32."""
+    """RotaryEmbedding's angles for positions 0..s-1
+    (not interleaved): [s, 1, 1, head_dim], float32."""
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     f = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
     return torch.cat((f, f), dim=-1)[:, None, None, :]
@@ -345,20 +471,23 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """Where Megatron computes in float32 (softmax, cross-entropy): float32, or float64 for the truth."""
+    """Where Megatron computes in float32 (softmax,
+    cross-entropy): float32, or float64 for the truth."""
     return torch.promote_types(dtype, torch.float32)
 
 
 class DenseSelfAttention(nn.Module):
     """Dense twin of Megatron's SelfAttention with GQA. linear_qkv [(heads + 2*groups) * d, h] is in
-    Megatron's layout, interleaved per query group: group g's rows are [its heads/groups q heads; its k
-    head; its v head]. Rank r's ColumnParallelLinear holds the r-th contiguous block of rows: a plain
-    `Shard(0)` of this layout (whole groups when groups >= tp; with fewer groups than ranks, Megatron
-    all-gathers the QKV output and each rank picks its group). Causal softmax(q k^T / sqrt(d)) (in
-    float32 for 16-bit inputs, as attention_softmax_in_fp32), k/v repeated per group; rope (when
-    given) on q and k; linear_proj [h, heads*d]."""
+    Megatron's layout, interleaved per query group: group g's rows are [its heads/groups q heads;
+    its k head; its v head]. Rank r's ColumnParallelLinear holds the r-th contiguous block of rows:
+    a plain `Shard(0)` of this layout (whole groups when groups >= tp; with fewer groups than ranks,
+    Megatron all-gathers the QKV output and each rank picks its group). Causal softmax(q k^T /
+    sqrt(d)) (in float32 for 16-bit inputs, as attention_softmax_in_fp32), k/v repeated per group;
+    rope (when given) on q and k; linear_proj [h, heads*d]."""
 
-    def __init__(self, hidden: int, heads: int, groups: int, dtype=None, dropout: float = 0.0) -> None:
+    def __init__(
+        self, hidden: int, heads: int, groups: int, dtype=None, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.heads, self.groups, self.d, self.dropout = heads, groups, hidden // heads, dropout
         self.linear_qkv = nn.Linear(hidden, (heads + 2 * groups) * self.d, bias=False, dtype=dtype)
@@ -373,19 +502,29 @@ class DenseSelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rope(q, rotary), apply_rope(k, rotary)
         k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
-        scores = torch.einsum("sbhd,tbhd->bhst", q, k) * d ** -0.5
+        scores = torch.einsum("sbhd,tbhd->bhst", q, k) * d**-0.5
         scores = scores.masked_fill(attention_mask, float("-inf"))
         probs = scores.softmax(-1, dtype=_at_least_float32(x.dtype)).to(x.dtype)
-        probs = F.dropout(probs, self.dropout, self.training)  # [b, heads, s, s], as DotProductAttention
+        # [b, heads, s, s], as DotProductAttention
+        probs = F.dropout(probs, self.dropout, self.training)
         return self.linear_proj(torch.einsum("bhst,tbhd->sbhd", probs, v).reshape(s, b, -1))
 
 
 class DenseTransformerLayer(nn.Module):
     """Dense twin of TransformerLayer (pre-norm): h = x + dropout(attn(norm(x))); out = h +
-    dropout(mlp(norm(h))) (Megatron's bias-dropout-add, no bias; the attention probabilities dropped too)."""
+    dropout(mlp(norm(h))) (Megatron's bias-dropout-add, no bias; the attention
+    probabilities dropped too)."""
 
-    def __init__(self, hidden: int, ffn: int, heads: int, groups: int, dtype=None, eps: float = 1e-5,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        heads: int,
+        groups: int,
+        dtype=None,
+        eps: float = 1e-5,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.dropout = dropout
         self.input_layernorm = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
@@ -394,7 +533,9 @@ class DenseTransformerLayer(nn.Module):
         self.mlp = DenseGatedMLP(hidden, ffn, dtype)
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb=None):
-        attn = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+        attn = self.self_attention(
+            self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb
+        )
         h = hidden_states + F.dropout(attn, self.dropout, self.training)
         return h + F.dropout(self.mlp(self.pre_mlp_layernorm(h)), self.dropout, self.training)
 
@@ -402,43 +543,77 @@ class DenseTransformerLayer(nn.Module):
 def layer_plan(prefix: str, ffn: int) -> dict:
     """A TransformerLayer's parameters: QKV Shard(0) (whole query groups per rank), proj and fc2
     Shard(1), fc1 Fused [gate_r; up_r], norms replicated."""
-    return {f"{prefix}input_layernorm.weight": Replicate(), f"{prefix}self_attention.linear_qkv.weight": Shard(0),
-            f"{prefix}self_attention.linear_proj.weight": Shard(1), f"{prefix}pre_mlp_layernorm.weight": Replicate(),
-            f"{prefix}mlp.linear_fc1.weight": Fused(0, (ffn, ffn)), f"{prefix}mlp.linear_fc2.weight": Shard(1)}
+    return {
+        f"{prefix}input_layernorm.weight": Replicate(),
+        f"{prefix}self_attention.linear_qkv.weight": Shard(0),
+        f"{prefix}self_attention.linear_proj.weight": Shard(1),
+        f"{prefix}pre_mlp_layernorm.weight": Replicate(),
+        f"{prefix}mlp.linear_fc1.weight": Fused(0, (ffn, ffn)),
+        f"{prefix}mlp.linear_fc2.weight": Shard(1),
+    }
 
 
 def _sp_fields(sequence_parallel: bool) -> dict:
     """Under SP the layer's input and output are sequence shards ([s, b, h] dim 0)."""
     if not sequence_parallel:
         return {}
-    return {"input_placements": {"hidden_states": Shard(0)}, "output_placement": Shard(0),
-            "target_placement": Shard(0), "tp_loss": sp_mse_loss}
+    return {
+        "input_placements": {"hidden_states": Shard(0)},
+        "output_placement": Shard(0),
+        "target_placement": Shard(0),
+        "tp_loss": sp_mse_loss,
+    }
 
 
-def transformer_layer_case(hidden: int = 32, ffn: int = 64, heads: int = 8, groups: int = 4, seq: int = 8,
-                           batch: int = 2, sequence_parallel: bool = False, dropout: float = 0.0, **kw) -> Case:
-    """A TransformerLayer from Megatron's local spec: GQA (8 heads, 4 query groups: whole groups per rank
-    at world 1, 2, 4), gated SiLU MLP, RMSNorm, the explicit causal mask. Input hidden_states [s, b, h].
-    With `sequence_parallel`, the input and output are Shard(0) and the norm weights' partial grads
-    are summed by `Finalized.finalize_grads` (Megatron's own finalize code). The TP module is cast to
-    the working dtype, as Megatron's Float16Module does (WrappedTorchNorm makes float32 weights).
-    `dropout`: hidden and attention dropout. A bare layer under SP relies on TransformerBlock to fork its
-    draws (Megatron forks the whole layer stack there), so with dropout use `gpt_model_case` for SP."""
+def transformer_layer_case(
+    hidden: int = 32,
+    ffn: int = 64,
+    heads: int = 8,
+    groups: int = 4,
+    seq: int = 8,
+    batch: int = 2,
+    sequence_parallel: bool = False,
+    dropout: float = 0.0,
+    **kw,
+) -> Case:
+    """A TransformerLayer from Megatron's local spec: GQA (8 heads, 4 query groups: whole groups per
+    rank at world 1, 2, 4), gated SiLU MLP, RMSNorm, the explicit causal mask. Input hidden_states
+    [s, b, h]. With `sequence_parallel`, the input and output are Shard(0) and the norm weights'
+    partial grads are summed by `Finalized.finalize_grads` (Megatron's own finalize code). The TP
+    module is cast to the working dtype, as Megatron's Float16Module does (WrappedTorchNorm makes
+    float32 weights). `dropout`: hidden and attention dropout. A bare layer under SP relies on
+    TransformerBlock to fork its draws (Megatron forks the whole layer stack there), so with dropout
+    use `gpt_model_case` for SP."""
 
     def build_tp(group, dtype):
         init_megatron(group)
-        cfg = layer_config(group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, dropout=dropout)
+        cfg = layer_config(
+            group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, dropout=dropout
+        )
         return Finalized(build_module(layer_spec(cfg), config=cfg, layer_number=1), cfg).to(dtype)
 
     def make(g, dtype):
         x = torch.randn(seq, batch, hidden, generator=g).to(dtype)
-        return {"hidden_states": x, "attention_mask": causal_mask(seq)}, torch.randn(seq, batch, hidden, generator=g)
+        return {"hidden_states": x, "attention_mask": causal_mask(seq)}, torch.randn(
+            seq, batch, hidden, generator=g
+        )
 
-    name = "megatron_transformer_layer" + ("_sp" if sequence_parallel else "") + (f"_drop{dropout:g}" if dropout else "")
-    return Case(name=name, build_dense=lambda dtype: Keep(DenseTransformerLayer(hidden, ffn, heads, groups, dtype,
-                                                                                dropout=dropout)),
-                build_tp=build_tp, plan=Plan(params=layer_plan("layer.", ffn)), make_batch=make,
-                **_sp_fields(sequence_parallel), **{"run": RunSettings(steps=2), **kw})
+    name = (
+        "megatron_transformer_layer"
+        + ("_sp" if sequence_parallel else "")
+        + (f"_drop{dropout:g}" if dropout else "")
+    )
+    return Case(
+        name=name,
+        build_dense=lambda dtype: Keep(
+            DenseTransformerLayer(hidden, ffn, heads, groups, dtype, dropout=dropout)
+        ),
+        build_tp=build_tp,
+        plan=Plan(params=layer_plan("layer.", ffn)),
+        make_batch=make,
+        **_sp_fields(sequence_parallel),
+        **{"run": RunSettings(steps=2), **kw},
+    )
 
 
 class DenseGPT(nn.Module):
@@ -446,17 +621,30 @@ class DenseGPT(nn.Module):
     per-token cross-entropy [b, s], computed in float32 as Megatron's vocab-parallel cross-entropy.
 
     label_smoothing: Megatron's definition (its docstring, from NeMo): the target puts 1 - a on the
-    label and a/(V-1) on every other token; torch's `label_smoothing=e` puts 1 - e + e/V and e/V, the
-    same distribution when e = a*V/(V-1). So the twin calls F.cross_entropy(label_smoothing=a*V/(V-1))."""
+    label and a/(V-1) on every other token; torch's `label_smoothing=e` puts 1 - e + e/V and e/V,
+    the same distribution when e = a*V/(V-1). So the twin calls
+    F.cross_entropy(label_smoothing=a*V/(V-1))."""
 
-    def __init__(self, vocab: int, hidden: int, ffn: int, heads: int, groups: int, layers: int, dtype=None,
-                 label_smoothing: float = 0.0, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        ffn: int,
+        heads: int,
+        groups: int,
+        layers: int,
+        dtype=None,
+        label_smoothing: float = 0.0,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.dropout = dropout
         self.embedding, self.decoder = nn.Module(), nn.Module()
         self.embedding.word_embeddings = nn.Embedding(vocab, hidden, dtype=dtype)
-        self.decoder.layers = nn.ModuleList(DenseTransformerLayer(hidden, ffn, heads, groups, dtype, dropout=dropout)
-                                            for _ in range(layers))
+        self.decoder.layers = nn.ModuleList(
+            DenseTransformerLayer(hidden, ffn, heads, groups, dtype, dropout=dropout)
+            for _ in range(layers)
+        )
         self.decoder.final_layernorm = nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)
         self.output_layer = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
         self.head_dim, self.smoothing = hidden // heads, label_smoothing * vocab / (vocab - 1)
@@ -465,70 +653,126 @@ class DenseGPT(nn.Module):
         x = self.embedding.word_embeddings(input_ids).transpose(0, 1)  # [s, b, h]
         x = F.dropout(x, self.dropout, self.training)  # LanguageModelEmbedding's embedding_dropout
         s, b, _ = x.shape
-        rotary = rope_freqs(s, self.head_dim)  # positions 0..s-1, as GPTModel's rope (position_ids unused)
+        # positions 0..s-1, as GPTModel's rope (position_ids unused)
+        rotary = rope_freqs(s, self.head_dim)
         for layer in self.decoder.layers:
             x = layer(x, attention_mask, rotary)
         logits = self.output_layer(self.decoder.final_layernorm(x))  # [s, b, V]
         logits = logits.to(_at_least_float32(logits.dtype))
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.transpose(0, 1).flatten(), reduction="none",
-                               label_smoothing=self.smoothing)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1),
+            labels.transpose(0, 1).flatten(),
+            reduction="none",
+            label_smoothing=self.smoothing,
+        )
         return loss.view(s, b).transpose(0, 1)
 
 
 def _smoothed(model: nn.Module, label_smoothing: float) -> nn.Module:
     """GPTModel's loss with label smoothing: TransformerConfig has none, so the model's
     compute_language_model_loss is given one that passes it to vocab_parallel_cross_entropy (as a
-    trainer that smooths does); otherwise identical ([b, s] labels, [s, b, V/tp] logits -> [b, s])."""
+    trainer that smooths does); otherwise identical ([b, s] labels, [s, b, V/tp]
+    logits -> [b, s])."""
 
     def compute_language_model_loss(labels, logits):
-        loss = mtp.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), label_smoothing)
+        loss = mtp.vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), label_smoothing
+        )
         return loss.transpose(0, 1).contiguous()
 
     model.compute_language_model_loss = compute_language_model_loss
     return model
 
 
-def gpt_model_case(vocab: int = 64, hidden: int = 32, ffn: int = 64, heads: int = 8, groups: int = 4,
-                   layers: int = 2, seq: int = 8, batch: int = 2, sequence_parallel: bool = False,
-                   label_smoothing: float = 0.0, dropout: float = 0.0, **kw) -> Case:
+def gpt_model_case(
+    vocab: int = 64,
+    hidden: int = 32,
+    ffn: int = 64,
+    heads: int = 8,
+    groups: int = 4,
+    layers: int = 2,
+    seq: int = 8,
+    batch: int = 2,
+    sequence_parallel: bool = False,
+    label_smoothing: float = 0.0,
+    dropout: float = 0.0,
+    **kw,
+) -> Case:
     """A tiny GPTModel (local spec, rope, untied embeddings, parallel_output=True) called as in
     training: forward(input_ids, position_ids, attention_mask, labels) returns the per-token loss
-    [b, s] of its vocab-parallel cross-entropy (replicated); the loss is its mean. The word embedding
-    and the output layer are Shard(0) over the vocab. With `sequence_parallel` the embedding scatters
-    the sequence and the output layer gathers it: inputs and output stay replicated; the norms'
-    partial grads are summed by `Finalized.finalize_grads`.
+    [b, s] of its vocab-parallel cross-entropy (replicated); the loss is its mean. The word
+    embedding and the output layer are Shard(0) over the vocab. With `sequence_parallel` the
+    embedding scatters the sequence and the output layer gathers it: inputs and output stay
+    replicated; the norms' partial grads are summed by `Finalized.finalize_grads`.
 
     label_smoothing > 0 is passed to vocab_parallel_cross_entropy (`_smoothed`); in megatron-core
     0.16.1 that is equivalent at world 1 only (NVIDIA/Megatron-LM#737, see
-    docs/findings/megatron-label-smoothing.md). In float64 the case is not equivalent either: Megatron's
-    cross-entropy computes in float32 (`.float()`), 2.5e-7 against a float64 bound of 1.3e-9.
+    docs/findings/megatron-label-smoothing.md). In float64 the case is not equivalent either:
+    Megatron's cross-entropy computes in float32 (`.float()`), 2.5e-7 against a
+    float64 bound of 1.3e-9.
 
-    `dropout`: embedding, hidden and attention dropout, Megatron drawing each mask where it forks."""
+    `dropout`: embedding, hidden and attention dropout,
+    Megatron drawing each mask where it forks."""
 
     def build_tp(group, dtype):
         init_megatron(group)
-        cfg = layer_config(group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, layers=layers,
-                           dropout=dropout)
+        cfg = layer_config(
+            group.world_size,
+            dtype,
+            hidden,
+            ffn,
+            heads,
+            groups,
+            sequence_parallel,
+            layers=layers,
+            dropout=dropout,
+        )
         spec = layer_spec(cfg)
         norm = spec.submodules.input_layernorm
-        model = GPTModel(cfg, TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm), vocab, seq,
-                         position_embedding_type="rope", share_embeddings_and_output_weights=False)
-        return Finalized(_smoothed(model, label_smoothing) if label_smoothing else model, cfg).to(dtype)
+        model = GPTModel(
+            cfg,
+            TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm),
+            vocab,
+            seq,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=False,
+        )
+        return Finalized(_smoothed(model, label_smoothing) if label_smoothing else model, cfg).to(
+            dtype
+        )
 
     def make(g, dtype):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         positions = torch.arange(seq).expand(batch, seq).contiguous()
-        inputs = {"input_ids": tokens[:, :-1], "position_ids": positions, "attention_mask": causal_mask(seq),
-                  "labels": tokens[:, 1:]}
+        inputs = {
+            "input_ids": tokens[:, :-1],
+            "position_ids": positions,
+            "attention_mask": causal_mask(seq),
+            "labels": tokens[:, 1:],
+        }
         return inputs, tokens[:, 1:]
 
-    params = {"layer.embedding.word_embeddings.weight": Shard(0), "layer.decoder.final_layernorm.weight": Replicate(),
-              "layer.output_layer.weight": Shard(0)}
+    params = {
+        "layer.embedding.word_embeddings.weight": Shard(0),
+        "layer.decoder.final_layernorm.weight": Replicate(),
+        "layer.output_layer.weight": Shard(0),
+    }
     for i in range(layers):
         params.update(layer_plan(f"layer.decoder.layers.{i}.", ffn))
-    name = "megatron_gpt" + ("_sp" if sequence_parallel else "") + (f"_ls{label_smoothing:g}" if label_smoothing else "")
+    name = (
+        "megatron_gpt"
+        + ("_sp" if sequence_parallel else "")
+        + (f"_ls{label_smoothing:g}" if label_smoothing else "")
+    )
     name += f"_drop{dropout:g}" if dropout else ""
-    return Case(name=name, build_dense=lambda dtype: Keep(DenseGPT(vocab, hidden, ffn, heads, groups, layers, dtype,
-                                                                     label_smoothing, dropout)),
-                build_tp=build_tp, plan=Plan(params=params), make_batch=make, loss=lambda out, target: out.mean(),
-                **{"run": RunSettings(steps=2), **kw})
+    return Case(
+        name=name,
+        build_dense=lambda dtype: Keep(
+            DenseGPT(vocab, hidden, ffn, heads, groups, layers, dtype, label_smoothing, dropout)
+        ),
+        build_tp=build_tp,
+        plan=Plan(params=params),
+        make_batch=make,
+        loss=lambda out, target: out.mean(),
+        **{"run": RunSettings(steps=2), **kw},
+    )

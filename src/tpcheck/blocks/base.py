@@ -4,6 +4,7 @@ A `Block` is data: how to build the dense module and its TP twin from a `ModelCo
 maps one to the other, the batch, the inputs/outputs placements and losses, and the collectives the
 TP twin must issue. `Block.case(spec, cfg)` assembles the checker's `Case`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,8 +30,8 @@ IGNORE_INDEX = -100
 class Block:
     """dense(cfg, dtype) and tp(cfg, group, dtype, sp) build the twins; plan(cfg, sp) relates them;
     batch(cfg) -> make_batch(generator, dtype); io(cfg, sp) -> the Case's loss / placement fields;
-    collectives(cfg, world, sp) -> (phase, op, site) per micro-batch (forward, backward) and per step
-    (optimizer); needs: config fields the block cannot do without ("heads", "vocab")."""
+    collectives(cfg, world, sp) -> (phase, op, site) per micro-batch (forward, backward) and per
+    step (optimizer); needs: config fields the block cannot do without ("heads", "vocab")."""
 
     name: str
     dense: Callable[[ModelConfig, torch.dtype], nn.Module]
@@ -44,16 +45,24 @@ class Block:
     def check_config(self, cfg: ModelConfig, spec: CaseSpec) -> None:
         for field in self.needs:
             if not getattr(cfg, field):
-                raise UsageError(f"block {self.name!r} needs {field}; preset {spec.preset!r} has {field}=0: "
-                                 f"use preset 'tiny' or override {field}")
+                raise UsageError(
+                    f"block {self.name!r} needs {field}; preset {spec.preset!r} has {field}=0: "
+                    f"use preset 'tiny' or override {field}"
+                )
 
     def case(self, spec: CaseSpec, cfg: ModelConfig) -> Case:
         self.check_config(cfg, spec)
         sp = spec.sequence_parallel
-        return Case(name=spec.name, build_dense=lambda dtype: self.dense(cfg, dtype),
-                    build_tp=lambda group, dtype: self.tp(cfg, group, dtype, sp), plan=self.plan(cfg, sp),
-                    make_batch=self.batch(cfg), expected_collectives=tuple(self.collectives(cfg, spec.world_size, sp)),
-                    run=spec.settings, **self.io(cfg, sp))
+        return Case(
+            name=spec.name,
+            build_dense=lambda dtype: self.dense(cfg, dtype),
+            build_tp=lambda group, dtype: self.tp(cfg, group, dtype, sp),
+            plan=self.plan(cfg, sp),
+            make_batch=self.batch(cfg),
+            expected_collectives=tuple(self.collectives(cfg, spec.world_size, sp)),
+            run=spec.settings,
+            **self.io(cfg, sp),
+        )
 
 
 def config_for(spec: CaseSpec) -> ModelConfig:
@@ -95,8 +104,12 @@ def x_io(cfg: ModelConfig, sp: bool) -> dict:
     """A block fed x [s, b, h] with an MSE target: everything sequence-sharded under SP."""
     if not sp:
         return {}
-    return {"input_placements": {"x": Shard(0)}, "output_placement": Shard(0), "target_placement": Shard(0),
-            "tp_loss": sp_mse_loss}
+    return {
+        "input_placements": {"x": Shard(0)},
+        "output_placement": Shard(0),
+        "target_placement": Shard(0),
+        "tp_loss": sp_mse_loss,
+    }
 
 
 def sp_loss(sp: bool) -> list[Collective]:
@@ -113,19 +126,34 @@ def token_labels(cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
 
 def dense_ce(smoothing: float):
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=smoothing,
+        )
+
     return loss
 
 
 def tp_ce(smoothing: float):
     def loss(logits_local: torch.Tensor, labels: torch.Tensor, group: TPGroup) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_local, labels, group, ignore_index=IGNORE_INDEX,
-                                            label_smoothing=smoothing, site="loss")
+        return vocab_parallel_cross_entropy(
+            logits_local,
+            labels,
+            group,
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=smoothing,
+            site="loss",
+        )
+
     return loss
 
 
-CE_LOSS: list[Collective] = [("forward", "all_gather", "loss.max"), ("forward", "all_reduce", "loss.sum")]
+CE_LOSS: list[Collective] = [
+    ("forward", "all_gather", "loss.max"),
+    ("forward", "all_reduce", "loss.sum"),
+]
 
 
 def named(module: nn.Module, site: str) -> nn.Module:

@@ -1,5 +1,6 @@
 """The LM head and vocab-parallel cross-entropy alone: x [s, b, h] -> column-parallel head ->
 vocab-sharded logits -> vocab-parallel CE with label smoothing and ignored labels."""
+
 from __future__ import annotations
 
 import torch
@@ -28,15 +29,23 @@ def hidden_labels_batch(cfg: ModelConfig):
 
 
 def cross_entropy_io(cfg: ModelConfig, sp: bool) -> dict:
-    return {"loss": dense_ce(CE_SMOOTHING), "tp_loss": tp_ce(CE_SMOOTHING),
-            "input_placements": {"x": Shard(0)} if sp else {}, "output_placement": Shard(-1)}
+    return {
+        "loss": dense_ce(CE_SMOOTHING),
+        "tp_loss": tp_ce(CE_SMOOTHING),
+        "input_placements": {"x": Shard(0)} if sp else {},
+        "output_placement": Shard(-1),
+    }
 
 
 BLOCK = Block(
     name="cross_entropy",
     dense=lambda cfg, dtype: LMHead(cfg.hidden, cfg.vocab, dtype),
-    tp=lambda cfg, group, dtype, sp: named(ParallelLMHead(cfg.hidden, cfg.vocab, group, sequence_parallel=sp,
-                                                          dtype=dtype), "head"),
-    plan=lambda cfg, sp: Plan(params={"weight": Shard(0)}), batch=hidden_labels_batch, io=cross_entropy_io,
-    collectives=lambda cfg, world, sp: head_parts(sp) + CE_LOSS, needs=("vocab",),
+    tp=lambda cfg, group, dtype, sp: named(
+        ParallelLMHead(cfg.hidden, cfg.vocab, group, sequence_parallel=sp, dtype=dtype), "head"
+    ),
+    plan=lambda cfg, sp: Plan(params={"weight": Shard(0)}),
+    batch=hidden_labels_batch,
+    io=cross_entropy_io,
+    collectives=lambda cfg, world, sp: head_parts(sp) + CE_LOSS,
+    needs=("vocab",),
 )

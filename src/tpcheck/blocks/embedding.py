@@ -1,5 +1,6 @@
 """The vocab-parallel embedding alone: tokens [s, b] -> [s, b, h] (sequence-sharded under SP), MSE
 target; checks the masking of ids outside each rank's vocab block."""
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ def embed_parts(sp: bool) -> list[Collective]:
 def embedding_batch(cfg: ModelConfig):
     def make(g: torch.Generator, dtype: torch.dtype):
         tokens = torch.randint(0, cfg.vocab, (cfg.seq, cfg.batch), generator=g)
-        return {"tokens": tokens}, torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g).to(dtype)
+        return {"tokens": tokens}, torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g).to(
+            dtype
+        )
 
     return make
 
@@ -34,8 +37,13 @@ def embedding_io(cfg: ModelConfig, sp: bool) -> dict:
 BLOCK = Block(
     name="embedding",
     dense=lambda cfg, dtype: Embedding(cfg.vocab, cfg.hidden, dtype),
-    tp=lambda cfg, group, dtype, sp: named(VocabParallelEmbedding(cfg.vocab, cfg.hidden, group, sequence_parallel=sp,
-                                                                  dtype=dtype), "embed"),
-    plan=lambda cfg, sp: Plan(params={"weight": Shard(0)}), batch=embedding_batch, io=embedding_io,
-    collectives=lambda cfg, world, sp: embed_parts(sp) + sp_loss(sp), needs=("vocab",),
+    tp=lambda cfg, group, dtype, sp: named(
+        VocabParallelEmbedding(cfg.vocab, cfg.hidden, group, sequence_parallel=sp, dtype=dtype),
+        "embed",
+    ),
+    plan=lambda cfg, sp: Plan(params={"weight": Shard(0)}),
+    batch=embedding_batch,
+    io=embedding_io,
+    collectives=lambda cfg, world, sp: embed_parts(sp) + sp_loss(sp),
+    needs=("vocab",),
 )

@@ -1,4 +1,5 @@
 """A transformer layer: attention + MLP, each with its residual."""
+
 from __future__ import annotations
 
 from tpcheck.blocks.attention import attention_parts, attention_plan
@@ -12,10 +13,18 @@ from tpcheck.plan import Plan
 
 def layer_plan(cfg: ModelConfig, sp: bool = False, prefix: str = "") -> Plan:
     att, mlp = attention_plan(cfg, sp), mlp_plan(cfg, sp)
-    return Plan(params={**prefixed(prefix + "attention.", att.params), **prefixed(prefix + "mlp.", mlp.params)},
-                activations={**prefixed(prefix + "attention.", att.activations),
-                             **prefixed(prefix + "mlp.", mlp.activations),
-                             prefix + "attention": seq_or_rep(sp), prefix + "mlp": seq_or_rep(sp)})
+    return Plan(
+        params={
+            **prefixed(prefix + "attention.", att.params),
+            **prefixed(prefix + "mlp.", mlp.params),
+        },
+        activations={
+            **prefixed(prefix + "attention.", att.activations),
+            **prefixed(prefix + "mlp.", mlp.activations),
+            prefix + "attention": seq_or_rep(sp),
+            prefix + "mlp": seq_or_rep(sp),
+        },
+    )
 
 
 def layer_parts(cfg: ModelConfig, world: int, sp: bool, prefix: str = "") -> list[Collective]:
@@ -26,6 +35,9 @@ BLOCK = Block(
     name="layer",
     dense=lambda cfg, dtype: DenseLayer(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelLayer(cfg, group, sequence_parallel=sp, dtype=dtype),
-    plan=layer_plan, batch=hidden_batch, io=x_io, needs=("heads",),
+    plan=layer_plan,
+    batch=hidden_batch,
+    io=x_io,
+    needs=("heads",),
     collectives=lambda cfg, world, sp: layer_parts(cfg, world, sp) + sp_loss(sp),
 )

@@ -1,10 +1,19 @@
-"""The tiny LM: vocab-parallel embedding -> layers -> final norm -> LM head (vocab-sharded logits) ->
-vocab-parallel cross-entropy. Tokens are replicated, also under SP."""
+"""The tiny LM: vocab-parallel embedding -> layers -> final norm -> LM head (vocab-sharded logits)
+-> vocab-parallel cross-entropy. Tokens are replicated, also under SP."""
+
 from __future__ import annotations
 
 import torch
 
-from tpcheck.blocks.base import CE_LOSS, Block, Collective, dense_ce, seq_or_rep, token_labels, tp_ce
+from tpcheck.blocks.base import (
+    CE_LOSS,
+    Block,
+    Collective,
+    dense_ce,
+    seq_or_rep,
+    token_labels,
+    tp_ce,
+)
 from tpcheck.blocks.cross_entropy import head_parts
 from tpcheck.blocks.embedding import embed_parts
 from tpcheck.blocks.layer import layer_parts, layer_plan
@@ -48,13 +57,22 @@ def token_batch(cfg: ModelConfig):
 
 def lm_io(cfg: ModelConfig, sp: bool) -> dict:
     """tokens [s, b] (replicated) -> vocab-sharded logits [s, b, V/tp]; vocab-parallel CE."""
-    return {"loss": dense_ce(0.0), "tp_loss": tp_ce(0.0), "output_placement": Shard(-1),
-            "target_placement": Replicate(), "grad_inputs": ()}
+    return {
+        "loss": dense_ce(0.0),
+        "tp_loss": tp_ce(0.0),
+        "output_placement": Shard(-1),
+        "target_placement": Replicate(),
+        "grad_inputs": (),
+    }
 
 
 BLOCK = Block(
     name="lm",
     dense=lambda cfg, dtype: DenseLM(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelLM(cfg, group, sequence_parallel=sp, dtype=dtype),
-    plan=lm_plan, batch=token_batch, collectives=lm_collectives, io=lm_io, needs=("heads", "vocab"),
+    plan=lm_plan,
+    batch=token_batch,
+    collectives=lm_collectives,
+    io=lm_io,
+    needs=("heads", "vocab"),
 )

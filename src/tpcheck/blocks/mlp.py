@@ -1,5 +1,6 @@
 """The seed's SwiGLU MLP: pre-RMSNorm -> fused gate/up (column-parallel) -> SwiGLU -> down
 (row-parallel) -> residual add."""
+
 from __future__ import annotations
 
 from tpcheck.blocks.base import Block, Collective, hidden_batch, seq_or_rep, sp_loss, x_io
@@ -15,14 +16,17 @@ def gate_up_placement(cfg: ModelConfig):
 
 def mlp_plan(cfg: ModelConfig, sp: bool = False) -> Plan:
     """Weights: gate/up column-parallel, down row-parallel, norm weight and down bias replicated.
-    Activations: the SwiGLU output is sharded on the last dim; the norm and down outputs are replicated
-    (sequence-sharded under SP)."""
-    return Plan(params={
-        "norm.weight": Replicate(),
-        "gate_up.weight": gate_up_placement(cfg),
-        "down.weight": Shard(1),
-        "down.bias": Replicate(),
-    }, activations={"norm": seq_or_rep(sp), "gate_up": Shard(-1), "down": seq_or_rep(sp)})
+    Activations: the SwiGLU output is sharded on the last dim; the norm and down outputs are
+    replicated (sequence-sharded under SP)."""
+    return Plan(
+        params={
+            "norm.weight": Replicate(),
+            "gate_up.weight": gate_up_placement(cfg),
+            "down.weight": Shard(1),
+            "down.bias": Replicate(),
+        },
+        activations={"norm": seq_or_rep(sp), "gate_up": Shard(-1), "down": seq_or_rep(sp)},
+    )
 
 
 def mlp_parts(sp: bool, prefix: str = "") -> list[Collective]:
@@ -30,9 +34,14 @@ def mlp_parts(sp: bool, prefix: str = "") -> list[Collective]:
     if not sp:
         parts = [("forward", "all_reduce", "down"), ("backward", "all_reduce", "gate_up")]
     else:
-        parts = [("forward", "all_gather", "gate_up"), ("forward", "reduce_scatter", "down"),
-                 ("backward", "all_gather", "down"), ("backward", "reduce_scatter", "gate_up"),
-                 ("optimizer", "all_reduce", "norm.weight"), ("optimizer", "all_reduce", "down.bias")]
+        parts = [
+            ("forward", "all_gather", "gate_up"),
+            ("forward", "reduce_scatter", "down"),
+            ("backward", "all_gather", "down"),
+            ("backward", "reduce_scatter", "gate_up"),
+            ("optimizer", "all_reduce", "norm.weight"),
+            ("optimizer", "all_reduce", "down.bias"),
+        ]
     return [(phase, op, prefix + site) for phase, op, site in parts]
 
 
@@ -44,5 +53,8 @@ BLOCK = Block(
     name="mlp",
     dense=lambda cfg, dtype: DenseMLP(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelMLP(cfg, group, sequence_parallel=sp, dtype=dtype),
-    plan=mlp_plan, batch=hidden_batch, collectives=mlp_collectives, io=x_io,
+    plan=mlp_plan,
+    batch=hidden_batch,
+    collectives=mlp_collectives,
+    io=x_io,
 )

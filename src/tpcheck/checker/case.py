@@ -8,6 +8,7 @@ the dense ones through the plan, feeds both the same batches (TP inputs placed b
 block, a user's case file, a registered Case, plus a fault) is not the checker's business: the
 launcher is handed a resolver (`tpcheck.resolve`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,15 +29,23 @@ from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, Plan, Replicate, as_placement
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 OPTIMIZERS = ("sgd", "adamw")
 MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
-MAX_LR = 10.0  # above, the weights and the dense reference itself overflow within a few steps (the CLI's too)
+# above, the weights and the dense reference itself overflow within a few steps (the CLI's too)
+MAX_LR = 10.0
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # (forward kwargs, target)
 # (op, site, phase, x, perform) -> tensor: replaces one collective (see parallel/group.py's Tap)
-Interceptor = Callable[[str, str, str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+Interceptor = Callable[
+    [str, str, str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor
+]
 
 
 def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -44,11 +53,11 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_init(module: nn.Module, g: torch.Generator) -> None:
-    """The default `Case.init`: the module's own `reset_parameters(generator)` when it takes one (the
-    built-in blocks), else every parameter drawn from `g` in `named_parameters()` order -- matrices
-    N(0, 1/fan_in) (fan_in: the last dim), vectors named `*weight` (norm gains) 1 + N(0, 0.1^2), other
-    vectors (biases) N(0, 0.1^2). Random, not torch's zeros and ones, so that a bias added twice or a
-    gain applied on one rank shows."""
+    """The default `Case.init`: the module's own `reset_parameters(generator)` when it takes one
+    (the built-in blocks), else every parameter drawn from `g` in `named_parameters()` order --
+    matrices N(0, 1/fan_in) (fan_in: the last dim), vectors named `*weight` (norm gains) 1 + N(0,
+    0.1^2), other vectors (biases) N(0, 0.1^2). Random, not torch's zeros and ones, so that a bias
+    added twice or a gain applied on one rank shows."""
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         try:
@@ -74,16 +83,16 @@ def seeded_init(module: nn.Module, g: torch.Generator) -> None:
 class RunSettings:
     """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation: the
     micro-batch losses are averaged, grads accumulate), optimizer and learning rate (None: 0.05 for
-    SGD, 1e-3 for AdamW), seed of the weights and batches, and whether module outputs are captured to
-    localize the first divergence. Validated on creation: this is the one place where these values are
-    checked.
+    SGD, 1e-3 for AdamW), seed of the weights and batches, and whether module outputs are captured
+    to localize the first divergence. Validated on creation: this is the one place where these
+    values are checked.
 
     master_weights: with a 16-bit dtype, both sides train as Megatron-Core and torchtitan do: the
     modules compute in the 16-bit dtype, the optimizer steps float32 master copies of the weights
     (grads upcast to float32, float32 optimizer state), and the modules get the masters rounded back
-    after each step. False: pure 16-bit parameters and optimizer state (updates below half an ulp of a
-    weight round away on both sides, so the post-step check sees much less; see docs/tolerances.md).
-    No effect in float32/float64."""
+    after each step. False: pure 16-bit parameters and optimizer state (updates below half an ulp of
+    a weight round away on both sides, so the post-step check sees much less; see
+    docs/tolerances.md). No effect in float32/float64."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -96,21 +105,35 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise UsageError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)} (complex and integer dtypes "
-                             "cannot be checked: the tolerances are for real floating point)")
+            raise UsageError(
+                f"dtype {self.dtype!r} is not one of {sorted(DTYPES)} (complex and integer dtypes "
+                "cannot be checked: the tolerances are for real floating point)"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         for name in ("steps", "micro_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
-                raise UsageError(f"{name} must be an integer in 1..{MAX_STEPS}, got {value!r} (a check needs a few "
-                                 "steps; drift over many steps shows within tens)")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr)
-                                        and 0 < self.lr <= MAX_LR):
-            raise UsageError(f"learning rate {self.lr!r} must be a finite number in (0, {MAX_LR:g}]: larger steps make "
-                             "the weights, and the dense reference itself, overflow to Inf/NaN within a few steps")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
-            raise UsageError(f"seed {self.seed!r} must be an integer in torch's range [-2**63, 2**64)")
+                raise UsageError(
+                    f"{name} must be an integer in 1..{MAX_STEPS}, got {value!r} (a check needs a "
+                    "few steps; drift over many steps shows within tens)"
+                )
+        if self.lr is not None and not (
+            isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr <= MAX_LR
+        ):
+            raise UsageError(
+                f"learning rate {self.lr!r} must be a finite number in (0, {MAX_LR:g}]: larger "
+                "steps make the weights, and the dense reference itself, overflow to "
+                "Inf/NaN within a few steps"
+            )
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not -(2**63) <= self.seed < 2**64
+        ):
+            raise UsageError(
+                f"seed {self.seed!r} must be an integer in torch's range [-2**63, 2**64)"
+            )
         if not isinstance(self.master_weights, bool):
             raise UsageError(f"master_weights {self.master_weights!r} must be True or False")
 
@@ -156,18 +179,24 @@ class Case:
     """What is checked: one dense module and its TP twin, how to feed them and how they relate.
 
     build_dense(dtype) -> dense module; its parameters are initialised by `init(module, generator)`
-        (default `seeded_init`: the module's `reset_parameters(generator)`, else seeded random values).
-    plan: how each dense parameter lives on the ranks; None with `load_tp`: inferred from what it loads
+        (default `seeded_init`: the module's `reset_parameters(generator)`, else
+        seeded random values).
+    plan: how each dense parameter lives on the ranks; None with `load_tp`:
+    inferred from what it loads
         (checker/rank/inference.py).
-    build_tp(group, dtype) -> TP module whose parameters are named as in the dense one (or renamed by
+    build_tp(group, dtype) -> TP module whose parameters are named as in the
+    dense one (or renamed by
         `plan.tp_names`); the engine fills them from the dense weights through `plan`, unless:
-    load_tp(tp_module, dense_state_dict, group): the user's own loading (a checkpoint loader), called
+    load_tp(tp_module, dense_state_dict, group): the user's own loading (a
+    checkpoint loader), called
         instead, with the dense weights as full float32 tensors; what it loads is checked bitwise
-        against the plan's shards at the weights stage and is not overwritten (each later step restarts
-        from the dense weights through `load_tp` again).
-    make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the target may be a tensor or
+        against the plan's shards at the weights stage and is not overwritten (each later step
+        restarts from the dense weights through `load_tp` again).
+    make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the
+    target may be a tensor or
         a dict/list/tuple of them (labels and a mask, say), handed to the loss as it is.
-    loss(out, target) -> scalar for the dense side; tp_loss(out_local, target, group) for the TP side
+    loss(out, target) -> scalar for the dense side; tp_loss(out_local, target,
+    group) for the TP side
         (defaults to `loss`, valid when the TP output is placed `Replicate`).
     input_placements: how each forward input reaches the TP module (default Replicate; Shard(0) for
         sequence parallelism). output_placement: how the TP output relates to the dense one;
@@ -176,15 +205,18 @@ class Case:
         every floating-point input that gets a gradient on the dense side.
     expected_collectives: (phase, op, site) the TP module should issue per micro-batch (forward,
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
-    activations: placements of module outputs to check, for a case whose plan is inferred (plan=None);
+    activations: placements of module outputs to check, for a case whose plan is
+    inferred (plan=None);
         a written plan carries its own (`Plan.activations`). Empty with plan=None: inferred from the
         first micro-batch where the layout decides it (checker/rank/activations.py).
-    dropout: placements of random masks whose part on each rank tpcheck cannot tell from the shapes, by
+    dropout: placements of random masks whose part on each rank tpcheck cannot
+    tell from the shapes, by
         the draw's label (an `nn.Dropout` module's name, else "module: dropout #n"); see
-        checker/rank/masks.py: every mask is drawn once in the dense layout and each rank gets its part.
+        checker/rank/masks.py: every mask is drawn once in the dense layout and
+        each rank gets its part.
     no_grad_forward: also run each step's first micro-batch without autograd (torch.no_grad) on both
-        sides and compare that output ("output:no_grad"): for TP code that takes another path when no
-        gradient is needed (HuggingFace's local-matmul inference path).
+        sides and compare that output ("output:no_grad"): for TP code that takes another path when
+        no gradient is needed (HuggingFace's local-matmul inference path).
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
@@ -210,34 +242,57 @@ class Case:
 
     def __post_init__(self) -> None:
         if self.plan is None and self.load_tp is None:
-            raise UsageError(f"Case {self.name!r} has no plan: give plan=Plan(...), or give load_tp (your own loading) "
-                             "and tpcheck infers the plan from what it loads")
+            raise UsageError(
+                f"Case {self.name!r} has no plan: give plan=Plan(...), or give load_tp (your own "
+                "loading) and tpcheck infers the plan from what it loads"
+            )
         if self.plan is not None and self.activations:
-            raise UsageError(f"Case {self.name!r}: activations are given twice; with a written plan, put them in "
-                             "Plan(activations=...)")
+            raise UsageError(
+                f"Case {self.name!r}: activations are given twice; with a written plan, put them "
+                "in Plan(activations=...)"
+            )
         if not isinstance(self.dropout, dict):
-            raise UsageError(f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
-                             f"{type(self.dropout).__name__}")
-        object.__setattr__(self, "dropout", {label: as_placement(p, f"Case {self.name!r} dropout[{label!r}]")
-                                             for label, p in self.dropout.items()})
+            raise UsageError(
+                f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
+                f"{type(self.dropout).__name__}"
+            )
+        object.__setattr__(
+            self,
+            "dropout",
+            {
+                label: as_placement(p, f"Case {self.name!r} dropout[{label!r}]")
+                for label, p in self.dropout.items()
+            },
+        )
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
             if name == "plan" and self.plan is None:
                 continue
             if not isinstance(getattr(self, name), cls):
-                raise UsageError(f"Case {self.name!r}: {name} must be a tpcheck {cls.__name__}, not "
-                                 f"{type(getattr(self, name)).__name__}")
+                raise UsageError(
+                    f"Case {self.name!r}: {name} must be a tpcheck {cls.__name__}, not "
+                    f"{type(getattr(self, name)).__name__}"
+                )
 
     def grad_input_names(self, inputs: dict) -> tuple[str, ...]:
         """The forward inputs whose gradients are checked, for a batch's `inputs`."""
         if self.grad_inputs is None:
-            return tuple(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+            return tuple(
+                k
+                for k, v in inputs.items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+            )
         unknown = [k for k in self.grad_inputs if k not in inputs]
         if unknown:
-            raise UsageError(f"grad_inputs names {unknown} but make_batch gives the forward inputs {sorted(inputs)}; "
-                             "list those whose gradients to check, or leave grad_inputs out (every floating input)")
+            raise UsageError(
+                f"grad_inputs names {unknown} but make_batch gives the forward inputs "
+                f"{sorted(inputs)}; list those whose gradients to check, or leave grad_inputs "
+                "out (every floating input)"
+            )
         return tuple(self.grad_inputs)
 
-    def compute_tp_loss(self, out_local: torch.Tensor, target: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    def compute_tp_loss(
+        self, out_local: torch.Tensor, target: torch.Tensor, group: TPGroup
+    ) -> torch.Tensor:
         if self.tp_loss is not None:
             return self.tp_loss(out_local, target, group)
         return self.loss(out_local, target)
@@ -250,12 +305,12 @@ class CaseSpec:
 
     run: how it runs, one `RunSettings` (dtype, steps, micro-batches, optimizer, lr, seed, capture,
     master weights); None: the case's own (a case file's `Case.run`, `RunSettings()` for a built-in
-    block). When given it is what runs, whole: the Case the resolver builds carries it, and the report
-    names the settings the ranks ran (`RankPayload.run`), never a copy of them. `with_run(...)` changes
-    some of them. overrides: ModelConfig field overrides of a built-in block. `device`: where every
-    rank computes, "cpu" (gloo) or "cuda" (one GPU per rank, NCCL; checker/devices.py). `expected`: the
-    verdict this case should get; None means "equivalent" without a fault, "not equivalent" with one
-    (the resolver fills in a fault's own).
+    block). When given it is what runs, whole: the Case the resolver builds carries it, and the
+    report names the settings the ranks ran (`RankPayload.run`), never a copy of them.
+    `with_run(...)` changes some of them. overrides: ModelConfig field overrides of a built-in
+    block. `device`: where every rank computes, "cpu" (gloo) or "cuda" (one GPU per rank, NCCL;
+    checker/devices.py). `expected`: the verdict this case should get; None means "equivalent"
+    without a fault, "not equivalent" with one (the resolver fills in a fault's own).
     """
 
     block: str = "mlp"
@@ -271,20 +326,25 @@ class CaseSpec:
 
     def __post_init__(self) -> None:
         if self.run is not None and not isinstance(self.run, RunSettings):
-            raise UsageError(f"CaseSpec(run={self.run!r}): run must be a tpcheck.RunSettings (or None: the case's "
-                             "own settings), e.g. CaseSpec(block='mlp', run=RunSettings(dtype='bfloat16', steps=2))")
+            raise UsageError(
+                f"CaseSpec(run={self.run!r}): run must be a tpcheck.RunSettings (or None: the "
+                "case's own settings), e.g. CaseSpec(block='mlp', "
+                "run=RunSettings(dtype='bfloat16', steps=2))"
+            )
 
     @property
     def settings(self) -> RunSettings:
-        """The run settings of a built-in block: `run`, else the defaults. (A case file's own settings are
-        known once its Case is built: `Resolver.build(spec).run`.)"""
+        """The run settings of a built-in block: `run`, else the defaults. (A case file's own
+        settings are known once its Case is built: `Resolver.build(spec).run`.)"""
         return self.run if self.run is not None else RunSettings()
 
     def with_run(self, **changes) -> CaseSpec:
         """This spec with some run settings changed (`RunSettings` fields; validated)."""
         unknown = sorted(set(changes) - set(RUN_FIELDS))
         if unknown:
-            raise UsageError(f"{unknown} are not run settings; the run settings are {list(RUN_FIELDS)}")
+            raise UsageError(
+                f"{unknown} are not run settings; the run settings are {list(RUN_FIELDS)}"
+            )
         return dataclasses.replace(self, run=dataclasses.replace(self.settings, **changes))
 
     @property
@@ -292,7 +352,8 @@ class CaseSpec:
         if self.label:
             return self.label
         parts = [self.block, self.preset, f"tp{self.world_size}"]
-        if self.run is not None or not self.block.startswith(USER_PREFIXES):  # a case file's own: not known here
+        # a case file's own: not known here
+        if self.run is not None or not self.block.startswith(USER_PREFIXES):
             run = self.settings
             parts.append(run.dtype)
             if not run.master_weights and run.dtype in ("bfloat16", "float16"):
@@ -312,22 +373,28 @@ class CaseSpec:
         return "equivalent" if self.fault is None else "not equivalent"
 
     def validate(self) -> None:
-        """What can be checked without building anything; raises UsageError naming the value and the fix.
-        (Block, preset and fault names are the resolver's to check; the run settings validate themselves.)"""
+        """What can be checked without building anything; raises UsageError naming the value and the
+        fix. (Block, preset and fault names are the resolver's to check; the run settings
+        validate themselves.)"""
         check_world_size(self.world_size)
         check_device(self.device, self.world_size)
         if self.expected is not None and self.expected not in VERDICTS_EXPECTED:
-            raise UsageError(f"expected verdict {self.expected!r} is not one of {list(VERDICTS_EXPECTED)}")
+            raise UsageError(
+                f"expected verdict {self.expected!r} is not one of {list(VERDICTS_EXPECTED)}"
+            )
 
 
-RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunSettings))  # what `CaseSpec.with_run` may set
-FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"  # a case file, a Case registered in this process
+# what `CaseSpec.with_run` may set
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunSettings))
+# a case file, a Case registered in this process
+FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
 USER_PREFIXES = (FILE_PREFIX, REGISTERED_PREFIX)
 
 
-# Each rank is a process on this machine. Beyond ~8 ranks per core, gloo's rendezvous and collectives
-# are slow enough to trip the collective timeout, and a false "hang" is worse than a clear refusal.
-# (Under torchrun the ranks are torchrun's business: this limit is not applied there.)
+# Each rank is a process on this machine. Beyond ~8 ranks per core, gloo's rendezvous and
+# collectives are slow enough to trip the collective timeout, and a false "hang" is worse than a
+# clear refusal. (Under torchrun the ranks are torchrun's business: this limit
+# is not applied there.)
 MAX_WORLD_SIZE = 64
 RANKS_PER_CPU = 8
 
@@ -339,9 +406,11 @@ def max_world_size() -> int:
 def check_world_size(world: int) -> None:
     limit = max_world_size()
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= limit:
-        raise UsageError(f"world size {world} is outside 1..{limit}: each rank is a process on this machine "
-                         f"({os.cpu_count()} CPUs, at most {RANKS_PER_CPU} ranks per CPU and {MAX_WORLD_SIZE} "
-                         "in all); choose a smaller world size or run under torchrun on more machines")
+        raise UsageError(
+            f"world size {world} is outside 1..{limit}: each rank is a process on this machine "
+            f"({os.cpu_count()} CPUs, at most {RANKS_PER_CPU} ranks per CPU and {MAX_WORLD_SIZE} "
+            "in all); choose a smaller world size or run under torchrun on more machines"
+        )
 
 
 class Resolver(Protocol):
@@ -349,7 +418,8 @@ class Resolver(Protocol):
     which knows the built-in blocks, case files, registered Cases and the fault catalogue)."""
 
     def prepare(self, spec: CaseSpec) -> CaseSpec:
-        """The spec as it will run (e.g. a fault's own sequence parallelism and expected verdict)."""
+        """The spec as it will run (e.g. a fault's own
+        sequence parallelism and expected verdict)."""
 
     def validate(self, spec: CaseSpec) -> None:
         """In the parent, before any rank: raise UsageError naming the bad value and the fix."""

@@ -1,7 +1,8 @@
 """What crosses the pipe from a rank to the parent: the `Check` records of one case on one rank, the
-rank's `RankPayload` (its checks, its ledger of collectives, the evidence kept for the diagnosis) and
-the ledger's entries and how two ranks' ledgers differ. Plain data: no tensor maths, no process.
+rank's `RankPayload` (its checks, its ledger of collectives, the evidence kept for the diagnosis)
+and the ledger's entries and how two ranks' ledgers differ. Plain data: no tensor maths, no process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,9 +14,9 @@ from tpcheck.checker.vocabulary import Stage, Status
 @dataclass(kw_only=True)
 class Check:
     """One comparison on one rank. error: max |TP - dense| (the dense model in the working dtype);
-    diff_vs_dense: the same number (the seed's metric); bound/passed: None until rank 0's bound for the
-    same `seq` is filled in (calibrated checks on ranks > 0); seq: position in execution order (a
-    replica check shares the seq of the tensor it checks)."""
+    diff_vs_dense: the same number (the seed's metric); bound/passed: None until rank 0's bound for
+    the same `seq` is filled in (calibrated checks on ranks > 0); seq: position in execution order
+    (a replica check shares the seq of the tensor it checks)."""
 
     stage: Stage
     step: int
@@ -29,22 +30,24 @@ class Check:
     passed: bool | None
     placement: str = "replicate"
     seq: int = 0
-    # set where an allowance excused part of the difference: the raw max |TP - dense| (`error` is then
-    # what the allowance left unexplained, the figure held against the bound)
+    # set where an allowance excused part of the difference: the raw max |TP - dense| (`error` is
+    # then what the allowance left unexplained, the figure held against the bound)
     raw_error: float | None = None
     # calibrated bounds: bound = factor(world) * ref_error + floor (tolerance.py)
     ref_error: float | None = None
     floor: float | None = None
     numel: int = 0  # elements compared on this rank
-    # a control (self-test): a copy of the reference with one element moved by a known amount, compared
-    # through the same path; it must be flagged (checker/verdict/result.py turns an unflagged control into "error")
+    # a control (self-test): a copy of the reference with one element moved by a known amount,
+    # compared through the same path; it must be flagged (checker/verdict/result.py turns an
+    # unflagged control into "error")
     control: bool = False
-    # what loaded the tensor, where it was not tpcheck through the plan: a weights check of a case with its
-    # own `load_tp` ("your load_tp (case.py:34)"), named by the summary of a failing one
+    # what loaded the tensor, where it was not tpcheck through the plan: a weights check of a case
+    # with its own `load_tp` ("your load_tp (case.py:34)"), named by the summary of a failing one
     loaded_by: str | None = None
 
 
-EvidenceKey = tuple[str, int, str]  # (stage, step, name): where a check's evidence is kept, on a rank and in its payload
+# (stage, step, name): where a check's evidence is kept, on a rank and in its payload
+EvidenceKey = tuple[str, int, str]
 
 
 def evidence_key(stage: str, step: int, name: str) -> EvidenceKey:
@@ -52,7 +55,16 @@ def evidence_key(stage: str, step: int, name: str) -> EvidenceKey:
     return stage, step, name
 
 
-PROBLEM_KEYS = ("status", "rank", "message", "traceback", "last_collective", "waiting_in", "checkpoint", "where")
+PROBLEM_KEYS = (
+    "status",
+    "rank",
+    "message",
+    "traceback",
+    "last_collective",
+    "waiting_in",
+    "checkpoint",
+    "where",
+)
 
 
 @dataclass
@@ -78,8 +90,11 @@ class RankPayload:
     run: RunSettings | None = None  # the settings the rank ran (None: it never built the case)
 
     def problem_json(self) -> dict:
-        return {k: getattr(self, k) for k in PROBLEM_KEYS if getattr(self, k) not in (None, "")
-                or k in ("status", "rank", "message")}
+        return {
+            k: getattr(self, k)
+            for k in PROBLEM_KEYS
+            if getattr(self, k) not in (None, "") or k in ("status", "rank", "message")
+        }
 
     def ledger_lines(self) -> list[str] | None:
         return [e.line() for e in self.ledger] if self.has_ledger else None

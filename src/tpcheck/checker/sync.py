@@ -3,10 +3,11 @@
 The checker must be able to stop every rank before a collective that would pair wrongly (gloo aborts
 on a size mismatch) or wait forever (a rank that failed to build its module, or issued a collective
 the others did not). So its checkpoints exchange small strings through the store the process group
-was built on: each rank posts its value under a key of the round, then waits (bounded by the timeout)
-until every rank has posted. Every rank runs the same checkpoints in the same order, so the round
-numbers agree without coordination.
+was built on: each rank posts its value under a key of the round, then waits (bounded by the
+timeout) until every rank has posted. Every rank runs the same checkpoints in the same order, so the
+round numbers agree without coordination.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,16 +38,21 @@ class RendezvousTimeout(RuntimeError):
 class Rendezvous:
     """This rank's view of the store: `exchange(tag, value)` returns every rank's value."""
 
-    def __init__(self, store: dist.Store | None, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store | None, rank: int, world_size: int, timeout_s: float
+    ) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.rounds = 0  # checkpoints passed: proof of life for the launcher
-        self.waiting_at: str | None = None  # the checkpoint this rank waits at now (its heartbeat says so)
+        # the checkpoint this rank waits at now (its heartbeat says so)
+        self.waiting_at: str | None = None
 
     @property
     def active(self) -> bool:
         return self.world_size > 1 and self.store is not None
 
-    def exchange(self, tag: str, value: str, *, wait: bool = True, label: str | None = None) -> list[str]:
+    def exchange(
+        self, tag: str, value: str, *, wait: bool = True, label: str | None = None
+    ) -> list[str]:
         """Post `value`, wait for every rank's; raises RendezvousTimeout past the timeout. With
         wait=False only post (a rank that is about to stop tells the others why). `label` names the
         checkpoint in this rank's heartbeat while it waits."""
@@ -63,15 +69,17 @@ class Rendezvous:
             if not self._arrived_soon(keys):
                 self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception:  # noqa: BLE001 - a store wait past its timeout: some rank is stuck
-            raise RendezvousTimeout([r for r, k in enumerate(keys) if not self.store.check([k])]) from None
+            raise RendezvousTimeout(
+                [r for r, k in enumerate(keys) if not self.store.check([k])]
+            ) from None
         self.waiting_at = None
         return [self.store.get(k).decode() for k in keys]
 
     def _arrived_soon(self, keys: list[str]) -> bool:
-        """Whether every key is posted within SOON_S, polled at sub-millisecond intervals: ranks in step
-        post within a millisecond of each other, and a FileStore's own wait polls far more coarsely (a
-        checkpoint then costs its poll interval, several per micro-batch). Past SOON_S the store's wait,
-        with the timeout, takes over."""
+        """Whether every key is posted within SOON_S, polled at sub-millisecond intervals: ranks in
+        step post within a millisecond of each other, and a FileStore's own wait polls far more
+        coarsely (a checkpoint then costs its poll interval, several per micro-batch). Past SOON_S
+        the store's wait, with the timeout, takes over."""
         deadline = time.monotonic() + SOON_S
         pause = 5e-5
         while time.monotonic() < deadline:
@@ -82,7 +90,8 @@ class Rendezvous:
         return False
 
     def setup_failed(self, message: str) -> None:
-        """This rank's setup failed: tell the others (their `setup_done` stops them), do not wait."""
+        """This rank's setup failed: tell the others
+        (their `setup_done` stops them), do not wait."""
         self.exchange("setup", f"failed\n{message}", wait=False)
 
     def setup_done(self) -> None:
@@ -91,12 +100,17 @@ class Rendezvous:
         try:
             said = self.exchange("setup", "ok", label="building the TP module")
         except RendezvousTimeout as e:
-            raise CollectiveMismatch(f"hang detected: rank(s) {e.missing} did not finish building the TP module "
-                                     f"within {self.timeout_s:g} s", checkpoint="building the TP module") from None
+            raise CollectiveMismatch(
+                f"hang detected: rank(s) {e.missing} did not finish building the TP module "
+                f"within {self.timeout_s:g} s",
+                checkpoint="building the TP module",
+            ) from None
         for r, text in enumerate(said):
             status, _, msg = text.partition("\n")
             if status == "failed":
-                raise PeerFailed(f"rank {r} failed, so this rank stopped before its first collective: {msg}")
+                raise PeerFailed(
+                    f"rank {r} failed, so this rank stopped before its first collective: {msg}"
+                )
 
 
 class PeerFailed(RuntimeError):

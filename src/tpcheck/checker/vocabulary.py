@@ -1,20 +1,24 @@
-"""The checker's words, defined once: `Verdict` (a case's), `Stage` (where in a step a check is made),
-`Status` (how a rank's run of a case ended). Every module that spells one imports it; the report
-schema's enums are held to them (tests/checker/verdict/test_result.py)."""
+"""The checker's words, defined once: `Verdict` (a case's), `Stage` (where in a step a check is
+made), `Status` (how a rank's run of a case ended). Every module that spells one imports it; the
+report schema's enums are held to them (tests/checker/verdict/test_result.py)."""
+
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-# equivalent: every check on every rank passed; not equivalent: some check failed; hang: a collective wait
-# timed out (some ranks issued a collective the others did not); error: a rank raised or died, or the
-# checker failed its own control; invalid: the input was wrong (a usage error)
+# equivalent: every check on every rank passed; not equivalent: some check failed; hang: a
+# collective wait timed out (some ranks issued a collective the others did not); error: a rank
+# raised or died, or the checker failed its own control; invalid: the input was
+# wrong (a usage error)
 Verdict = Literal["equivalent", "not equivalent", "hang", "error", "invalid"]
 VERDICTS: tuple[Verdict, ...] = get_args(Verdict)
-VERDICTS_EXPECTED: tuple[Verdict, ...] = ("equivalent", "not equivalent", "hang")  # what a case may expect
-# the order of a step: the loaded weights (step 0), each micro-batch's forward, loss and backward, the
-# step's gradients, the optimizer's state, update and weights; replicas: the same tensor across ranks
+# what a case may expect
+VERDICTS_EXPECTED: tuple[Verdict, ...] = ("equivalent", "not equivalent", "hang")
+# the order of a step: the loaded weights (step 0), each micro-batch's forward, loss and backward,
+# the step's gradients, the optimizer's state, update and weights; replicas: the
+# same tensor across ranks
 Stage = Literal["weights", "forward", "loss", "backward", "grads", "optimizer", "replicas"]
 STAGES: tuple[Stage, ...] = get_args(Stage)
-# ok | usage (bad input) | error (raised) | crash (died) | hang (a wait timed out) | aborted (stopped
-# after another rank's failure)
+# ok | usage (bad input) | error (raised) | crash (died) | hang (a wait timed out) | aborted
+# (stopped after another rank's failure)
 Status = Literal["ok", "usage", "error", "crash", "hang", "aborted"]

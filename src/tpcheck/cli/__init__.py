@@ -24,6 +24,7 @@ own); `options.py` defines once the flags several commands share (the run settin
 the device); `execute.py` runs a command's cases and writes the reports; `common.py` is what every
 command shares and must stay light: signals, stdout, the exit code after the outputs.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """What every command shares, kept light (it is imported for `tpcheck --help`): stopping on signals,
 writing stdout, the exit code once the outputs are written."""
+
 from __future__ import annotations
 
 import os
@@ -99,6 +100,9 @@ def exit_after_outputs(failed: list[str], code: int) -> int:
         return code
     for line in failed:
         print(f"tpcheck: error: {line}", file=sys.stderr)
-    print(f"tpcheck: error: exit 2 because an output failed (the checks alone give exit {code}; "
-          "the other outputs were written)", file=sys.stderr)
+    print(
+        f"tpcheck: error: exit 2 because an output failed (the checks alone give exit {code}; "
+        "the other outputs were written)",
+        file=sys.stderr,
+    )
     return ExitCode.USAGE

@@ -1,6 +1,7 @@
 """Running a command's cases and saying what they found: the forked rank pool (or the ranks torchrun
 started), the summary on stderr, the seed's JSON or the inferred plans on stdout, the --json and
 --html reports, the exit code. Used by run, verify and hf; `write_outputs` by report too."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,13 @@ from tpcheck.report.schema import build_report, write_atomic
 from tpcheck.seed import seed_payload
 
 
-def execute(specs: list, args: argparse.Namespace, seed_mode: str | None = None,
-            seed_world_size: int = 2, finish_report: Callable[[dict], None] | None = None) -> int:
+def execute(
+    specs: list,
+    args: argparse.Namespace,
+    seed_mode: str | None = None,
+    seed_world_size: int = 2,
+    finish_report: Callable[[dict], None] | None = None,
+) -> int:
     """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit
     code. seed_mode: the seed's JSON for that mode goes to stdout (inspect: for `seed_world_size`
     ranks). finish_report(report): adds to the report before it is written (the HF sweep's
@@ -69,8 +75,10 @@ def on_device(specs: list, device: str, torchrun: bool) -> list:
         return specs
     if not torchrun:
         check_device(device, max(s.world_size for s in specs))
-    return [dataclasses.replace(s, device=device, label=f"{s.label}/{device}" if s.label else "")
-            for s in specs]
+    return [
+        dataclasses.replace(s, device=device, label=f"{s.label}/{device}" if s.label else "")
+        for s in specs
+    ]
 
 
 def refuse_if_none_valid(specs: list) -> None:
@@ -103,13 +111,17 @@ def run_all(specs: list, launcher, quiet: bool, torchrun: bool) -> tuple[list[di
         if torchrun:
             raise
         launcher.abort()
-        return results, {"signal": e.name, "cases_finished": len(results),
-                         "cases_planned": len(specs)}
+        return results, {
+            "signal": e.name,
+            "cases_finished": len(results),
+            "cases_planned": len(specs),
+        }
     return results, None
 
 
-def say(report: dict, results: list[dict], planned: int, code: int,
-        args: argparse.Namespace) -> int:
+def say(
+    report: dict, results: list[dict], planned: int, code: int, args: argparse.Namespace
+) -> int:
     """Rank 0's outputs: the seed's JSON, the summary (or, quiet, why the exit code is 2), the
     inferred plans, the reports; the exit code once they are written."""
     interrupted = report.get("interrupted")
@@ -127,11 +139,14 @@ def say(report: dict, results: list[dict], planned: int, code: int,
     if getattr(args, "print_plan", False) and (problem := write_stdout(plans_text(results))):
         failed.append(problem)
     if interrupted:
-        print(f"tpcheck: interrupted by {interrupted['signal']} after {len(results)} of {planned} "
-              "case(s): every rank was stopped; the reports hold the cases that finished",
-              file=sys.stderr)
-    failed += write_outputs(report, {"--json": args.json_path, "--html": args.html_path},
-                            args.quiet)
+        print(
+            f"tpcheck: interrupted by {interrupted['signal']} after {len(results)} of {planned} "
+            "case(s): every rank was stopped; the reports hold the cases that finished",
+            file=sys.stderr,
+        )
+    failed += write_outputs(
+        report, {"--json": args.json_path, "--html": args.html_path}, args.quiet
+    )
     if not interrupted:
         return exit_after_outputs(failed, code)
     for line in failed:  # the signal's exit code stands; a failed output is still said
@@ -141,9 +156,12 @@ def say(report: dict, results: list[dict], planned: int, code: int,
 
 def plans_text(results: list[dict]) -> str:
     """`verify --print-plan`: the plan inferred for each case, as code, or why there is none."""
-    return "".join(f"# {r['name']}\n{r['inferred_plan']}\n" if r.get("inferred_plan") else
-                   f"# {r['name']}: no plan inferred (written in the case file, or "
-                   f"{r['verdict']})\n" for r in results)
+    return "".join(
+        f"# {r['name']}\n{r['inferred_plan']}\n"
+        if r.get("inferred_plan")
+        else f"# {r['name']}: no plan inferred (written in the case file, or {r['verdict']})\n"
+        for r in results
+    )
 
 
 def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> list[str]:
@@ -154,8 +172,11 @@ def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> 
         if path is None:
             continue
         try:
-            text = json.dumps(report, indent=2, sort_keys=True) + "\n" if flag == "--json" else \
-                render_html(report)
+            text = (
+                json.dumps(report, indent=2, sort_keys=True) + "\n"
+                if flag == "--json"
+                else render_html(report)
+            )
             write_atomic(path, text)
         except OSError as e:
             failed.append(f"{flag} {path!r}: cannot write the report: {e.strerror or e}")

@@ -1,4 +1,5 @@
 """`tpcheck faults`: the fault catalogue, as text or JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,29 @@ def main(args: argparse.Namespace) -> int:
     # here, not at the top: the catalogue imports torch, which `tpcheck faults --help` does not need
     from tpcheck.faults import CATALOGUE
 
-    rows = [{"name": f.name, "bug_class": f.bug_class, "where": f.where,
-             "expected_stage": f.expected_stage, "expected_signature": f.expected_signature,
-             "blocks": list(f.blocks), "world_sizes": list(f.worlds),
-             "sequence_parallel": f.sequence_parallel, "dtypes": list(f.dtypes)}
-            for f in CATALOGUE.values()]
+    rows = [
+        {
+            "name": f.name,
+            "bug_class": f.bug_class,
+            "where": f.where,
+            "expected_stage": f.expected_stage,
+            "expected_signature": f.expected_signature,
+            "blocks": list(f.blocks),
+            "world_sizes": list(f.worlds),
+            "sequence_parallel": f.sequence_parallel,
+            "dtypes": list(f.dtypes),
+        }
+        for f in CATALOGUE.values()
+    ]
     if args.json:
         text = json.dumps(rows, indent=2) + "\n"
     else:
-        text = "".join(f"{r['name']:<32} [{', '.join(r['blocks'])}] {r['bug_class']}\n{'':<32} "
-                       f"injected: {r['where']}; expected: {r['expected_signature']} in "
-                       f"{r['expected_stage']}; dtypes: {', '.join(r['dtypes'])}\n" for r in rows)
+        text = "".join(
+            f"{r['name']:<32} [{', '.join(r['blocks'])}] {r['bug_class']}\n{'':<32} "
+            f"injected: {r['where']}; expected: {r['expected_signature']} in "
+            f"{r['expected_stage']}; dtypes: {', '.join(r['dtypes'])}\n"
+            for r in rows
+        )
     problem = write_stdout(text)
     if problem:
         raise UsageError(problem)

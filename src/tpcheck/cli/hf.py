@@ -1,6 +1,7 @@
 """`tpcheck hf`: HuggingFace transformers' own TP plans, architecture by architecture (the sweep
 itself is tpcheck/hf.py). Architectures that cannot be checked are rows of the sweep, the others
 cases."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,21 +23,37 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("architecture", nargs="*",
-                        help="model types (llama, qwen3, mixtral, ...); see --list")
-    parser.add_argument("--all", dest="all_architectures", action="store_true",
-                        help="every architecture whose config declares a TP plan")
-    parser.add_argument("--list", dest="list_architectures", action="store_true",
-                        help="print the architectures with a TP plan and exit")
-    parser.add_argument("--world-size", type=int, nargs="+", default=[2],
-                        help="TP world sizes (default: 2)")
+    parser.add_argument(
+        "architecture", nargs="*", help="model types (llama, qwen3, mixtral, ...); see --list"
+    )
+    parser.add_argument(
+        "--all",
+        dest="all_architectures",
+        action="store_true",
+        help="every architecture whose config declares a TP plan",
+    )
+    parser.add_argument(
+        "--list",
+        dest="list_architectures",
+        action="store_true",
+        help="print the architectures with a TP plan and exit",
+    )
+    parser.add_argument(
+        "--world-size", type=int, nargs="+", default=[2], help="TP world sizes (default: 2)"
+    )
     options.add_run_settings(parser, DEFAULTS)
-    parser.add_argument("--rule", action="append", metavar="PATTERN=STYLE",
-                        help="override one rule of transformers' plan (repeatable), e.g. "
-                             "'model.layers.*.mlp.down_proj=rowwise'")
-    parser.add_argument("--full", action="store_true",
-                        help="keep every check of every case in the JSON (default: the failed "
-                             "ones, and counts)")
+    parser.add_argument(
+        "--rule",
+        action="append",
+        metavar="PATTERN=STYLE",
+        help="override one rule of transformers' plan (repeatable), e.g. "
+        "'model.layers.*.mlp.down_proj=rowwise'",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="keep every check of every case in the JSON (default: the failed ones, and counts)",
+    )
     options.add_output_flags(parser)
 
 
@@ -49,16 +66,27 @@ def main(args: argparse.Namespace) -> int:
         return exit_after_outputs([problem] if problem else [], 0)
     options.check_flags(args)
     if any(w < 2 for w in args.world_size):
-        raise UsageError(f"--world-size {' '.join(map(str, args.world_size))}: transformers shards "
-                         "nothing on one rank; give 2 or more")
+        raise UsageError(
+            f"--world-size {' '.join(map(str, args.world_size))}: transformers shards "
+            "nothing on one rank; give 2 or more"
+        )
     names = hf.select(args.architecture, args.all_architectures)
     rules = hf.parse_rules(args.rule)
-    specs, skipped = hf.plan_sweep(names, args.world_size, options.dtypes(args, DEFAULTS), rules,
-                                   **options.given_settings(args, DEFAULTS))
+    specs, skipped = hf.plan_sweep(
+        names,
+        args.world_size,
+        options.dtypes(args, DEFAULTS),
+        rules,
+        **options.given_settings(args, DEFAULTS),
+    )
     if not specs:
-        raise UsageError("nothing to check: " + "; ".join(
-            f"{r['architecture']} (tp{r['world_size']}) skipped: {r['reason']}"
-            for r in skipped[:5]))
+        raise UsageError(
+            "nothing to check: "
+            + "; ".join(
+                f"{r['architecture']} (tp{r['world_size']}) skipped: {r['reason']}"
+                for r in skipped[:5]
+            )
+        )
 
     def finish(report: dict) -> None:
         """The sweep's table in the report, the passing checks dropped unless --full."""
@@ -67,8 +95,11 @@ def main(args: argparse.Namespace) -> int:
             report["cases"] = [hf.compact(r) for r in report["cases"]]
         if not args.quiet:
             for row in skipped:
-                print(f"tpcheck: {row['architecture']} (tp{row['world_size']}) skipped: "
-                      f"{row['reason']}", file=sys.stderr)
+                print(
+                    f"tpcheck: {row['architecture']} (tp{row['world_size']}) skipped: "
+                    f"{row['reason']}",
+                    file=sys.stderr,
+                )
             print(f"tpcheck hf: {report['sweep']['summary']}", file=sys.stderr)
 
     return execute(specs, args, finish_report=finish)

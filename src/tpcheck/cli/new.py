@@ -1,5 +1,6 @@
 """`tpcheck new`: the shipped case-file template written to a new file, to start from (it verifies
 as written)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,9 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("path", metavar="CASE.py",
-                        help="where to write it (never over an existing file)")
+    parser.add_argument(
+        "path", metavar="CASE.py", help="where to write it (never over an existing file)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -28,8 +30,9 @@ def main(args: argparse.Namespace) -> int:
         with open(path, "x") as f:
             f.write(template.replace("THIS_FILE", path))
     except FileExistsError:
-        raise UsageError(f"{path} exists; tpcheck new never overwrites a file: give a new "
-                         "name") from None
+        raise UsageError(
+            f"{path} exists; tpcheck new never overwrites a file: give a new name"
+        ) from None
     except OSError as e:
         raise UsageError(f"cannot write {path!r}: {e.strerror or e}") from None
     print(f"wrote {path}; check it with: tpcheck verify {path} --world-size 2 4", file=sys.stderr)

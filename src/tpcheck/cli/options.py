@@ -10,6 +10,7 @@ flag's help as "(default: ...)" and applied in one place (`given_settings`, `run
 The limits the CLI refuses before any rank starts are the checker's own: the timeout bounds are the
 Launcher's (checker/pool/launch.py), the learning-rate limit RunSettings' (checker/case.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,18 @@ from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TI
 from tpcheck.errors import UsageError
 from tpcheck.report.output import check_output_path
 
-DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16",
-                 "fp16": "float16", "f16": "float16", "half": "float16", "fp64": "float64",
-                 "f64": "float64", "double": "float64"}
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
 CASE_OWN = None  # a command's `defaults` for case files: every setting not given is the case's own
 NO_DEFAULTS: Mapping[str, object] = MappingProxyType({})  # RunSettings' own values
 
@@ -47,17 +57,29 @@ class SettingFlag:
 
 
 RUN_SETTINGS = (
-    SettingFlag("dtype", "--dtype", "working dtypes, one case each: float32, bfloat16 (bf16), "
-                "float16 (fp16), float64 (fp64)", {"nargs": "+", "type": dtype_name}),
+    SettingFlag(
+        "dtype",
+        "--dtype",
+        "working dtypes, one case each: float32, bfloat16 (bf16), float16 (fp16), float64 (fp64)",
+        {"nargs": "+", "type": dtype_name},
+    ),
     SettingFlag("steps", "--steps", "optimizer steps", {"type": int}),
     SettingFlag("optimizer", "--optimizer", "the optimizer", {"choices": OPTIMIZERS}),
     SettingFlag("lr", "--lr", f"learning rate, up to {MAX_LR:g}", {"type": float}),
-    SettingFlag("micro_batches", "--micro-batches", "gradient accumulation: micro-batches per step",
-                {"type": int}),
-    SettingFlag("master_weights", "--no-master-weights", "with bfloat16/float16: pure 16-bit "
-                "parameters and optimizer state instead of float32 master weights, grads and "
-                "optimizer state (as Megatron-Core and torchtitan train)",
-                {"action": "store_false"}),
+    SettingFlag(
+        "micro_batches",
+        "--micro-batches",
+        "gradient accumulation: micro-batches per step",
+        {"type": int},
+    ),
+    SettingFlag(
+        "master_weights",
+        "--no-master-weights",
+        "with bfloat16/float16: pure 16-bit "
+        "parameters and optimizer state instead of float32 master weights, grads and "
+        "optimizer state (as Megatron-Core and torchtitan train)",
+        {"action": "store_false"},
+    ),
     SettingFlag("seed", "--seed", "seed of the weights and batches", {"type": int}),
 )  # in the order `run` and `verify` listed them (and `run --mode` names the flags it ignores)
 NOT_FLAGS = {"capture"}  # RunSettings fields the command line does not set (see the docstring)
@@ -66,8 +88,11 @@ NOT_FLAGS = {"capture"}  # RunSettings fields the command line does not set (see
 # ------------------------------------------------------------------------------ run settings
 
 
-def add_run_settings(parser: argparse.ArgumentParser, defaults: Mapping[str, object] | None,
-                     notes: Mapping[str, str] = NO_DEFAULTS) -> None:
+def add_run_settings(
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, object] | None,
+    notes: Mapping[str, str] = NO_DEFAULTS,
+) -> None:
     """Add one flag per RunSettings field, each defaulting to None (not given). `defaults`: the
     command's values for those not given ({}: RunSettings' own; CASE_OWN: the case file's own);
     `notes`: a word on a field's default, after it in the help (run's "1 for --mode")."""
@@ -75,8 +100,13 @@ def add_run_settings(parser: argparse.ArgumentParser, defaults: Mapping[str, obj
         shown = shown_default(setting.field, defaults)
         if setting.field in notes:
             shown += f"; {notes[setting.field]}"
-        parser.add_argument(setting.flag, dest=setting.field, default=None,
-                            help=f"{setting.help} (default: {shown})", **setting.kwargs)
+        parser.add_argument(
+            setting.flag,
+            dest=setting.field,
+            default=None,
+            help=f"{setting.help} (default: {shown})",
+            **setting.kwargs,
+        )
 
 
 def shown_default(field: str, defaults: Mapping[str, object] | None) -> str:
@@ -104,8 +134,9 @@ def given_settings(args: argparse.Namespace, defaults: Mapping[str, object] = NO
     return {**defaults, **{field: value for field, value in given.items() if value is not None}}
 
 
-def run_settings(args: argparse.Namespace, dtype: str,
-                 defaults: Mapping[str, object] = NO_DEFAULTS) -> RunSettings:
+def run_settings(
+    args: argparse.Namespace, dtype: str, defaults: Mapping[str, object] = NO_DEFAULTS
+) -> RunSettings:
     """The RunSettings of one case in `dtype`, from the flags given and the command's `defaults`."""
     return RunSettings(dtype=dtype, **given_settings(args, defaults))
 
@@ -122,34 +153,47 @@ def dtypes(args: argparse.Namespace, defaults: Mapping[str, object] | None) -> l
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--timeout", type=float, default=None,
-                        help=f"seconds any collective may wait, {MIN_TIMEOUT_S:g}.."
-                             f"{MAX_TIMEOUT_S:g} (default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--json", dest="json_path", metavar="PATH",
-                        help="write the full JSON report here")
-    parser.add_argument("--html", dest="html_path", metavar="PATH",
-                        help="write the HTML report here")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"seconds any collective may wait, {MIN_TIMEOUT_S:g}.."
+        f"{MAX_TIMEOUT_S:g} (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--json", dest="json_path", metavar="PATH", help="write the full JSON report here"
+    )
+    parser.add_argument(
+        "--html", dest="html_path", metavar="PATH", help="write the HTML report here"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the ranks compute: cpu (gloo, the default) or cuda (one GPU "
-                             "per rank, NCCL)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the ranks compute: cpu (gloo, the default) or cuda (one GPU per rank, NCCL)",
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """What the commands that run cases check alike before any rank starts: --timeout, --lr, the
     output paths."""
     if args.timeout is not None and not MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S:
-        raise UsageError(f"--timeout {args.timeout:g} must be between {MIN_TIMEOUT_S:g} and "
-                         f"{MAX_TIMEOUT_S:g} seconds: it is how long any collective may wait, and "
-                         f"below {MIN_TIMEOUT_S:g} s a correct implementation is reported as a "
-                         "false hang")
+        raise UsageError(
+            f"--timeout {args.timeout:g} must be between {MIN_TIMEOUT_S:g} and "
+            f"{MAX_TIMEOUT_S:g} seconds: it is how long any collective may wait, and "
+            f"below {MIN_TIMEOUT_S:g} s a correct implementation is reported as a "
+            "false hang"
+        )
     if args.lr is not None and math.isfinite(args.lr) and args.lr > MAX_LR:
-        raise UsageError(f"--lr {args.lr:g} is above {MAX_LR:g}: steps that large make the "
-                         "weights, and the dense reference itself, overflow to Inf/NaN within a "
-                         "few steps (the seed MLP's does at lr 30 with SGD), leaving nothing to "
-                         "compare; typical learning rates are 1e-5..1e-1")
+        raise UsageError(
+            f"--lr {args.lr:g} is above {MAX_LR:g}: steps that large make the "
+            "weights, and the dense reference itself, overflow to Inf/NaN within a "
+            "few steps (the seed MLP's does at lr 30 with SGD), leaving nothing to "
+            "compare; typical learning rates are 1e-5..1e-1"
+        )
     check_output_path("--json", args.json_path)
     check_output_path("--html", args.html_path)

@@ -4,6 +4,7 @@
 imports `tpcheck.cli.run` alone and lets it add its flags. A command module may thus import at its
 top what it runs on (the checker, torch): only the chosen one is ever imported (`command_module`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,21 +16,33 @@ from tpcheck.torchrun import asks_for_help
 
 # name: (module, its line in `tpcheck --help`), in the order listed
 COMMANDS = {
-    "run": ("tpcheck.cli.run",
-            "check built-in blocks (a matrix of blocks x world sizes x dtypes x faults)"),
+    "run": (
+        "tpcheck.cli.run",
+        "check built-in blocks (a matrix of blocks x world sizes x dtypes x faults)",
+    ),
     "verify": ("tpcheck.cli.verify", "check your own TP code: a case file (docs/case-files.md)"),
-    "hf": ("tpcheck.cli.hf", "check HuggingFace transformers' own TP plans, architecture by "
-                             "architecture (pip install 'tpcheck[transformers]')"),
-    "new": ("tpcheck.cli.new",
-            "write a commented case file to start from (it verifies as written)"),
+    "hf": (
+        "tpcheck.cli.hf",
+        "check HuggingFace transformers' own TP plans, architecture by "
+        "architecture (pip install 'tpcheck[transformers]')",
+    ),
+    "new": (
+        "tpcheck.cli.new",
+        "write a commented case file to start from (it verifies as written)",
+    ),
     "faults": ("tpcheck.cli.faults", "list the fault catalogue"),
     "report": ("tpcheck.cli.report", "print the summary of a JSON report and render it as HTML"),
-    "torchrun": ("tpcheck.cli.torchrun", "run a tpcheck command under torchrun's launcher, its "
-                                         "exit code said in one line (no ChildFailedError "
-                                         "traceback)"),
+    "torchrun": (
+        "tpcheck.cli.torchrun",
+        "run a tpcheck command under torchrun's launcher, its "
+        "exit code said in one line (no ChildFailedError "
+        "traceback)",
+    ),
 }
-DESCRIPTION = ("Prove a tensor-parallel implementation computes what its dense model computes; say "
-               "where and why when not.")
+DESCRIPTION = (
+    "Prove a tensor-parallel implementation computes what its dense model computes; say "
+    "where and why when not."
+)
 EPILOG = """examples:
   tpcheck run --world-size 2 4                       # the built-in MLP block, float32, 3 AdamW \
 steps
@@ -50,8 +63,9 @@ def command_module(name: str) -> ModuleType:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """tpcheck's parser with every command listed and `command`'s flags (none for None)."""
-    parser = argparse.ArgumentParser(prog="tpcheck", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=RAW)
+    parser = argparse.ArgumentParser(
+        prog="tpcheck", description=DESCRIPTION, epilog=EPILOG, formatter_class=RAW
+    )
     parser.add_argument("--version", action="version", version=f"tpcheck {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, line) in COMMANDS.items():

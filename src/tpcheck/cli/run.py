@@ -1,5 +1,6 @@
 """`tpcheck run`: the built-in blocks, a matrix of blocks x world sizes x dtypes x faults; with
 --mode, the seed's modes on the seed's fixture (the seed's JSON on stdout)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,19 @@ from tpcheck.seed import MODES, mode_specs
 DEFAULTS = options.NO_DEFAULTS  # RunSettings' own: float32, 3 AdamW steps, 2 micro-batches, seed 31
 MODE_NOTES = {"steps": "1 for --mode", "optimizer": "sgd for --mode"}  # seed.mode_specs' own
 # Options `run --mode` applies (by argparse dest); any other option given with --mode is refused.
-MODE_OPTIONS = {"mode", "world_size", "preset", "steps", "optimizer", "lr", "seed", "timeout",
-                "json_path", "html_path", "quiet"}
+MODE_OPTIONS = {
+    "mode",
+    "world_size",
+    "preset",
+    "steps",
+    "optimizer",
+    "lr",
+    "seed",
+    "timeout",
+    "json_path",
+    "html_path",
+    "quiet",
+}
 INSPECT_OPTIONS = {"mode", "world_size", "json_path", "html_path", "quiet"}  # inspect runs nothing
 EPILOG = """examples:
   tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
@@ -31,24 +43,41 @@ EPILOG = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("--mode", choices=MODES,
-                        help="the seed's modes on the seed fixture (prints the seed's JSON); 'all' "
-                             "runs inspect and the three run modes in one launch")
-    parser.add_argument("--block", nargs="+", default=["mlp"],
-                        help="blocks to check (default: mlp)")
-    parser.add_argument("--preset", default=None,
-                        help="model shapes: seed, tiny, llama3-8b-layer (default: seed)")
-    parser.add_argument("--world-size", type=int, nargs="+", default=None,
-                        help="TP world sizes (default: 2)")
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        help="the seed's modes on the seed fixture (prints the seed's JSON); 'all' "
+        "runs inspect and the three run modes in one launch",
+    )
+    parser.add_argument(
+        "--block", nargs="+", default=["mlp"], help="blocks to check (default: mlp)"
+    )
+    parser.add_argument(
+        "--preset", default=None, help="model shapes: seed, tiny, llama3-8b-layer (default: seed)"
+    )
+    parser.add_argument(
+        "--world-size", type=int, nargs="+", default=None, help="TP world sizes (default: 2)"
+    )
     options.add_run_settings(parser, DEFAULTS, MODE_NOTES)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--fault", nargs="+", default=[],
-                        help="inject catalogue faults ('all' for every one)")
-    parser.add_argument("--dropout", type=float, default=None, metavar="P",
-                        help="hidden dropout of the blocks (after the embedding, on each block's "
-                             "output); default 0")
-    parser.add_argument("--attention-dropout", type=float, default=None, metavar="P",
-                        help="dropout of the attention probabilities; default 0")
+    parser.add_argument(
+        "--fault", nargs="+", default=[], help="inject catalogue faults ('all' for every one)"
+    )
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=None,
+        metavar="P",
+        help="hidden dropout of the blocks (after the embedding, on each block's "
+        "output); default 0",
+    )
+    parser.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=None,
+        metavar="P",
+        help="dropout of the attention probabilities; default 0",
+    )
     options.add_device_flag(parser)
     options.add_output_flags(parser)
 
@@ -62,8 +91,9 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--mode takes one --world-size, got {world_sizes}")
         if args.mode in ("inspect", "all") and not under_torchrun():
             check_inspect_world_size(world_sizes[0])
-        specs = mode_specs(args.mode, world_sizes[0], preset=args.preset,
-                           **options.given_settings(args))
+        specs = mode_specs(
+            args.mode, world_sizes[0], preset=args.preset, **options.given_settings(args)
+        )
     else:
         specs = matrix_specs(args, world_sizes)
     return execute(specs, args, seed_mode=args.mode, seed_world_size=world_sizes[0])
@@ -77,29 +107,43 @@ def matrix_specs(args: argparse.Namespace, world_sizes: list[int]) -> list[CaseS
     else:
         faults += [get_fault(f).name for f in args.fault]
     specs = []
-    for block, ws, dtype, fault in itertools.product(args.block, world_sizes,
-                                                     options.dtypes(args, DEFAULTS), faults):
+    for block, ws, dtype, fault in itertools.product(
+        args.block, world_sizes, options.dtypes(args, DEFAULTS), faults
+    ):
         run = options.run_settings(args, dtype, DEFAULTS)
-        spec = CaseSpec(block=block, preset=args.preset or "seed", world_size=ws, run=run,
-                        sequence_parallel=args.sp, overrides=dropout_overrides(args))
+        spec = CaseSpec(
+            block=block,
+            preset=args.preset or "seed",
+            world_size=ws,
+            run=run,
+            sequence_parallel=args.sp,
+            overrides=dropout_overrides(args),
+        )
         if fault is None:
             specs.append(spec)
-        elif CATALOGUE[fault].applies(block, ws, run.optimizer, dtype, run.micro_batches,
-                                      run.master_weights):
+        elif CATALOGUE[fault].applies(
+            block, ws, run.optimizer, dtype, run.micro_batches, run.master_weights
+        ):
             faulty = CATALOGUE[fault].prepare(spec)
             if feasible(faulty):
                 specs.append(faulty)
     if not specs:
-        raise UsageError("no case to run: the faults given apply to none of the blocks and world "
-                         "sizes given")
+        raise UsageError(
+            "no case to run: the faults given apply to none of the blocks and world sizes given"
+        )
     return specs
 
 
 def dropout_overrides(args: argparse.Namespace) -> tuple:
     """The blocks' dropout probabilities given on the command line, as config overrides."""
-    return tuple((name, value) for name, value in (("dropout", args.dropout),
-                                                    ("attention_dropout", args.attention_dropout))
-                 if value is not None)
+    return tuple(
+        (name, value)
+        for name, value in (
+            ("dropout", args.dropout),
+            ("attention_dropout", args.attention_dropout),
+        )
+        if value is not None
+    )
 
 
 # ------------------------------------------------------------------------------ --mode
@@ -114,9 +158,12 @@ def given_options(argv: list[str]) -> dict[str, str]:
     for action in parser._actions:
         if action.option_strings:
             action.default = argparse.SUPPRESS
-    given = vars(parser.parse_args(argv[argv.index("run") + 1:]))
-    return {a.dest: max(a.option_strings, key=len) for a in parser._actions
-            if a.option_strings and a.dest in given}
+    given = vars(parser.parse_args(argv[argv.index("run") + 1 :]))
+    return {
+        a.dest: max(a.option_strings, key=len)
+        for a in parser._actions
+        if a.option_strings and a.dest in given
+    }
 
 
 def refuse_options_the_mode_ignores(args: argparse.Namespace) -> None:
@@ -127,9 +174,14 @@ def refuse_options_the_mode_ignores(args: argparse.Namespace) -> None:
     if not ignored:
         return
     them = "it" if len(ignored) == 1 else "them"
-    does = ("runs nothing, it prints the seed MLP's shapes for --world-size ranks" if inspect else
+    does = (
+        "runs nothing, it prints the seed MLP's shapes for --world-size ranks"
+        if inspect
+        else (
             "checks the seed's MLP block in float32, without sequence parallelism, one micro-batch "
-            "per step, with the mode's own fault")
+            "per step, with the mode's own fault"
+        )
+    )
     fix = f"drop {them}"
     if not inspect:
         fix += f", or drop --mode to run the matrix check with {them}"

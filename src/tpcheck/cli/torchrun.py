@@ -2,6 +2,7 @@
 `--`, torchrun in this process, the exit code in one line) is tpcheck/torchrun.py. `parse_argv`
 hands `tpcheck torchrun ...` over before argparse, which would take torchrun's options for its own:
 this parser only prints the help and lists the command."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,20 @@ EPILOG = (
     "  tpcheck torchrun --nproc_per_node 4 -- run --block layer --world-size 4\n"
     "  tpcheck torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d "
     "--rdzv_endpoint HOST0:29500 \\\n"
-    "      --rdzv_id c1 -- verify case.py --world-size 2      # on each host")
+    "      --rdzv_id c1 -- verify case.py --world-size 2      # on each host"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.usage = "%(prog)s [-h] [TORCHRUN_ARGS ...] -- {run,verify,hf} [ARGS ...]"
-    parser.add_argument("torchrun_argv", nargs=argparse.REMAINDER,
-                        metavar="TORCHRUN_ARGS -- COMMAND",
-                        help="torchrun's arguments (e.g. --nproc_per_node 2), `--`, then a tpcheck "
-                             "command (run, verify or hf) and its arguments")
+    parser.add_argument(
+        "torchrun_argv",
+        nargs=argparse.REMAINDER,
+        metavar="TORCHRUN_ARGS -- COMMAND",
+        help="torchrun's arguments (e.g. --nproc_per_node 2), `--`, then a tpcheck "
+        "command (run, verify or hf) and its arguments",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

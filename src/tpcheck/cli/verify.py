@@ -1,5 +1,6 @@
 """`tpcheck verify`: your own TP code, in case files (docs/case-files.md). A case's settings are its
 own; the run-settings flags given override them."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("target", nargs="*", help="path/to/case.py or path/to/case.py:NAME")
     # str: `--world-size 2 4 case.py` takes the case file too; main hands it back to the targets
-    parser.add_argument("--world-size", nargs="+", default=None, metavar="WORLD_SIZE",
-                        help="TP world sizes (default: 2)")
+    parser.add_argument(
+        "--world-size",
+        nargs="+",
+        default=None,
+        metavar="WORLD_SIZE",
+        help="TP world sizes (default: 2)",
+    )
     options.add_run_settings(parser, DEFAULTS)
-    parser.add_argument("--print-plan", action="store_true",
-                        help="print, on stdout, the plan inferred for each case without one "
-                             "(Case(plan=None, load_tp=...))")
+    parser.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print, on stdout, the plan inferred for each case without one "
+        "(Case(plan=None, load_tp=...))",
+    )
     options.add_device_flag(parser)
     options.add_output_flags(parser)
 
@@ -48,8 +57,10 @@ def main(args: argparse.Namespace) -> int:
         except UsageError:
             targets.append(t)
     broken: dict = {}
-    specs = [target_spec(t, ws, d, given, broken) for t, ws, d in
-             itertools.product(targets, world_sizes, options.dtypes(args, DEFAULTS))]
+    specs = [
+        target_spec(t, ws, d, given, broken)
+        for t, ws, d in itertools.product(targets, world_sizes, options.dtypes(args, DEFAULTS))
+    ]
     if len(broken) == len(specs):
         raise next(iter(broken.values()))  # nothing to run: the first problem, exit 2
     return execute(specs, args)
@@ -65,13 +76,15 @@ def split_world_sizes_from_targets(args: argparse.Namespace) -> None:
         elif value.endswith(".py") or ".py:" in value:
             moved.append(value)
         else:
-            raise UsageError(f"--world-size {value}: a world size is a whole number (e.g. "
-                             "--world-size 2 4)")
+            raise UsageError(
+                f"--world-size {value}: a world size is a whole number (e.g. --world-size 2 4)"
+            )
     args.world_size = [int(v) for v in sizes] or None
     args.target = [*args.target, *moved]
     if not args.target:
-        raise UsageError("verify needs a case file: tpcheck verify path/to/case.py[:NAME] "
-                         "(docs/case-files.md)")
+        raise UsageError(
+            "verify needs a case file: tpcheck verify path/to/case.py[:NAME] (docs/case-files.md)"
+        )
 
 
 def target_spec(target: str, world_size: int, dtype: str | None, given: dict, broken: dict):
@@ -81,7 +94,8 @@ def target_spec(target: str, world_size: int, dtype: str | None, given: dict, br
     try:
         return file_spec(target, world_size, dtype=dtype, **given)
     except UsageError as e:
-        spec = CaseSpec(block=FILE_PREFIX + target, world_size=world_size,
-                        label=f"{target}/tp{world_size}")
+        spec = CaseSpec(
+            block=FILE_PREFIX + target, world_size=world_size, label=f"{target}/tp{world_size}"
+        )
         broken[spec] = e
         return spec

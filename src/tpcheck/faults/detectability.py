@@ -1,6 +1,7 @@
 """Detectability: the smallest planted error a default run flags, per dtype and world size.
 
-Two bug sizes, planted into the built-in MLP (a default run: 3 AdamW steps, 2 micro-batches, lr 1e-3):
+Two bug sizes, planted into the built-in MLP (a
+default run: 3 AdamW steps, 2 micro-batches, lr 1e-3):
 
 * partial: the last rank's partial sum enters the row-parallel all-reduce scaled by (1 + size), the
   error a slightly wrong shard or scaling constant makes (relative to that rank's partial sum);
@@ -10,6 +11,7 @@ A size counts as detected when every seed's run is "not equivalent"; the thresho
 size of the grid from which every larger size is detected too (None: not even the largest).
 benchmarks/detectability.py prints the table; docs/tolerances.md holds it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +25,8 @@ from tpcheck.faults import injectors as inj
 
 PARTIAL_SIZES = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2)
 LR_SIZES = (1e-6, 1e-4, 1e-2, 0.5)
-# the targets: relative error in one rank's partial sums (by dtype; world 8 in 16-bit: 10%), and lr x 1.5
+# the targets: relative error in one rank's partial
+# sums (by dtype; world 8 in 16-bit: 10%), and lr x 1.5
 TARGETS = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 0.03, "float16": 0.03}
 TARGET_16BIT_WORLD8 = 0.1
 TARGET_LR = 0.5
@@ -47,12 +50,22 @@ class Probe:
 
     def spec(self, preset: str = "tiny") -> CaseSpec:  # tiny: hidden 32, ffn 64
         """The planted case, registered in this process (register before the ranks fork)."""
-        base = CaseSpec(block="mlp", preset=preset, world_size=self.world, run=RunSettings(dtype=self.dtype, seed=self.seed),
-                        overrides=(("heads", 8), ("kv_heads", 8)))  # unused by the MLP; divisible up to 8
+        base = CaseSpec(
+            block="mlp",
+            preset=preset,
+            world_size=self.world,
+            run=RunSettings(dtype=self.dtype, seed=self.seed),
+            overrides=(("heads", 8), ("kv_heads", 8)),
+        )  # unused by the MLP; divisible up to 8
         case = BLOCKS["mlp"].case(base, config_for(base))
         if self.kind == "partial":
-            plant = inj.intercept("all_reduce", "down", "forward", inj.scale_partial(1 + self.size),
-                                  ranks=lambda r, w: r == w - 1)
+            plant = inj.intercept(
+                "all_reduce",
+                "down",
+                "forward",
+                inj.scale_partial(1 + self.size),
+                ranks=lambda r, w: r == w - 1,
+            )
         else:
             plant = inj.lr_scaled_on_last_rank(lambda w: 1 + self.size)
         label = f"{self.kind}x(1+{self.size:g})/{self.dtype}/tp{self.world}/seed{self.seed}"
@@ -60,19 +73,28 @@ class Probe:
         return dataclasses.replace(spec, expected="not equivalent")
 
 
-def probes(kinds=("partial", "lr"), dtypes=("float32", "bfloat16", "float16"), worlds=(2, 4, 8),
-           seeds=(1, 2), partial_sizes=PARTIAL_SIZES, lr_sizes=LR_SIZES) -> list[Probe]:
+def probes(
+    kinds=("partial", "lr"),
+    dtypes=("float32", "bfloat16", "float16"),
+    worlds=(2, 4, 8),
+    seeds=(1, 2),
+    partial_sizes=PARTIAL_SIZES,
+    lr_sizes=LR_SIZES,
+) -> list[Probe]:
     out = []
     for kind, dtype, world, seed in itertools.product(kinds, dtypes, worlds, seeds):
         if kind == "partial" and world < 2:
             continue  # one rank: no partial sums
-        for size in (partial_sizes if kind == "partial" else lr_sizes):
+        for size in partial_sizes if kind == "partial" else lr_sizes:
             out.append(Probe(kind, dtype, world, size, seed))
     return out
 
 
-def thresholds(probes_run: list[Probe], results: list[dict]) -> dict[tuple[str, str, int], float | None]:
-    """(kind, dtype, world) -> the smallest size from which every larger size was detected on every seed."""
+def thresholds(
+    probes_run: list[Probe], results: list[dict]
+) -> dict[tuple[str, str, int], float | None]:
+    """(kind, dtype, world) -> the smallest size from
+    which every larger size was detected on every seed."""
     detected: dict[tuple, dict[float, bool]] = {}
     for p, r in zip(probes_run, results):
         cell = detected.setdefault((p.kind, p.dtype, p.world), {})

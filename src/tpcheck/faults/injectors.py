@@ -1,6 +1,7 @@
 """Small injectors the catalogue is built from. Each returns a function `(case, spec) -> case`.
 
 Sites match by suffix, so a fault written for the MLP's 'down' also hits 'layers.0.mlp.down'."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,12 @@ def intercept(op: str, site: str, phase: str, action, ranks=lambda rank, world: 
 
     def interceptor(group: TPGroup):
         def hook(op_, site_, phase_, x, perform):
-            if op_ == op and phase_ == phase and site_matches(site_, site) and ranks(group.rank, group.world_size):
+            if (
+                op_ == op
+                and phase_ == phase
+                and site_matches(site_, site)
+                and ranks(group.rank, group.world_size)
+            ):
                 return action(x, perform)
             return perform(x)
 
@@ -62,7 +68,8 @@ def on_temporary(x, perform):
 
 
 def gather_wrong_dim(x, perform):
-    """All-gather the batch dim of [s/tp, b, h] then view it as the sequence: right shape, wrong rows."""
+    """All-gather the batch dim of [s/tp, b, h] then
+    view it as the sequence: right shape, wrong rows."""
     out = perform(x.transpose(0, 1).contiguous())  # [tp*b, s/tp, h]
     return out.reshape(x.shape[0] * out.shape[0] // x.shape[1], x.shape[1], x.shape[2])
 
@@ -96,7 +103,9 @@ def replicated_lr_by_rank(case: Case, spec: CaseSpec) -> Case:
     def make(tp, group, default):
         opt = default([p for n, p in tp.named_parameters() if n not in replicated])
         rest = [p for n, p in tp.named_parameters() if n in replicated]
-        opt.add_param_group({"params": rest, "lr": case.run.learning_rate * (1.0 + 0.5 * group.rank)})
+        opt.add_param_group(
+            {"params": rest, "lr": case.run.learning_rate * (1.0 + 0.5 * group.rank)}
+        )
         return opt
 
     return injected(case, tp_optimizer=make)
@@ -109,8 +118,9 @@ def embedding_without_mask(case: Case, spec: CaseSpec) -> Case:
 
     def forward(self, tokens):
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_local)
-        partial = F.embedding(torch.where(outside, torch.zeros_like(tokens), tokens - self.vocab_start),
-                              self.weight)
+        partial = F.embedding(
+            torch.where(outside, torch.zeros_like(tokens), tokens - self.vocab_start), self.weight
+        )
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)
         return reduce_from_tp_region(partial, self.group, self.site)
@@ -129,7 +139,13 @@ def smoothing_over_local_vocab(case: Case, spec: CaseSpec) -> Case:
 
     def interceptor(group: TPGroup):
         def hook(op, site, phase, x, perform):
-            if op == "all_reduce" and site.endswith(".sum") and phase == "forward" and x.dim() == 2 and len(x) == 3:
+            if (
+                op == "all_reduce"
+                and site.endswith(".sum")
+                and phase == "forward"
+                and x.dim() == 2
+                and len(x) == 3
+            ):
                 out = perform(x).clone()
                 out[2] = x[2] * group.world_size  # local sum / (V / tp) == this rank's mean logit
                 return out
@@ -156,9 +172,9 @@ class FromRank(Placement):
 
 @dataclasses.dataclass(frozen=True)
 class Perturbed(Placement):
-    """Rank `rank` loads its shard scaled by (1 + rel): a stale or mis-converted checkpoint shard. The
-    TP side loads from the float32 master weights, so the perturbation survives a cast to bfloat16
-    where it crosses a rounding boundary (about one element in five for rel = 1e-3)."""
+    """Rank `rank` loads its shard scaled by (1 + rel): a stale or mis-converted checkpoint shard.
+    The TP side loads from the float32 master weights, so the perturbation survives a cast to
+    bfloat16 where it crosses a rounding boundary (about one element in five for rel = 1e-3)."""
 
     inner: Placement
     rank: int = 1
@@ -179,7 +195,8 @@ def perturb_first_shard(rank: int = 1, rel: float = 1e-3):
 
 @dataclasses.dataclass(frozen=True)
 class KVByRank(Fused):
-    """A replicated KV head indexed by rank (mod the number of heads) instead of rank // replicas."""
+    """A replicated KV head indexed by rank (mod the
+    number of heads) instead of rank // replicas."""
 
     def replica_unit(self, rank: int, world: int, units: int) -> int:
         return rank % units
@@ -208,7 +225,8 @@ class WrongDim(Placement):
 
 
 def load_with(rewrite, needs=lambda name, p: True):
-    """The TP side loads its weights with rewrite(placement) for the (name, placement) `needs` selects."""
+    """The TP side loads its weights with rewrite(placement)
+    for the (name, placement) `needs` selects."""
 
     def inject(case: Case, spec: CaseSpec) -> Case:
         params = {n: rewrite(p) if needs(n, p) else p for n, p in case.plan.params.items()}
@@ -218,10 +236,10 @@ def load_with(rewrite, needs=lambda name, p: True):
 
 
 def naive_fused_split(case: Case, spec: CaseSpec) -> Case:
-    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part. The catalogue entry
-    builds the block with the concatenated [gate; up] layout (its `overrides`), so every block with an
-    MLP has a fused weight to split; parts replicated over ranks (kv_heads < world) are left alone (the
-    shapes would not even match)."""
+    """Fused weights ([gate; up], [q; k; v]) split contiguously instead of per part. The catalogue
+    entry builds the block with the concatenated [gate; up] layout (its `overrides`), so every block
+    with an MLP has a fused weight to split; parts replicated over ranks (kv_heads < world) are left
+    alone (the shapes would not even match)."""
 
     def splittable(name: str, p: Placement) -> bool:
         return isinstance(p, Fused) and all(n >= spec.world_size for n in p.units)
@@ -232,23 +250,54 @@ def naive_fused_split(case: Case, spec: CaseSpec) -> Case:
 def is_row_parallel_weight(name: str, p: Placement) -> bool:
     """2-D weights sharded on their input dim: the MLP's down and attention's output projection."""
     parts = name.split(".")
-    return type(p) is Shard and p.dim == 1 and parts[-1] == "weight" and len(parts) > 1 and parts[-2] in (
-        "down", "o", "o_proj", "out_proj")
+    return (
+        type(p) is Shard
+        and p.dim == 1
+        and parts[-1] == "weight"
+        and len(parts) > 1
+        and parts[-2] in ("down", "o", "o_proj", "out_proj")
+    )
 
 
 def not_replicated(name: str, p: Placement) -> bool:
     return not isinstance(p, Replicate)
 
 
-__all__ = ["intercept", "skip", "twice", "on_temporary", "gather_wrong_dim", "bias_before_reduce",
-           "divide_loss_by_world", "replicated_lr_by_rank", "load_with", "naive_fused_split", "FromRank",
-           "WrongDim", "injected", "is_row_parallel_weight", "not_replicated", "perturb_first_shard", "Perturbed",
-           "KVByRank",
-           "kv_head_by_rank", "embedding_without_mask", "smoothing_over_local_vocab", "lr_times_world_on_last_rank",
-           "weight_decay_twice_on_sharded", "lr_scaled_on_last_rank", "adam_l2_instead_of_adamw", "tp_betas_differ",
-           "state_reset_on_sharded",
-           "replicated_on_rank0_only", "scale_partial", "norm_eps", "weight_cached_at_first_forward",
-           "sum_microbatch_losses", "reduce_grads_every_microbatch"]
+__all__ = [
+    "intercept",
+    "skip",
+    "twice",
+    "on_temporary",
+    "gather_wrong_dim",
+    "bias_before_reduce",
+    "divide_loss_by_world",
+    "replicated_lr_by_rank",
+    "load_with",
+    "naive_fused_split",
+    "FromRank",
+    "WrongDim",
+    "injected",
+    "is_row_parallel_weight",
+    "not_replicated",
+    "perturb_first_shard",
+    "Perturbed",
+    "KVByRank",
+    "kv_head_by_rank",
+    "embedding_without_mask",
+    "smoothing_over_local_vocab",
+    "lr_times_world_on_last_rank",
+    "weight_decay_twice_on_sharded",
+    "lr_scaled_on_last_rank",
+    "adam_l2_instead_of_adamw",
+    "tp_betas_differ",
+    "state_reset_on_sharded",
+    "replicated_on_rank0_only",
+    "scale_partial",
+    "norm_eps",
+    "weight_cached_at_first_forward",
+    "sum_microbatch_losses",
+    "reduce_grads_every_microbatch",
+]
 
 
 # ------------------------------------------------------------------ optimizer bugs (tp_optimizer)
@@ -293,8 +342,8 @@ lr_times_world_on_last_rank = lr_scaled_on_last_rank(lambda world: world)
 
 
 def weight_decay_twice_on_sharded(case: Case, spec: CaseSpec) -> Case:
-    """Sharded parameters get the decoupled weight decay a second time after each step (a wrapper that
-    also decays the parameters it shards)."""
+    """Sharded parameters get the decoupled weight decay a second time after each step (a wrapper
+    that also decays the parameters it shards)."""
     sharded, lr = _sharded(case), case.run.learning_rate
 
     def make(tp, group, default):
@@ -358,7 +407,8 @@ def state_reset_on_sharded(case: Case, spec: CaseSpec) -> Case:
 
 
 def replicated_on_rank0_only(case: Case, spec: CaseSpec) -> Case:
-    """Replicated parameters are in the optimizer on rank 0 only: the other ranks never update them."""
+    """Replicated parameters are in the optimizer on
+    rank 0 only: the other ranks never update them."""
     replicated = {case.plan.tp_name(n) for n, p in case.plan.params.items() if p.replicated}
 
     def make(tp, group, default):
@@ -368,12 +418,12 @@ def replicated_on_rank0_only(case: Case, spec: CaseSpec) -> Case:
     return injected(case, tp_optimizer=make)
 
 
-# ------------------------------------------------------------------ small numeric bugs (at the bound)
+# ---------------------------------------------------------------- small numeric bugs (at the bound)
 
 
 def scale_partial(factor: float):
-    """An interceptor action: this rank's partial sum enters the reduction scaled by `factor` (a rank
-    whose shard is slightly off: a stale or mis-converted weight, a wrong scaling constant)."""
+    """An interceptor action: this rank's partial sum enters the reduction scaled by `factor` (a
+    rank whose shard is slightly off: a stale or mis-converted weight, a wrong scaling constant)."""
 
     def action(x, perform):
         return perform(x * factor)
@@ -427,8 +477,8 @@ def _cache_first_weights(m) -> None:
 
 
 def sum_microbatch_losses(case: Case, spec: CaseSpec) -> Case:
-    """The TP side's loss is not averaged over the micro-batches (the engine divides each micro-batch's
-    loss by their number on both sides; this TP loss undoes it: the sum)."""
+    """The TP side's loss is not averaged over the micro-batches (the engine divides each
+    micro-batch's loss by their number on both sides; this TP loss undoes it: the sum)."""
     micro = case.run.micro_batches
 
     def tp_loss(out, target, group):
@@ -438,23 +488,26 @@ def sum_microbatch_losses(case: Case, spec: CaseSpec) -> Case:
 
 
 def reduce_grads_every_microbatch(case: Case, spec: CaseSpec) -> Case:
-    """Parameters whose grads are partial sums over the ranks (`partial_grad`: sequence-parallel norm
-    weights) are all-reduced by a post-accumulate-grad hook after every micro-batch instead of once
-    after the last: from the second micro-batch on, the grad already reduced is summed over the ranks
-    again. The module's finalize_grads becomes a no-op (the hook did the reducing)."""
+    """Parameters whose grads are partial sums over the ranks (`partial_grad`: sequence-parallel
+    norm weights) are all-reduced by a post-accumulate-grad hook after every micro-batch instead of
+    once after the last: from the second micro-batch on, the grad already reduced is summed over the
+    ranks again. The module's finalize_grads becomes a no-op (the hook did the reducing)."""
 
     def tamper(module, group):
         for name, p in module.named_parameters():
             if getattr(p, "partial_grad", False):
-                p.register_post_accumulate_grad_hook(lambda param, site=name: all_reduce_grad_(param, group, site))
+                p.register_post_accumulate_grad_hook(
+                    lambda param, site=name: all_reduce_grad_(param, group, site)
+                )
         module.finalize_grads = lambda: None
 
     return injected(case, tamper=tamper)
 
 
 def rng_not_forked(case: Case, spec: CaseSpec) -> Case:
-    """The sharded regions' model-parallel generator seeded the same on every rank: the dropout masks of
-    different shards (a rank's attention heads; the sequence shards under SP) are then copies."""
+    """The sharded regions' model-parallel generator seeded the same on every rank: the dropout
+    masks of different shards (a rank's attention heads; the sequence shards under
+    SP) are then copies."""
 
     def tamper(tp, group: TPGroup) -> None:
         for module in tp.modules():
@@ -465,8 +518,8 @@ def rng_not_forked(case: Case, spec: CaseSpec) -> Case:
 
 
 def rng_diverged(case: Case, spec: CaseSpec) -> Case:
-    """The replicated region's dropout (after the row-parallel all-reduce) drawn from the rank-seeded
-    model-parallel generator: the replicas draw different masks and drift apart."""
+    """The replicated region's dropout (after the row-parallel all-reduce) drawn from the
+    rank-seeded model-parallel generator: the replicas draw different masks and drift apart."""
 
     def tamper(tp, group: TPGroup) -> None:
         tracker = RNGTracker(group, DEFAULT_RNG_SEED, device=group.device)

@@ -1,4 +1,5 @@
 """One config builds a dense model and its TP twin. Presets name the shapes we check."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,13 @@ GATE_UP_LAYOUTS = ("stacked", "concat")
 class ModelConfig:
     """Shapes of a block or tiny LM. Activations are `[seq, batch, hidden]`.
 
-    dropout: hidden dropout (Megatron's `hidden_dropout`): after the embedding, and on each block's output
-    before its residual add. attention_dropout: on the attention probabilities. Both 0 by default.
+    dropout: hidden dropout (Megatron's `hidden_dropout`): after the embedding, and on each block's
+    output before its residual add. attention_dropout: on the attention
+    probabilities. Both 0 by default.
 
-    gate_up_layout: "stacked" stores the SwiGLU gate/up weight as [2, ffn, hidden] (the seed's layout;
-    TP shards dim 1); "concat" stores it as [gate; up] = [2*ffn, hidden] (Megatron-Core's fc1), where
-    rank r holds [gate_r; up_r] (`Fused`).
+    gate_up_layout: "stacked" stores the SwiGLU gate/up weight as [2, ffn, hidden] (the seed's
+    layout; TP shards dim 1); "concat" stores it as [gate; up] = [2*ffn, hidden] (Megatron-Core's
+    fc1), where rank r holds [gate_r; up_r] (`Fused`).
     """
 
     seq: int
@@ -45,7 +47,9 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gate_up_layout not in GATE_UP_LAYOUTS:
-            raise UsageError(f"gate_up_layout {self.gate_up_layout!r} is not one of {GATE_UP_LAYOUTS}")
+            raise UsageError(
+                f"gate_up_layout {self.gate_up_layout!r} is not one of {GATE_UP_LAYOUTS}"
+            )
         if self.heads:
             if self.hidden % self.heads:
                 raise UsageError(f"hidden {self.hidden} does not divide by heads {self.heads}")
@@ -67,23 +71,32 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def check_world_size(self, world: int, *, sequence_parallel: bool = False) -> None:
-        """Raise UsageError, naming both numbers, unless this config can be split over `world` ranks."""
+        """Raise UsageError, naming both numbers, unless
+        this config can be split over `world` ranks."""
         if world < 1:
             raise UsageError(f"world size must be >= 1, got {world}")
         if self.ffn % world:
-            raise UsageError(f"world size {world} does not divide the FFN width {self.ffn}; "
-                             f"use a world size that divides {self.ffn}")
+            raise UsageError(
+                f"world size {world} does not divide the FFN width {self.ffn}; "
+                f"use a world size that divides {self.ffn}"
+            )
         if self.heads and self.heads % world:
             raise UsageError(f"world size {world} does not divide the number of heads {self.heads}")
         kv = self.num_kv_heads if self.heads else 0
         if kv and kv % world and world % kv:
-            raise UsageError(f"kv_heads {kv} and world size {world}: one must divide the other "
-                             "(KV heads are sharded, or replicated over world // kv_heads ranks)")
+            raise UsageError(
+                f"kv_heads {kv} and world size {world}: one must divide the other "
+                "(KV heads are sharded, or replicated over world // kv_heads ranks)"
+            )
         if self.vocab and self.vocab % world:
-            raise UsageError(f"world size {world} does not divide the vocabulary {self.vocab}; "
-                             "pad the vocabulary to a multiple of the world size")
+            raise UsageError(
+                f"world size {world} does not divide the vocabulary {self.vocab}; "
+                "pad the vocabulary to a multiple of the world size"
+            )
         if sequence_parallel and self.seq % world:
-            raise UsageError(f"sequence parallelism: world size {world} does not divide seq {self.seq}")
+            raise UsageError(
+                f"sequence parallelism: world size {world} does not divide seq {self.seq}"
+            )
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -92,8 +105,17 @@ PRESETS: dict[str, ModelConfig] = {
     # A tiny debug transformer: every feature on, seconds to check.
     "tiny": ModelConfig(seq=8, batch=2, hidden=32, ffn=64, heads=4, kv_heads=2, vocab=64, layers=2),
     # The layer shapes of Llama-3-8B (one layer; seq 256, batch 1).
-    "llama3-8b-layer": ModelConfig(seq=256, batch=1, hidden=4096, ffn=14336, heads=32, kv_heads=8,
-                                   vocab=128256, layers=1, rope_theta=500000.0),
+    "llama3-8b-layer": ModelConfig(
+        seq=256,
+        batch=1,
+        hidden=4096,
+        ffn=14336,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        layers=1,
+        rope_theta=500000.0,
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 Each module has `reset_parameters(generator)` so that a dense model and, through the plan, its TP
 twin start from the same weights. Activations are `[seq, batch, hidden]`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,11 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.T
     return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
 
 
-def init_gate_up(weight: torch.Tensor, g: torch.Generator, hidden: int, ffn: int, layout: str) -> None:
-    """Draw the gate/up weight as the seed does ([2, ffn, hidden] order) whatever the stored layout."""
+def init_gate_up(
+    weight: torch.Tensor, g: torch.Generator, hidden: int, ffn: int, layout: str
+) -> None:
+    """Draw the gate/up weight as the seed does ([2,
+    ffn, hidden] order) whatever the stored layout."""
     w = torch.randn(2, ffn, hidden, generator=g) / hidden**0.5
     with torch.no_grad():
         weight.copy_(w if layout == "stacked" else w.reshape(2 * ffn, hidden))
@@ -49,14 +53,20 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        shape = (2, cfg.ffn, cfg.hidden) if cfg.gate_up_layout == "stacked" else (2 * cfg.ffn, cfg.hidden)
+        shape = (
+            (2, cfg.ffn, cfg.hidden)
+            if cfg.gate_up_layout == "stacked"
+            else (2 * cfg.ffn, cfg.hidden)
+        )
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype))
 
     def reset_parameters(self, g: torch.Generator) -> None:
         init_gate_up(self.weight, g, self.cfg.hidden, self.cfg.ffn, self.cfg.gate_up_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w_gate, w_up = self.weight.unbind(0) if self.weight.dim() == 3 else self.weight.chunk(2, dim=0)
+        w_gate, w_up = (
+            self.weight.unbind(0) if self.weight.dim() == 3 else self.weight.chunk(2, dim=0)
+        )
         return swiglu(x, w_gate, w_up)  # [s, b, ffn]
 
 
@@ -92,15 +102,19 @@ class DenseMLP(nn.Module):
         return x + self.dropout(self.down(self.gate_up(self.norm(x))))  # [s, b, h]
 
 
-# ---------------------------------------------------------------- attention, transformer layer, tiny LM
+# ------------------------------------------------------------ attention, transformer layer, tiny LM
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, dtype: torch.dtype,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[s, 1, 1, d]` for rotate-half RoPE, computed in float64 then cast, so every model
-    (dense, TP, float64 truth) rotates by the same angles."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)  # [d/2]
-    angles = torch.arange(seq, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]  # [s, d/2]
+def rope_tables(
+    seq: int, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[s, 1, 1, d]` for rotate-half RoPE, computed in float64 then cast, so every
+    model (dense, TP, float64 truth) rotates by the same angles."""
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    )  # [d/2]
+    # [s, d/2]
+    angles = torch.arange(seq, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -111,10 +125,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
-                     dropout: nn.Module | None = None) -> torch.Tensor:
-    """RoPE + causal softmax attention, plain math. q `[s, b, nq, d]`, k and v `[s, b, nkv, d]`; query
-    head j uses kv head j // (nq // nkv) (grouped-query attention). Returns `[s, b, nq * d]`.
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: float,
+    dropout: nn.Module | None = None,
+) -> torch.Tensor:
+    """RoPE + causal softmax attention, plain math. q `[s, b, nq, d]`, k and v `[s, b, nkv, d]`;
+    query head j uses kv head j // (nq // nkv) (grouped-query attention). Returns `[s, b, nq * d]`.
     Positions are 0..s-1: the caller passes the whole sequence. `dropout` acts on the attention
     probabilities `[b, nq, s, s]`."""
     s, b, nq, d = q.shape
@@ -142,7 +161,9 @@ class DenseAttention(nn.Module):
         self.cfg = cfg
         d = cfg.head_dim
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
-        self.qkv = Linear(cfg.hidden, (cfg.heads + 2 * cfg.num_kv_heads) * d, bias=False, dtype=dtype)
+        self.qkv = Linear(
+            cfg.hidden, (cfg.heads + 2 * cfg.num_kv_heads) * d, bias=False, dtype=dtype
+        )
         self.o = Linear(cfg.heads * d, cfg.hidden, bias=False, dtype=dtype)
         self.attn_dropout = nn.Dropout(cfg.attention_dropout)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -155,9 +176,16 @@ class DenseAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim
         s, b, _ = x.shape
-        q, k, v = self.qkv(self.norm(x)).split([cfg.heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1)
-        ctx = causal_attention(q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d), cfg.rope_theta,
-                               self.attn_dropout)
+        q, k, v = self.qkv(self.norm(x)).split(
+            [cfg.heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1
+        )
+        ctx = causal_attention(
+            q.view(s, b, -1, d),
+            k.view(s, b, -1, d),
+            v.view(s, b, -1, d),
+            cfg.rope_theta,
+            self.attn_dropout,
+        )
         return x + self.dropout(self.o(ctx))  # [s, b, h]
 
 
@@ -187,14 +215,17 @@ class Embedding(nn.Module):
 
     def reset_parameters(self, g: torch.Generator) -> None:
         with torch.no_grad():
-            self.weight.copy_(torch.randn(self.weight.shape, generator=g) / self.weight.shape[1] ** 0.5)
+            self.weight.copy_(
+                torch.randn(self.weight.shape, generator=g) / self.weight.shape[1] ** 0.5
+            )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weight)
 
 
 class LMHead(Linear):
-    """logits `[s, b, V]` = x @ W^T, W `[V, h]`, no bias (forward takes `x`, like the other blocks)."""
+    """logits `[s, b, V]` = x @ W^T, W `[V, h]`, no
+    bias (forward takes `x`, like the other blocks)."""
 
     def __init__(self, hidden: int, vocab: int, dtype: torch.dtype | None = None) -> None:
         super().__init__(hidden, vocab, bias=False, dtype=dtype)
@@ -205,8 +236,8 @@ class LMHead(Linear):
 
 class DenseLM(nn.Module):
     """tokens `[s, b]` -> logits `[s, b, V]`: embedding (then dropout, p = `cfg.dropout`), `layers`
-    transformer layers, final RMSNorm, LM head (no bias). With `tie_embeddings` the head is the embedding weight and `head` has no
-    parameter."""
+    transformer layers, final RMSNorm, LM head (no bias). With `tie_embeddings` the head is the
+    embedding weight and `head` has no parameter."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -217,7 +248,9 @@ class DenseLM(nn.Module):
         self.head = None if cfg.tie_embeddings else LMHead(cfg.hidden, cfg.vocab, dtype)
 
     def reset_parameters(self, g: torch.Generator) -> None:
-        for m in [self.embed, *self.layers, self.norm] + ([self.head] if self.head is not None else []):
+        for m in [self.embed, *self.layers, self.norm] + (
+            [self.head] if self.head is not None else []
+        ):
             m.reset_parameters(g)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

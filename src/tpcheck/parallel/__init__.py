@@ -1,4 +1,5 @@
 """The TP library: process-group value, autograd collectives, parallel layers."""
+
 from tpcheck.parallel.collectives import (
     all_reduce_grad_,
     copy_to_tp_region,
@@ -17,9 +18,21 @@ from tpcheck.parallel.losses import sp_mse_loss
 from tpcheck.parallel.random import ParallelDropout, RNGTracker
 
 __all__ = [
-    "TPGroup", "ColumnParallelLinear", "RowParallelLinear", "finalize_grads", "all_reduce_grad_",
-    "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
-    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "sp_mse_loss", "RNGTracker", "ParallelDropout",
+    "TPGroup",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "finalize_grads",
+    "all_reduce_grad_",
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+    "gather_from_tp_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "sp_mse_loss",
+    "RNGTracker",
+    "ParallelDropout",
 ]

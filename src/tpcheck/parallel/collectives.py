@@ -11,6 +11,7 @@ Every collective goes through `TPGroup.collective`, so it is recorded in the led
 and site, and can be intercepted by a fault injector. With world_size 1 each one is the identity
 and nothing is recorded (as Megatron skips them).
 """
+
 from __future__ import annotations
 
 import torch
@@ -151,31 +152,42 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 
 def copy_to_tp_region(x: torch.Tensor, group: TPGroup, site: str = "copy_to_tp") -> torch.Tensor:
-    """forward: identity; backward: all-reduce (sum the partial input grads of a column-parallel layer)."""
+    """forward: identity; backward: all-reduce (sum the
+    partial input grads of a column-parallel layer)."""
     return _CopyToTP.apply(x, group, site)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: TPGroup, site: str = "reduce_from_tp") -> torch.Tensor:
+def reduce_from_tp_region(
+    x: torch.Tensor, group: TPGroup, site: str = "reduce_from_tp"
+) -> torch.Tensor:
     """forward: all-reduce (sum the partial outputs of a row-parallel layer); backward: identity."""
     return _ReduceFromTP.apply(x, group, site)
 
 
-def scatter_to_tp_region(x: torch.Tensor, group: TPGroup, site: str = "scatter_to_tp") -> torch.Tensor:
+def scatter_to_tp_region(
+    x: torch.Tensor, group: TPGroup, site: str = "scatter_to_tp"
+) -> torch.Tensor:
     """forward: split the last dim, keep this rank's block; backward: all-gather the last dim."""
     return _ScatterToTP.apply(x, group, site)
 
 
-def gather_from_tp_region(x: torch.Tensor, group: TPGroup, site: str = "gather_from_tp") -> torch.Tensor:
+def gather_from_tp_region(
+    x: torch.Tensor, group: TPGroup, site: str = "gather_from_tp"
+) -> torch.Tensor:
     """forward: all-gather the last dim; backward: split the last dim."""
     return _GatherFromTP.apply(x, group, site)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: TPGroup, site: str = "scatter_to_sp") -> torch.Tensor:
+def scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: TPGroup, site: str = "scatter_to_sp"
+) -> torch.Tensor:
     """forward: split dim 0 (sequence), keep this rank's block; backward: all-gather dim 0."""
     return _ScatterToSP.apply(x, group, site)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: TPGroup, site: str = "gather_from_sp") -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: TPGroup, site: str = "gather_from_sp"
+) -> torch.Tensor:
     """forward: all-gather dim 0 (sequence); backward: reduce-scatter dim 0."""
     return _GatherFromSP.apply(x, group, site)
 
@@ -183,12 +195,13 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: TPGroup, site: 
 def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, group: TPGroup, site: str = "reduce_scatter_to_sp"
 ) -> torch.Tensor:
-    """forward: reduce-scatter dim 0 (sum partials, keep this rank's sequence block); backward: all-gather dim 0."""
+    """forward: reduce-scatter dim 0 (sum partials, keep this
+    rank's sequence block); backward: all-gather dim 0."""
     return _ReduceScatterToSP.apply(x, group, site)
 
 
 def all_reduce_grad_(param: torch.nn.Parameter, group: TPGroup, site: str) -> None:
-    """Optimizer phase, no autograd: sum `param.grad` over the group in place (replicated params whose
-    grads are partial, e.g. norm weights under sequence parallelism)."""
+    """Optimizer phase, no autograd: sum `param.grad` over the group in place (replicated params
+    whose grads are partial, e.g. norm weights under sequence parallelism)."""
     if param.grad is not None:
         param.grad.copy_(_reduce(param.grad, group, site, "optimizer"))

@@ -6,18 +6,20 @@ column-parallel LM head). Per token the loss needs three global quantities, and 
 over the vocabulary, so each is computed locally and combined across ranks:
 
 * the max logit (a stabilizer for exp): every rank's local max, all-gathered ([tp, n], tiny) and
-  maxed. `TPGroup` offers only summing all-reduces; the all-gather gives the same value, identical on
-  every rank;
+  maxed. `TPGroup` offers only summing all-reduces; the all-gather gives the same value, identical
+  on every rank;
 * sum of exp(logit - max), the target's (shifted) logit (only the rank owning the target id
   contributes, the others add 0) and, for label smoothing, the sum of shifted logits: stacked into
   ONE summing all-reduce.
 
-loss_i = (1 - eps) * (lse_i - x_i[target]) + eps * (lse_i - mean_j x_i[j]), the smoothing spread over
-the GLOBAL vocabulary (as `F.cross_entropy(label_smoothing=eps)`), averaged over tokens whose label
-is not `ignore_index`. The loss is the same scalar on every rank (computed from all-reduced values),
-and the backward needs no collective: each rank's logits grad is softmax - smoothed one-hot on its
-own vocabulary block. Arithmetic is done in float32 at least (as Megatron), whatever the logits dtype.
+loss_i = (1 - eps) * (lse_i - x_i[target]) + eps * (lse_i - mean_j x_i[j]), the smoothing spread
+over the GLOBAL vocabulary (as `F.cross_entropy(label_smoothing=eps)`), averaged over tokens whose
+label is not `ignore_index`. The loss is the same scalar on every rank (computed from all-reduced
+values), and the backward needs no collective: each rank's logits grad is softmax - smoothed one-hot
+on its own vocabulary block. Arithmetic is done in float32 at least (as Megatron),
+whatever the logits dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,7 +52,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = x - _global_max(x.max(dim=-1).values, group, f"{site}.max")[:, None]  # [n, V/tp]
         exp = shifted.exp()
         valid = labels != ignore_index
-        mine = valid & (labels >= start) & (labels < start + v_local)  # this rank owns the target id
+        # this rank owns the target id
+        mine = valid & (labels >= start) & (labels < start + v_local)
         idx = torch.where(mine, labels - start, torch.zeros_like(labels))  # masked to 0 elsewhere
         target = shifted.gather(1, idx[:, None]).squeeze(1) * mine  # [n], 0 on other ranks
         stats = torch.stack([exp.sum(dim=-1), target, shifted.sum(dim=-1)])  # [3, n]
@@ -60,7 +63,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         loss = (per_token * valid).sum() / count
         ctx.save_for_backward(exp / sum_exp[:, None], idx, mine, valid, count)
-        ctx.smoothing, ctx.vocab, ctx.shape, ctx.dtype = smoothing, vocab, logits.shape, logits.dtype
+        ctx.smoothing, ctx.vocab, ctx.shape, ctx.dtype = (
+            smoothing,
+            vocab,
+            logits.shape,
+            logits.dtype,
+        )
         return loss.to(logits.dtype)
 
     @staticmethod
@@ -70,15 +78,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = softmax - eps / ctx.vocab  # [n, V/tp]
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows[mine], idx[mine]] -= 1.0 - eps
-        g = g * (valid[:, None].to(g.dtype) / count.to(g.dtype)) * grad.to(g.dtype)  # not a float32 1/count
+        # not a float32 1/count
+        g = g * (valid[:, None].to(g.dtype) / count.to(g.dtype)) * grad.to(g.dtype)
         return g.reshape(ctx.shape).to(ctx.dtype), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tensor, group: TPGroup, *,
-                                 ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 site: str = "cross_entropy") -> torch.Tensor:
-    """Mean cross-entropy over non-ignored tokens of vocab-sharded logits `[..., V/tp]` and replicated
-    integer `labels` `[...]` (global vocabulary ids). Equals `F.cross_entropy` of the full logits.
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    labels: torch.Tensor,
+    group: TPGroup,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    site: str = "cross_entropy",
+) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored tokens of vocab-sharded logits `[..., V/tp]` and
+    replicated integer `labels` `[...]` (global vocabulary ids). Equals
+    `F.cross_entropy` of the full logits.
 
     forward: all-gather of per-token local maxima (site `{site}.max`) and one all-reduce of
     [sum-exp, target logit, sum of logits] (site `{site}.sum`); backward: no collective.
@@ -86,6 +102,10 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tenso
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if tuple(labels.shape) != tuple(logits_local.shape[:-1]):
-        raise ValueError(f"labels of shape {list(labels.shape)} do not match logits {list(logits_local.shape)} "
-                         "(expected labels of the logits' shape without the vocab dim)")
-    return _VocabParallelCrossEntropy.apply(logits_local, labels, group, ignore_index, label_smoothing, site)
+        raise ValueError(
+            f"labels of shape {list(labels.shape)} do not match logits {list(logits_local.shape)} "
+            "(expected labels of the logits' shape without the vocab dim)"
+        )
+    return _VocabParallelCrossEntropy.apply(
+        logits_local, labels, group, ignore_index, label_smoothing, site
+    )

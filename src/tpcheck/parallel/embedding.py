@@ -9,13 +9,17 @@ gives every token exactly one embedding row. The reduction is an all-reduce (out
 The weight's gradient is complete on each rank (the backward of either reduction hands every rank
 the full output grad), so nothing is reduced in the optimizer phase.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck.parallel.collectives import reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region
+from tpcheck.parallel.collectives import (
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import ParallelModule, divide
 
@@ -23,23 +27,36 @@ from tpcheck.parallel.layers import ParallelModule, divide
 class VocabParallelEmbedding(ParallelModule):
     """tokens `[s, b]` (global ids) -> `[s, b, h]` (or `[s/tp, b, h]` under sequence parallelism).
 
-    Collectives: forward all-reduce (reduce-scatter under SP); backward identity (all-gather under SP).
+    Collectives: forward all-reduce (reduce-scatter
+    under SP); backward identity (all-gather under SP).
     """
 
-    def __init__(self, vocab: int, hidden: int, group: TPGroup, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        group: TPGroup,
+        *,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(group)
-        self.vocab_local = divide(vocab, group.world_size, "vocabulary size of a vocab-parallel embedding")
+        self.vocab_local = divide(
+            vocab, group.world_size, "vocabulary size of a vocab-parallel embedding"
+        )
         self.vocab_start = group.rank * self.vocab_local
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden, dtype=dtype))  # [V/tp, h]
         nn.init.normal_(self.weight)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_local)  # [s, b]
+        # [s, b]
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_local)
         ids_local = torch.where(outside, torch.zeros_like(tokens), tokens - self.vocab_start)
         partial = F.embedding(ids_local, self.weight)  # [s, b, h]
-        partial = partial.masked_fill(outside[..., None], 0.0)  # other ranks' tokens contribute nothing
+        # other ranks' tokens contribute nothing
+        partial = partial.masked_fill(outside[..., None], 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)  # [s/tp, b, h]
+            # [s/tp, b, h]
+            return reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)
         return reduce_from_tp_region(partial, self.group, self.site)  # [s, b, h]

@@ -7,8 +7,10 @@ the torch process group, and an optional `tap`.
 Every collective a layer issues goes through `TPGroup.collective`. Without a tap it is performed;
 with one, the tap is handed the collective and a `perform` function and decides (the checker's tap
 records a ledger entry and may hand the collective to a fault injector that drops, repeats or
-misplaces it). The library defines only the shape of a tap; what a tap does is the checker's business.
+misplaces it). The library defines only the shape of a tap; what a tap does is
+the checker's business.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,10 +28,12 @@ Perform = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Tap(Protocol):
-    """Observes (and may replace) every collective: `tap(op, site, phase, x, perform) -> tensor`, where
-    `perform(x)` runs the real collective."""
+    """Observes (and may replace) every collective: `tap(op, site, phase, x, perform) -> tensor`,
+    where `perform(x)` runs the real collective."""
 
-    def __call__(self, op: str, site: str, phase: str, x: torch.Tensor, perform: Perform) -> torch.Tensor: ...
+    def __call__(
+        self, op: str, site: str, phase: str, x: torch.Tensor, perform: Perform
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,9 @@ class TPGroup:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside a TP group of world size {self.world_size}")
+            raise ValueError(
+                f"rank {self.rank} is outside a TP group of world size {self.world_size}"
+            )
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -59,8 +65,8 @@ class TPGroup:
         return cls(rank=dist.get_rank(pg), world_size=dist.get_world_size(pg), pg=pg)
 
     def collective(self, op: str, x: torch.Tensor, *, site: str, phase: str) -> torch.Tensor:
-        """Run collective `op` ("all_reduce", "all_gather", "reduce_scatter", the last two along dim 0)
-        on `x`; the shapes are in collectives.py."""
+        """Run collective `op` ("all_reduce", "all_gather", "reduce_scatter", the last two along dim
+        0) on `x`; the shapes are in collectives.py."""
         assert op in OPS and phase in PHASES, (op, phase)
 
         def perform(t: torch.Tensor) -> torch.Tensor:
@@ -91,8 +97,12 @@ def _reduce_scatter(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """[world * n, ...] per rank -> [n, ...]: rank r gets the sum over ranks of block r."""
     x = x.contiguous()
     if x.shape[0] % group.world_size:
-        raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) does not divide by world size {group.world_size}")
-    out = torch.empty((x.shape[0] // group.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        raise ValueError(
+            f"reduce_scatter: dim 0 ({x.shape[0]}) does not divide by world size {group.world_size}"
+        )
+    out = torch.empty(
+        (x.shape[0] // group.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device
+    )
     _REDUCE_SCATTER(out, x, op=dist.ReduceOp.SUM, group=group.pg)
     return out
 

@@ -13,6 +13,7 @@ Parameters whose gradient is partial on each rank (replicated parameters that on
 shard under sequence parallelism) carry `param.partial_grad = True`; `finalize_grads` all-reduces
 them in the optimizer phase, before the optimizer step (Megatron's finalize_model_grads).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,10 @@ from tpcheck.parallel.group import TPGroup
 
 def divide(n: int, world: int, what: str) -> int:
     if n % world:
-        raise UsageError(f"{what} = {n} does not divide by TP world size {world}; "
-                         f"choose a world size that divides {n}")
+        raise UsageError(
+            f"{what} = {n} does not divide by TP world size {world}; "
+            f"choose a world size that divides {n}"
+        )
     return n // world
 
 
@@ -75,16 +78,26 @@ class ColumnParallelLinear(ParallelModule):
     input grad (or reduce-scatter under SP). `gather_output` all-gathers the last dim of the output.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: TPGroup, *, bias: bool = False,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: TPGroup,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(group)
-        self.out_local = divide(out_features, group.world_size, "output features of a column-parallel layer")
+        self.out_local = divide(
+            out_features, group.world_size, "output features of a column-parallel layer"
+        )
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.out_local, dtype=dtype)) if bias else None
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        nn.init.normal_(self.weight, std=in_features**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -105,21 +118,32 @@ class RowParallelLinear(ParallelModule):
     SP); backward identity (all-gather under SP).
     """
 
-    def __init__(self, in_features: int, out_features: int, group: TPGroup, *, bias: bool = False,
-                 sequence_parallel: bool = False, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: TPGroup,
+        *,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(group)
-        self.in_local = divide(in_features, group.world_size, "input features of a row-parallel layer")
+        self.in_local = divide(
+            in_features, group.world_size, "input features of a row-parallel layer"
+        )
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         if self.bias is not None and sequence_parallel:
             mark_partial_grad(self.bias)  # each rank sees only its sequence shard
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        nn.init.normal_(self.weight, std=in_features**-0.5)
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x_local, self.weight)  # [s, b, out], a partial sum on each rank
         if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)  # [s/tp, b, out]
+            # [s/tp, b, out]
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.group, self.site)
         else:
             out = reduce_from_tp_region(partial, self.group, self.site)  # [s, b, out]
         return out + self.bias if self.bias is not None else out

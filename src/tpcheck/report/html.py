@@ -1,10 +1,12 @@
 """The HTML report: one self-contained page (styles inline, figures as base64 PNG, no script, no
 network), readable offline and attachable to a CI run.
 
-Sections: the summary (cases, verdicts, expectations), the heatmap of log10(error / bound) per case and
-tensor, and per case its diagnosis, first divergent tensor, per-step error curves (multi-step runs),
-failed checks and the collective ledger per phase and rank. Every string from the report is escaped.
+Sections: the summary (cases, verdicts, expectations), the heatmap of log10(error / bound) per case
+and tensor, and per case its diagnosis, first divergent tensor, per-step error curves (multi-step
+runs), failed checks and the collective ledger per phase and rank. Every string from
+the report is escaped.
 """
+
 from __future__ import annotations
 
 import html
@@ -12,27 +14,46 @@ import json
 
 PHASES = ("forward", "backward", "optimizer")
 MAX_FAILED_ROWS = 25  # failed checks listed per case; the JSON has them all
-KNOWN_CASE_KEYS = {"name", "spec", "world_size", "dtype", "expected", "verdict", "as_expected", "summary",
-                   "seconds", "checks", "ledger", "first_divergence", "problems", "diagnosis", "inferred_plan"}
+KNOWN_CASE_KEYS = {
+    "name",
+    "spec",
+    "world_size",
+    "dtype",
+    "expected",
+    "verdict",
+    "as_expected",
+    "summary",
+    "seconds",
+    "checks",
+    "ledger",
+    "first_divergence",
+    "problems",
+    "diagnosis",
+    "inferred_plan",
+}
 
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:24px auto;
- max-width:1200px;padding:0 16px;color:#1d1d1f;background:#fff}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
+ margin:24px auto;max-width:1200px;padding:0 16px;color:#1d1d1f;background:#fff}
 h1{font-size:24px;margin:0 0 4px}h2{font-size:19px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 h3{font-size:16px;margin:18px 0 6px}.muted{color:#666}
-table{border-collapse:collapse;margin:6px 0 12px}th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;
- vertical-align:top}th{background:#f4f4f6}td.num{text-align:right;font-variant-numeric:tabular-nums}
+table{border-collapse:collapse;margin:6px 0 12px}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f4f4f6}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .banner{padding:10px 14px;border-radius:6px;font-weight:600;margin:12px 0}
 .good{background:#e3f4e1;color:#14532d}.bad{background:#fde2e1;color:#7f1d1d}
 .v{padding:1px 7px;border-radius:9px;font-size:13px;white-space:nowrap}
 .v-equivalent{background:#d7f0d2;color:#14532d}.v-not-equivalent{background:#fbd5d3;color:#7f1d1d}
-.v-hang{background:#eddcf7;color:#4c1d95}.v-error,.v-invalid{background:#fde68a;color:#713f12}.v-skipped{background:#e5e7eb;color:#374151}
+.v-hang{background:#eddcf7;color:#4c1d95}.v-error,.v-invalid{background:#fde68a;color:#713f12}
+.v-skipped{background:#e5e7eb;color:#374151}
 td.off{background:#fbd5d3;font-weight:700}
-.ok{color:#15803d;font-weight:600;white-space:nowrap}.unexpected{color:#b91c1c;font-weight:700;white-space:nowrap}
+.ok{color:#15803d;font-weight:600;white-space:nowrap}
+.unexpected{color:#b91c1c;font-weight:700;white-space:nowrap}
 img{max-width:100%;height:auto;border:1px solid #eee}
 section.case{border:1px solid #e3e3e3;border-radius:6px;padding:4px 14px 10px;margin:14px 0}
 pre{background:#f6f6f8;padding:8px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
-code{font-size:13px}dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:6px 0}
+code{font-size:13px}
+dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:6px 0}
 dt{font-weight:600}dd{margin:0}
 """
 
@@ -47,10 +68,13 @@ def render_html(report: dict) -> str:
     parts = [_header(report), _sweep(report.get("sweep")), _summary_table(cases), _heatmap(cases)]
     parts += [_case_section(i, case) for i, case in enumerate(cases)]
     title = f"tpcheck report: {_banner_text(report)}"
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
-            + "\n".join(p for p in parts if p) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
+        + "\n".join(p for p in parts if p)
+        + "\n</body></html>\n"
+    )
 
 
 # ------------------------------------------------------------------------------ top of the page
@@ -61,8 +85,10 @@ def _banner_text(report: dict) -> str:
     text = f"{s.get('as_expected', 0)} of {s.get('cases', 0)} case(s) as expected"
     stop = report.get("interrupted")
     if stop:
-        text += (f" · interrupted by {stop['signal']} after {stop['cases_finished']} of {stop['cases_planned']} "
-                 "case(s): the rest never ran")
+        text += (
+            f" · interrupted by {stop['signal']} after {stop['cases_finished']} of "
+            f"{stop['cases_planned']} case(s): the rest never ran"
+        )
     return text
 
 
@@ -72,26 +98,35 @@ def _header(report: dict) -> str:
     env = report.get("environment", {})
     env_text = ", ".join(f"{k} {v}" for k, v in sorted(env.items()))
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s.get("verdicts", {}).items()))
-    return (f"<h1>tpcheck report</h1><div class=muted>tpcheck {esc(report.get('tpcheck', '?'))} · "
-            f"{esc(env_text)} · schema {esc(report.get('schema', '?'))}</div>"
-            f'<div class="banner {"good" if good else "bad"}" id=banner>{esc(_banner_text(report))} · '
-            f"verdicts: {esc(verdicts)} · exit code {esc(s.get('exit_code', '?'))}</div>")
+    return (
+        f"<h1>tpcheck report</h1><div class=muted>tpcheck {esc(report.get('tpcheck', '?'))} · "
+        f"{esc(env_text)} · schema {esc(report.get('schema', '?'))}</div>"
+        f'<div class="banner {"good" if good else "bad"}" id=banner>{esc(_banner_text(report))} · '
+        f"verdicts: {esc(verdicts)} · exit code {esc(s.get('exit_code', '?'))}</div>"
+    )
 
 
 def _sweep(sweep: dict | None) -> str:
-    """`tpcheck hf`'s table: one row per architecture x world size x dtype, skipped ones with their reason."""
+    """`tpcheck hf`'s table: one row per architecture x
+    world size x dtype, skipped ones with their reason."""
     if not sweep:
         return ""
     rows = "".join(
-        f"<tr><td>{esc(r['architecture'])}</td><td class=num>{esc(r['world_size'])}</td><td>{esc(r['dtype'])}</td>"
-        f"<td>{_verdict(r['verdict'])}</td><td>{esc(r['first_divergence'])}</td><td>{esc(r['signature'])}</td>"
-        f"<td class=num>{r['seconds']:.2f}</td><td>{esc(r['reason'])}</td></tr>"
-        for r in sweep["rows"])
+        f"<tr><td>{esc(r['architecture'])}</td><td class=num>{esc(r['world_size'])}</td>"
+        f"<td>{esc(r['dtype'])}</td><td>{_verdict(r['verdict'])}</td>"
+        f"<td>{esc(r['first_divergence'])}</td><td>{esc(r['signature'])}</td><td "
+        f"class=num>{r['seconds']:.2f}</td><td>{esc(r['reason'])}</td></tr>"
+        for r in sweep["rows"]
+    )
     rules = ", ".join(f"{k} = {v}" for k, v in sweep.get("rules", {}).items()) or "none"
-    return (f"<h2>HuggingFace transformers {esc(sweep['transformers'])}: the TP plans</h2>"
-            f"<p id=sweep-summary>{esc(sweep['summary'])} · plan rules overridden: {esc(rules)}</p>"
-            "<table id=sweep><tr><th>architecture</th><th>TP</th><th>dtype</th><th>verdict</th>"
-            "<th>first divergence</th><th>signature</th><th>seconds</th><th>reason</th></tr>" + rows + "</table>")
+    return (
+        f"<h2>HuggingFace transformers {esc(sweep['transformers'])}: the TP plans</h2>"
+        f"<p id=sweep-summary>{esc(sweep['summary'])} · plan rules overridden: {esc(rules)}</p>"
+        "<table id=sweep><tr><th>architecture</th><th>TP</th><th>dtype</th><th>verdict</th>"
+        "<th>first divergence</th><th>signature</th><th>seconds</th><th>reason</th></tr>"
+        + rows
+        + "</table>"
+    )
 
 
 def _verdict(v: str) -> str:
@@ -108,12 +143,18 @@ def _summary_table(cases: list[dict]) -> str:
     from tpcheck.report.console import signature_text, where_text
 
     rows = "".join(
-        f"<tr><td><a href='#case-{i}'>{esc(c['name'])}</a></td><td class=num>{esc(c.get('world_size', ''))}</td>"
-        f"<td>{esc(c.get('dtype', ''))}</td><td>{_verdict(c['verdict'])}</td><td>{esc(c['expected'])}</td>"
-        f"<td>{_mark(c)}</td><td>{esc(where_text(c))}</td><td>{esc(signature_text(c))}</td></tr>"
-        for i, c in enumerate(cases))
-    return ("<h2>Summary</h2><table id=summary><tr><th>case</th><th>TP</th><th>dtype</th><th>verdict</th>"
-            "<th>expected</th><th></th><th>first divergence</th><th>signature</th></tr>" + rows + "</table>")
+        f"<tr><td><a href='#case-{i}'>{esc(c['name'])}</a></td><td "
+        f"class=num>{esc(c.get('world_size', ''))}</td><td>{esc(c.get('dtype', ''))}</td>"
+        f"<td>{_verdict(c['verdict'])}</td><td>{esc(c['expected'])}</td><td>{_mark(c)}</td>"
+        f"<td>{esc(where_text(c))}</td><td>{esc(signature_text(c))}</td></tr>"
+        for i, c in enumerate(cases)
+    )
+    return (
+        "<h2>Summary</h2><table id=summary><tr><th>case</th><th>TP</th><th>dtype</th>"
+        "<th>verdict</th><th>expected</th><th></th><th>first divergence</th><th>signature</th></tr>"
+        + rows
+        + "</table>"
+    )
 
 
 def _heatmap(cases: list[dict]) -> str:
@@ -121,24 +162,39 @@ def _heatmap(cases: list[dict]) -> str:
         return ""
     from tpcheck.report import plots
 
-    return ("<h2>Error relative to bound</h2><p class=muted>Each cell: log10(error / bound), the maximum over "
-            "ranks, steps and stages (loaded weights, optimizer updates, cross-rank replica agreement). "
-            f"0 is the bound: green is inside it, red is a failure; the scale is capped at ±{plots.CAP:g} "
-            "decades. Exact (bitwise) checks have bound 0: a match is at the floor, any difference at the "
-            "ceiling. Grey: not checked (the case stopped before).</p>"
-            f"<img id=heatmap alt='heatmap of error over bound per case and tensor' "
-            f"src='{plots.heatmap_png(cases)}'>")
+    return (
+        "<h2>Error relative to bound</h2><p class=muted>Each cell: log10(error / bound), the "
+        "maximum over ranks, steps and stages (loaded weights, optimizer updates, cross-rank "
+        "replica agreement). 0 is the bound: green is inside it, red is a failure; the scale is "
+        f"capped at ±{plots.CAP:g} decades. Exact (bitwise) checks have bound 0: a match is at the "
+        "floor, any difference at the ceiling. Grey: not checked (the case stopped before).</p>"
+        f"<img id=heatmap alt='heatmap of error over bound per case and tensor' "
+        f"src='{plots.heatmap_png(cases)}'>"
+    )
 
 
 # ------------------------------------------------------------------------------ one case
 
 
 def _case_section(i: int, case: dict) -> str:
-    parts = [f"<section class=case id='case-{i}'><h3>{esc(case['name'])} {_verdict(case['verdict'])} "
-             f"{_mark(case)}</h3><p>{esc(case.get('summary', ''))}</p>"
-             f"<p class=muted>expected: {esc(case['expected'])} · spec: <code>{esc(_spec_text(case))}</code></p>"]
-    parts += [_diagnosis(case), _first_divergence(case), _problems(case), _curves(case), _failed_checks(case),
-              _rng(case), _inferred_plan(case), _ledger(case), _extras(case), "</section>"]
+    parts = [
+        f"<section class=case id='case-{i}'><h3>{esc(case['name'])} {_verdict(case['verdict'])} "
+        f"{_mark(case)}</h3><p>{esc(case.get('summary', ''))}</p>"
+        f"<p class=muted>expected: {esc(case['expected'])} · spec: "
+        f"<code>{esc(_spec_text(case))}</code></p>"
+    ]
+    parts += [
+        _diagnosis(case),
+        _first_divergence(case),
+        _problems(case),
+        _curves(case),
+        _failed_checks(case),
+        _rng(case),
+        _inferred_plan(case),
+        _ledger(case),
+        _extras(case),
+        "</section>",
+    ]
     return "\n".join(p for p in parts if p)
 
 
@@ -157,8 +213,11 @@ def _diagnosis(case: dict) -> str:
         return ""
     keys = ["signature", "cause", "location", "stage", "step", "ranks"]
     items = [(k, d[k]) for k in keys if d.get(k) is not None]
-    items += [(k, v if isinstance(v, str) else json.dumps(v, sort_keys=True)) for k, v in sorted(d.items())
-              if k not in keys and v is not None]
+    items += [
+        (k, v if isinstance(v, str) else json.dumps(v, sort_keys=True))
+        for k, v in sorted(d.items())
+        if k not in keys and v is not None
+    ]
     return "<h4>Diagnosis</h4>" + _dl(items)
 
 
@@ -166,8 +225,14 @@ def _first_divergence(case: dict) -> str:
     f = case.get("first_divergence")
     if not f:
         return ""
-    items = [("tensor", f["name"]), ("stage", f["stage"]), ("step", f["step"]), ("ranks", f["ranks"]),
-             ("error", f"{f['error']:.4g}{_raw(f)}"), ("bound", f"{f['bound']:.4g} ({f['kind']})")]
+    items = [
+        ("tensor", f["name"]),
+        ("stage", f["stage"]),
+        ("step", f["step"]),
+        ("ranks", f["ranks"]),
+        ("error", f"{f['error']:.4g}{_raw(f)}"),
+        ("bound", f"{f['bound']:.4g} ({f['kind']})"),
+    ]
     return "<h4>First divergent tensor</h4>" + _dl(items)
 
 
@@ -176,14 +241,21 @@ def _problems(case: dict) -> str:
     for p in case.get("problems", []):
         last = p.get("last_collective")
         where = f"{last[0]} at {last[1]} ({last[2]})" if last else ""
-        tb = (f"<details><summary>traceback</summary><pre>{esc(p['traceback'])}</pre></details>"
-              if p.get("traceback") else "")
-        rows.append(f"<tr><td class=num>{esc(p.get('rank'))}</td><td>{esc(p.get('status'))}</td>"
-                    f"<td>{esc(where)}</td><td>{esc(p.get('message', ''))}{tb}</td></tr>")
+        tb = (
+            f"<details><summary>traceback</summary><pre>{esc(p['traceback'])}</pre></details>"
+            if p.get("traceback")
+            else ""
+        )
+        rows.append(
+            f"<tr><td class=num>{esc(p.get('rank'))}</td><td>{esc(p.get('status'))}</td>"
+            f"<td>{esc(where)}</td><td>{esc(p.get('message', ''))}{tb}</td></tr>"
+        )
     if not rows:
         return ""
-    return ("<h4>Rank problems</h4><table><tr><th>rank</th><th>status</th><th>last collective</th>"
-            "<th>message</th></tr>" + "".join(rows) + "</table>")
+    return (
+        "<h4>Rank problems</h4><table><tr><th>rank</th><th>status</th><th>last collective</th>"
+        "<th>message</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def _curves(case: dict) -> str:
@@ -191,8 +263,10 @@ def _curves(case: dict) -> str:
         return ""
     from tpcheck.report import plots
 
-    return (f"<h4>Error / bound per step</h4><img class=curves alt='error over bound per step for "
-            f"{esc(case['name'])}' src='{plots.curves_png(case)}'>")
+    return (
+        f"<h4>Error / bound per step</h4><img class=curves alt='error over bound per step for "
+        f"{esc(case['name'])}' src='{plots.curves_png(case)}'>"
+    )
 
 
 def _raw(c: dict) -> str:
@@ -201,60 +275,84 @@ def _raw(c: dict) -> str:
 
 
 def _failed_checks(case: dict) -> str:
-    failed = sorted((c for c in case.get("checks", []) if not c["passed"]),
-                    key=lambda c: (c["step"], c["seq"], c["rank"]))
+    failed = sorted(
+        (c for c in case.get("checks", []) if not c["passed"]),
+        key=lambda c: (c["step"], c["seq"], c["rank"]),
+    )
     if not failed:
         return ""
     rows = "".join(
         f"<tr><td>{esc(c['stage'])}</td><td class=num>{c['step']}</td><td>{esc(c['name'])}</td>"
-        f"<td class=num>{c['rank']}</td><td class=num>{c['error']:.3g}{_raw(c)}</td><td class=num>{c['bound']:.3g}</td>"
-        f"<td>{esc(c['kind'])}</td><td>{esc(c['placement'])}</td></tr>" for c in failed[:MAX_FAILED_ROWS])
-    more = (f"<p class=muted>… and {len(failed) - MAX_FAILED_ROWS} more in the JSON report.</p>"
-            if len(failed) > MAX_FAILED_ROWS else "")
-    return (f"<details><summary>Failed checks ({len(failed)})</summary><table><tr><th>stage</th><th>step</th>"
-            "<th>tensor</th><th>rank</th><th>error</th><th>bound</th><th>kind</th><th>placement</th></tr>"
-            + rows + "</table>" + more + "</details>")
+        f"<td class=num>{c['rank']}</td><td class=num>{c['error']:.3g}{_raw(c)}</td><td "
+        f"class=num>{c['bound']:.3g}</td><td>{esc(c['kind'])}</td>"
+        f"<td>{esc(c['placement'])}</td></tr>"
+        for c in failed[:MAX_FAILED_ROWS]
+    )
+    more = (
+        f"<p class=muted>… and {len(failed) - MAX_FAILED_ROWS} more in the JSON report.</p>"
+        if len(failed) > MAX_FAILED_ROWS
+        else ""
+    )
+    return (
+        f"<details><summary>Failed checks ({len(failed)})</summary><table><tr><th>stage</th>"
+        "<th>step</th><th>tensor</th><th>rank</th><th>error</th><th>bound</th><th>kind</th>"
+        "<th>placement</th></tr>" + rows + "</table>" + more + "</details>"
+    )
 
 
 def _rng(case: dict) -> str:
-    """The RNG placement checks (dropout masks), one row per draw site: its region's rule (the placement
-    of its mask), how many times it was checked over steps and ranks, and how many failed."""
+    """The RNG placement checks (dropout masks), one row per draw site: its region's rule (the
+    placement of its mask), how many times it was checked over steps and ranks,
+    and how many failed."""
     sites: dict[str, dict] = {}
     for c in case.get("checks", []):
         if c["kind"] != "rng":
             continue
-        site = sites.setdefault(c["name"].split(":", 1)[1], {"placement": c["placement"], "reason": c["reason"],
-                                                              "checked": 0, "failed": 0})
+        site = sites.setdefault(
+            c["name"].split(":", 1)[1],
+            {"placement": c["placement"], "reason": c["reason"], "checked": 0, "failed": 0},
+        )
         site["checked"] += 1
         site["failed"] += not c["passed"]
     if not sites:
         return ""
     rows = "".join(
         f"<tr><td>{esc(name)}</td><td>{esc(s['placement'])}</td><td>{esc(s['reason'])}</td>"
-        f"<td class=num>{s['checked']}</td><td class='num{' off' if s['failed'] else ''}'>{s['failed']}</td></tr>"
-        for name, s in sites.items())
-    return ("<h4>Random masks (RNG placement)</h4><table class=rng><tr><th>draw</th><th>mask placement</th>"
-            "<th>rule</th><th>checks</th><th>failed</th></tr>" + rows + "</table>")
+        f"<td class=num>{s['checked']}</td><td "
+        f"class='num{' off' if s['failed'] else ''}'>{s['failed']}</td></tr>"
+        for name, s in sites.items()
+    )
+    return (
+        "<h4>Random masks (RNG placement)</h4><table class=rng><tr><th>draw</th><th>mask "
+        "placement</th><th>rule</th><th>checks</th><th>failed</th></tr>" + rows + "</table>"
+    )
 
 
 def _inferred_plan(case: dict) -> str:
-    """A case with no plan written: the plan tpcheck inferred (parameters, the module outputs it checked and
-    how, those it did not and why), as the code to paste into the case file."""
+    """A case with no plan written: the plan tpcheck inferred (parameters, the module outputs it
+    checked and how, those it did not and why), as the code to paste into the case file."""
     plan = case.get("inferred_plan")
     if not plan:
         return ""
     skipped = plan.count("\n# not checked: ")
-    return (f"<h4>Plan inferred (no plan written; {skipped} module output(s) not checked, said why)</h4>"
-            f"<pre class=plan>{esc(plan)}</pre>")
+    return (
+        f"<h4>Plan inferred (no plan written; {skipped} module output(s) not checked, said "
+        f"why)</h4><pre class=plan>{esc(plan)}</pre>"
+    )
 
 
 def ledger_rows(ledger: dict) -> tuple[list[str], list[tuple[str, str]], dict, dict]:
-    """From the case's ledger ({expected, per_rank, problems}, see checker/rank/ledger.py): ranks, rows
-    (phase, op) in phase order, expected {(phase, op): (count, sites)} per step, per-rank cells
+    """From the case's ledger ({expected, per_rank, problems}, see checker/rank/ledger.py): ranks,
+    rows (phase, op) in phase order, expected {(phase, op): (count, sites)} per step, per-rank cells
     {(phase, op, rank): {"count", "bytes"}}."""
     per_rank = ledger.get("per_rank") or {}
     ranks = sorted(per_rank, key=int)
-    cells = {(phase, op, r): v for r in ranks for phase, ops in per_rank[r].items() for op, v in ops.items()}
+    cells = {
+        (phase, op, r): v
+        for r in ranks
+        for phase, ops in per_rank[r].items()
+        for op, v in ops.items()
+    }
     expected: dict = {}
     for e in ledger.get("expected") or []:
         count, sites = expected.get((e["phase"], e["op"]), (0, []))
@@ -279,27 +377,45 @@ def _ledger(case: dict) -> str:
         tds = ""
         for r in ranks:
             got = cells.get((phase, op, r), {"count": 0, "bytes": 0})
-            bad = " class='num off'" if ledger.get("expected") is not None and got["count"] != want else " class=num"
+            bad = (
+                " class='num off'"
+                if ledger.get("expected") is not None and got["count"] != want
+                else " class=num"
+            )
             tds += f"<td{bad}>{got['count']}</td><td class=num>{got['bytes']:,}</td>"
-        body.append(f"<tr><td>{esc(phase)}</td><td>{esc(op)}</td><td class=num>{want}</td>"
-                    f"<td>{esc(', '.join(sorted(sites)))}</td>{tds}</tr>")
-    return ("<h4>Collective ledger (all steps)</h4><table class=ledger><tr><th>phase</th><th>op</th>"
-            f"<th>expected</th><th>expected sites</th>{head}</tr>{''.join(body)}</table>" + _ledger_problems(ledger))
+        body.append(
+            f"<tr><td>{esc(phase)}</td><td>{esc(op)}</td><td class=num>{want}</td>"
+            f"<td>{esc(', '.join(sorted(sites)))}</td>{tds}</tr>"
+        )
+    return (
+        "<h4>Collective ledger (all steps)</h4><table class=ledger><tr><th>phase</th><th>op</th>"
+        f"<th>expected</th><th>expected sites</th>{head}</tr>{''.join(body)}</table>"
+        + _ledger_problems(ledger)
+    )
 
 
 def _ledger_problems(ledger: dict) -> str:
-    """What the ledger check found against the collectives the block implies (missing, extra, asymmetric)."""
+    """What the ledger check found against the collectives
+    the block implies (missing, extra, asymmetric)."""
     problems = ledger.get("problems") or []
     if not problems:
         return ""
-    items = "".join(f"<li>{esc(p.get('text', p) if isinstance(p, dict) else p)}</li>" for p in problems)
+    items = "".join(
+        f"<li>{esc(p.get('text', p) if isinstance(p, dict) else p)}</li>" for p in problems
+    )
     return f"<p><b>Ledger check:</b></p><ul class=ledger-problems>{items}</ul>"
 
 
 def _extras(case: dict) -> str:
-    """Keys other parts of tpcheck add to a case (e.g. ledger_check), shown as JSON so none is hidden."""
+    """Keys other parts of tpcheck add to a case (e.g.
+    ledger_check), shown as JSON so none is hidden."""
     extra = {k: v for k, v in case.items() if k not in KNOWN_CASE_KEYS}
     if not extra:
         return ""
-    return ("<details><summary>More (" + esc(", ".join(sorted(extra))) + ")</summary><pre>"
-            + esc(json.dumps(extra, indent=2, sort_keys=True, default=str)) + "</pre></details>")
+    return (
+        "<details><summary>More ("
+        + esc(", ".join(sorted(extra)))
+        + ")</summary><pre>"
+        + esc(json.dumps(extra, indent=2, sort_keys=True, default=str))
+        + "</pre></details>"
+    )

@@ -9,6 +9,7 @@ it after the run, never replacing what is not a regular file.
 - A directory, a block device, a socket, a path under a regular file, a missing directory, a place
   where no file can be created and an empty path are refused before the run (UsageError, exit 2).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,13 +20,14 @@ from tpcheck.errors import UsageError
 
 
 def written_directly(mode: int) -> bool:
-    """Is a file of this `st_mode` opened and written rather than replaced (a character device, a FIFO)?"""
+    """Is a file of this `st_mode` opened and written
+    rather than replaced (a character device, a FIFO)?"""
     return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
 def check_output_path(flag: str, path: str | None) -> None:
-    """Raise UsageError (one line: the flag, the path, the problem) unless a report can be written at
-    `path`; None (the flag not given) is fine."""
+    """Raise UsageError (one line: the flag, the path, the problem) unless a report can be written
+    at `path`; None (the flag not given) is fine."""
     if path is None:
         return
     problem = output_problem(path)
@@ -54,7 +56,13 @@ def output_problem(path: str) -> str | None:
         return _directory_problem(os.path.dirname(target))
     if written_directly(mode):
         return None if os.access(target, os.W_OK) else "is not writable"
-    kind = "a block device (a disk)" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file"
+    kind = (
+        "a block device (a disk)"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
     return f"is {kind}; give a regular file, a FIFO or a character device such as /dev/null"
 
 
@@ -90,7 +98,8 @@ def _directory_problem(directory: str) -> str | None:
 
 
 def current_umask() -> int:
-    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
+    """The process's umask (read by setting it and
+    putting it back: there is no other portable way)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -8,6 +8,7 @@ sits at the floor and one that missed by any amount sits at the ceiling.
 matplotlib is imported here only (html.py imports this module lazily), through its object API: a
 `Figure` drawn by the Agg canvas, no pyplot, so the process-wide backend is never switched.
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,7 +20,8 @@ from matplotlib import colormaps
 from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 
-# Where a tensor sits in the flow of a step; a stage not listed (replicas, or one added later) sorts first.
+# Where a tensor sits in the flow of a step; a stage not
+# listed (replicas, or one added later) sorts first.
 STAGE_ORDER = {"weights": 0, "forward": 1, "loss": 2, "backward": 3, "grads": 4, "optimizer": 5}
 EXACT_EPS = 1e-300  # stands in for a bound of 0 (exact checks): any nonzero error is off the scale
 CAP = 6.0  # colour range [-CAP, +CAP] decades around the bound
@@ -29,7 +31,8 @@ PNG_META = {"Software": None}  # no matplotlib version in the bytes: same report
 
 
 def log_ratio(error: float, bound: float) -> float:
-    """log10(error / bound) clipped to [-CAP, CAP]; NaN errors (non-finite TP tensors) count as CAP."""
+    """log10(error / bound) clipped to [-CAP, CAP]; NaN
+    errors (non-finite TP tensors) count as CAP."""
     if math.isnan(error) or math.isinf(error):
         return CAP
     if error <= 0:
@@ -39,7 +42,8 @@ def log_ratio(error: float, bound: float) -> float:
 
 def tensor_columns(cases: list[dict]) -> list[str]:
     """Checked tensor names in the order data flows: output, loss, input grads, param grads, params.
-    A name is placed by its latest stage (param:w is loaded at 'weights' and updated at 'optimizer')."""
+    A name is placed by its latest stage (param:w is loaded at 'weights' and
+    updated at 'optimizer')."""
     place: dict[str, tuple[int, int]] = {}  # name -> (latest stage, first seq at that stage)
     for case in cases:
         for c in case.get("checks", []):
@@ -51,8 +55,8 @@ def tensor_columns(cases: list[dict]) -> list[str]:
 
 
 def heatmap_matrix(cases: list[dict]) -> tuple[list[str], list[str], np.ndarray]:
-    """Rows: cases, columns: tensors; cell: max over ranks, steps and stages of log_ratio (NaN when the
-    case never checked that tensor, e.g. a hang)."""
+    """Rows: cases, columns: tensors; cell: max over ranks, steps and stages of log_ratio (NaN when
+    the case never checked that tensor, e.g. a hang)."""
     cols = tensor_columns(cases)
     index = {n: j for j, n in enumerate(cols)}
     m = np.full((len(cases), len(cols)), np.nan)
@@ -69,20 +73,28 @@ def bound_cmap() -> ListedColormap:
     grey where a tensor was not checked."""
     below = colormaps["Greens_r"](np.linspace(0.05, 0.8, 128))
     above = colormaps["Reds"](np.linspace(0.3, 1.0, 128))
-    return ListedColormap(np.vstack([below, above]), name="tpcheck_bound").with_extremes(bad="#d0d0d0")
+    return ListedColormap(np.vstack([below, above]), name="tpcheck_bound").with_extremes(
+        bad="#d0d0d0"
+    )
 
 
 def heatmap_png(cases: list[dict]) -> str:
     """The case x tensor heatmap as a data URI."""
     rows, cols, m = heatmap_matrix(cases)
     labels = 0.075 * max(map(len, rows))  # inches of row labels at fontsize 9
-    cell = min(0.75, max(0.4, (PAGE_WIDTH_IN - labels - 1.3) / len(cols)))  # fit the page when possible
+    # fit the page when possible
+    cell = min(0.75, max(0.4, (PAGE_WIDTH_IN - labels - 1.3) / len(cols)))
     width = labels + 1.3 + cell * len(cols)
     height = min(40.0, 1.0 + 0.065 * max(map(len, cols)) + 0.42 * len(rows))
     fig = Figure(figsize=(width, height), dpi=96, layout="constrained")
     ax = fig.add_subplot()
-    image = ax.imshow(np.ma.masked_invalid(m), cmap=bound_cmap(), norm=Normalize(-CAP, CAP), aspect="auto",
-                      interpolation="nearest")
+    image = ax.imshow(
+        np.ma.masked_invalid(m),
+        cmap=bound_cmap(),
+        norm=Normalize(-CAP, CAP),
+        aspect="auto",
+        interpolation="nearest",
+    )
     ax.set_xticks(range(len(cols)), cols, rotation=40, ha="right", fontsize=9)
     ax.set_yticks(range(len(rows)), rows, fontsize=9)
     ax.set_xticks(np.arange(-0.5, len(cols)), minor=True)
@@ -107,12 +119,21 @@ def _annotate(ax, m: np.ndarray) -> None:
         else:
             text = f"{v:+.1f}".replace("-", "−")
         dark = not np.isnan(v) and abs(v) > 0.55 * CAP
-        ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black",
-                fontweight="bold" if not np.isnan(v) and v > 0 else "normal")
+        ax.text(
+            j,
+            i,
+            text,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white" if dark else "black",
+            fontweight="bold" if not np.isnan(v) and v > 0 else "normal",
+        )
 
 
 def step_curves(case: dict) -> dict[str, dict[int, float]]:
-    """Per tensor, per step (>= 1): max over ranks and stages of error / bound (0 for exact matches)."""
+    """Per tensor, per step (>= 1): max over ranks and
+    stages of error / bound (0 for exact matches)."""
     curves: dict[str, dict[int, float]] = {}
     for c in case.get("checks", []):
         if c["step"] < 1:
@@ -131,15 +152,24 @@ def curves_png(case: dict) -> str:
     styles = ["-", "--", ":", "-."]
     for k, (name, per_step) in enumerate(curves.items()):
         steps = sorted(per_step)
-        ax.plot(steps, [per_step[s] for s in steps], styles[(k // 10) % 4], marker="o", markersize=3,
-                linewidth=1.2, label=name)
+        ax.plot(
+            steps,
+            [per_step[s] for s in steps],
+            styles[(k // 10) % 4],
+            marker="o",
+            markersize=3,
+            linewidth=1.2,
+            label=name,
+        )
     ax.axhline(1.0, color="black", linewidth=1, label="bound")
     ax.set_yscale("log")
-    ax.set_ylim(10 ** -CAP / 2, 10 ** CAP * 2)
+    ax.set_ylim(10**-CAP / 2, 10**CAP * 2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("error / bound (max over ranks)")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncols=1 + len(curves) // 16)
+    ax.legend(
+        fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncols=1 + len(curves) // 16
+    )
     return _data_uri(fig)
 
 

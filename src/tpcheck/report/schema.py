@@ -1,5 +1,6 @@
 """The versioned JSON report. Deterministic: the same run gives the same bytes, timings aside
 (they live under keys named `seconds`)."""
+
 from __future__ import annotations
 
 import os
@@ -20,19 +21,30 @@ def _backend(results: list[dict]) -> str:
     return "gloo+nccl" if on_gpu else "gloo"
 
 
-def build_report(results: list[dict], *, exit_code: int, seed: dict | None = None,
-                 interrupted: dict | None = None) -> dict:
+def build_report(
+    results: list[dict],
+    *,
+    exit_code: int,
+    seed: dict | None = None,
+    interrupted: dict | None = None,
+) -> dict:
     """The report of a run: its case results, their summary, (for the seed's modes) the seed's JSON,
     and for a run stopped by a signal `interrupted`: {signal, cases_finished, cases_planned}."""
     report = {
         "schema": SCHEMA,
         "tpcheck": __version__,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "backend": _backend(results)},
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "backend": _backend(results),
+        },
         "summary": {
             "cases": len(results),
             "as_expected": sum(r["as_expected"] for r in results),
-            "verdicts": {v: sum(r["verdict"] == v for r in results) for v in sorted({r["verdict"] for r in results})},
+            "verdicts": {
+                v: sum(r["verdict"] == v for r in results)
+                for v in sorted({r["verdict"] for r in results})
+            },
             "exit_code": exit_code,
         },
         "cases": results,
@@ -47,8 +59,9 @@ def build_report(results: list[dict], *, exit_code: int, seed: dict | None = Non
 def write_atomic(path: str, text: str) -> None:
     """Write `text` to `path`. A regular file (or a new one) is replaced atomically, so that a crash
     leaves the old file or none, never half a file, and gets the mode the umask gives a new file; a
-    symlink is written through to its target (the link stays); a character device or a FIFO is opened
-    and written, never replaced (tpcheck.report.output). Raises OSError when the write fails."""
+    symlink is written through to its target (the link stays); a character device or a FIFO is
+    opened and written, never replaced (tpcheck.report.output). Raises OSError
+    when the write fails."""
     target = os.path.realpath(path)
     try:
         mode = os.stat(target).st_mode
@@ -72,7 +85,8 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def load_schema() -> dict:
-    """The JSON Schema (draft 2020-12) of what build_report returns; shipped as report/schema.json."""
+    """The JSON Schema (draft 2020-12) of what build_report
+    returns; shipped as report/schema.json."""
     import json
     from importlib.resources import files
 
@@ -80,7 +94,8 @@ def load_schema() -> dict:
 
 
 def without_timings(value):
-    """The report with every `seconds` key removed: what two runs of the same command must agree on."""
+    """The report with every `seconds` key removed:
+    what two runs of the same command must agree on."""
     if isinstance(value, dict):
         return {k: without_timings(v) for k, v in value.items() if k != "seconds"}
     if isinstance(value, list):

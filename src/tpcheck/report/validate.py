@@ -1,11 +1,13 @@
-"""A small JSON Schema checker for the report's own schema (report/schema.json), so that `tpcheck report`
-can refuse a malformed file with the first error instead of failing somewhere inside the renderer.
+"""A small JSON Schema checker for the report's own schema (report/schema.json), so that
+`tpcheck report` can refuse a malformed file with the first error instead of failing somewhere
+inside the renderer.
 
 jsonschema is a test dependency only; this implements the draft 2020-12 keywords schema.json uses
 (listed in KEYWORDS, with the same meaning) and refuses a schema that uses any other, so that a new
-keyword in schema.json cannot be silently ignored. tests/report/test_report_validation.py checks that
-it agrees with jsonschema.
+keyword in schema.json cannot be silently ignored. tests/report/test_report_validation.py checks
+that it agrees with jsonschema.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,9 +15,26 @@ import math
 import re
 
 ANNOTATIONS = {"$schema", "$id", "title", "description", "$defs"}  # no effect on validity
-KEYWORDS = {"type", "const", "enum", "required", "properties", "additionalProperties", "propertyNames",
-            "pattern", "minimum", "minLength", "items", "minItems", "maxItems", "$ref", "oneOf",
-            "if", "then", "else"}
+KEYWORDS = {
+    "type",
+    "const",
+    "enum",
+    "required",
+    "properties",
+    "additionalProperties",
+    "propertyNames",
+    "pattern",
+    "minimum",
+    "minLength",
+    "items",
+    "minItems",
+    "maxItems",
+    "$ref",
+    "oneOf",
+    "if",
+    "then",
+    "else",
+}
 TYPES = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
@@ -23,13 +42,16 @@ TYPES = {
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool))
-    or (isinstance(v, float) and math.isfinite(v) and v.is_integer()),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
+    ),
 }
 
 
 class SchemaError(Exception):
-    """One place where a document breaks the schema: `path` (keys and indices from the top) and why."""
+    """One place where a document breaks the schema:
+    `path` (keys and indices from the top) and why."""
 
     def __init__(self, path: tuple, message: str) -> None:
         super().__init__(message)
@@ -79,15 +101,17 @@ def _resolve(ref: str, root: dict) -> dict:
 
 
 def _check(value, schema, root: dict, path: tuple) -> None:
-    """Raise SchemaError at the first keyword of `schema` that `value` breaks: its type and value, then
-    what it contains (required keys first), then the combinators (oneOf, if/then/else)."""
+    """Raise SchemaError at the first keyword of `schema` that `value` breaks: its type and value,
+    then what it contains (required keys first), then the combinators (oneOf, if/then/else)."""
     if schema is True or schema == {}:
         return
     if schema is False:
         raise SchemaError(path, "no value is allowed here")
     unknown = set(schema) - KEYWORDS - ANNOTATIONS
     if unknown:
-        raise ValueError(f"schema keyword(s) {sorted(unknown)} are not implemented by tpcheck.report.validate")
+        raise ValueError(
+            f"schema keyword(s) {sorted(unknown)} are not implemented by tpcheck.report.validate"
+        )
     if "$ref" in schema:
         _check(value, _resolve(schema["$ref"], root), root, path)
     if "type" in schema:
@@ -104,7 +128,9 @@ def _check(value, schema, root: dict, path: tuple) -> None:
         _check_array(value, schema, root, path)
     elif isinstance(value, str):
         if len(value) < schema.get("minLength", 0):
-            raise SchemaError(path, f"{_show(value)} is shorter than {schema['minLength']} character(s)")
+            raise SchemaError(
+                path, f"{_show(value)} is shorter than {schema['minLength']} character(s)"
+            )
         if "pattern" in schema and not re.search(schema["pattern"], value):
             raise SchemaError(path, f"{_show(value)} does not match {schema['pattern']!r}")
     elif TYPES["number"](value) and "minimum" in schema and value < schema["minimum"]:
@@ -159,7 +185,9 @@ def _check_object(value: dict, schema: dict, root: dict, path: tuple) -> None:
         if key not in properties and "additionalProperties" in schema:
             extra = schema["additionalProperties"]
             if extra is False:
-                raise SchemaError(path, f"{key!r} was unexpected (additional properties are not allowed)")
+                raise SchemaError(
+                    path, f"{key!r} was unexpected (additional properties are not allowed)"
+                )
             _check(value[key], extra, root, (*path, key))
 
 

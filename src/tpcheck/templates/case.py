@@ -2,9 +2,10 @@
 
     tpcheck verify THIS_FILE --world-size 2 4
 
-It verifies as written (a column-parallel + row-parallel MLP written with torch.distributed); replace
-the two modules with yours. docs/case-files.md has every field.
+It verifies as written (a column-parallel + row-parallel MLP written with torch.distributed);
+replace the two modules with yours. docs/case-files.md has every field.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -58,7 +59,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class TP(nn.Module):
     """Your TP module. Parameters named as in Dense; each rank holds its part: `up` column-parallel
-    (FFN/tp rows), `down` row-parallel (FFN/tp columns, the bias added once, after the all-reduce)."""
+    (FFN/tp rows), `down` row-parallel (FFN/tp columns, the bias added once,
+    after the all-reduce)."""
 
     def __init__(self, group, dtype=None):
         super().__init__()
@@ -84,13 +86,20 @@ def make_batch(generator, dtype):
 case = Case(
     name="my_tp_mlp",
     build_dense=lambda dtype: Dense(dtype),
-    build_tp=lambda group, dtype: TP(group, dtype),   # group: rank, world_size, pg (the process group)
-    # How each dense parameter lives on the ranks. Leave it out (plan=None) and give your own loader,
-    # load_tp=lambda tp, state_dict, group: ..., and tpcheck infers it (--print-plan prints it).
-    plan=Plan(params={
-        "up.weight": Shard(0), "up.bias": Shard(0),          # column-parallel
-        "down.weight": Shard(1), "down.bias": Replicate(),   # row-parallel
-    }),
+    build_tp=lambda group, dtype: TP(
+        group, dtype
+    ),  # group: rank, world_size, pg (the process group)
+    # How each dense parameter lives on the ranks. Leave it out (plan=None) and give your own
+    # loader, load_tp=lambda tp, state_dict, group: ..., and tpcheck infers it
+    # (--print-plan prints it).
+    plan=Plan(
+        params={
+            "up.weight": Shard(0),
+            "up.bias": Shard(0),  # column-parallel
+            "down.weight": Shard(1),
+            "down.bias": Replicate(),  # row-parallel
+        }
+    ),
     make_batch=make_batch,
-    run=RunSettings(steps=3, optimizer="adamw"),             # also: dtype="bfloat16", micro_batches, lr, seed
+    run=RunSettings(steps=3, optimizer="adamw"),  # also: dtype="bfloat16", micro_batches, lr, seed
 )

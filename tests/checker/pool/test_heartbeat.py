@@ -1,5 +1,7 @@
-"""The launcher's evidence of where ranks are (tpcheck.checker.pool.heartbeat), on synthetic beats and stacks,
-with a fake clock: the stall deadline, stale beats, the culprit rules, and the stack classification."""
+"""The launcher's evidence of where ranks are (tpcheck.checker.pool.heartbeat), on synthetic beats
+and stacks, with a fake clock: the stall deadline, stale beats, the culprit rules, and the
+stack classification."""
+
 import os
 import sys
 
@@ -19,8 +21,24 @@ class Clock:
         return self.t
 
 
-def beat(rank, state="compute", at="case.py:3 in forward", case=1, progress=(0, 0), since=0.0, label=None, call=None):
-    return Beat(rank=rank, case=case, progress=progress, spot=Spot(state, at, call, [at]), label=label, since_s=since)
+def beat(
+    rank,
+    state="compute",
+    at="case.py:3 in forward",
+    case=1,
+    progress=(0, 0),
+    since=0.0,
+    label=None,
+    call=None,
+):
+    return Beat(
+        rank=rank,
+        case=case,
+        progress=progress,
+        spot=Spot(state, at, call, [at]),
+        label=label,
+        since_s=since,
+    )
 
 
 def test_stall_deadline_is_timeout_plus_at_most_5_s_after_the_last_movement():
@@ -36,7 +54,8 @@ def test_stall_deadline_is_timeout_plus_at_most_5_s_after_the_last_movement():
     assert w.deadline() == first
     w.note(beat(0, at="case.py:4 in forward"))  # a new line: movement
     assert w.deadline() == pytest.approx(clock.t + 20 + hb.STALL_EXTRA_S)
-    w.note(beat(1, state="collective", progress=(1, 0)))  # progress on another rank moves the case too
+    # progress on another rank moves the case too
+    w.note(beat(1, state="collective", progress=(1, 0)))
     assert w.deadline() == pytest.approx(clock.t + 20 + hb.STALL_EXTRA_S)
 
 
@@ -46,7 +65,9 @@ def test_world_1_waits_longer_and_beats_of_another_case_are_ignored():
     assert solo.deadline() - clock.t == pytest.approx(hb.WORLD1_FACTOR * (20 + hb.STALL_EXTRA_S))
     clock.t += 50
     solo.note(beat(0, case=1, at="elsewhere.py:1 in f"))  # a late beat of the previous case
-    assert solo.beats == {} and solo.deadline() - clock.t < hb.WORLD1_FACTOR * (20 + hb.STALL_EXTRA_S)
+    assert solo.beats == {} and solo.deadline() - clock.t < hb.WORLD1_FACTOR * (
+        20 + hb.STALL_EXTRA_S
+    )
 
 
 def test_a_rank_without_recent_beats_is_unresponsive_with_its_process_state():
@@ -58,25 +79,34 @@ def test_a_rank_without_recent_beats_is_unresponsive_with_its_process_state():
     w.note(beat(0, state="checkpoint", label="building the TP module", since=3.5))
     e0, e1 = w.evidence(0, None), w.evidence(1, os.getpid())
     assert e0["state"] == "checkpoint" and e0["checkpoint"] == "building the TP module"
-    assert e1["state"] == "unresponsive" and e1["at"] == "case.py:9 in forward" and e1["seconds"] >= hb.STALE_S
+    assert (
+        e1["state"] == "unresponsive"
+        and e1["at"] == "case.py:9 in forward"
+        and e1["seconds"] >= hb.STALE_S
+    )
     assert e1["process"] == hb.STATE_WORDS["R"]  # this very process: running
     assert "rank 1 sent no heartbeat" in describe(e1)
     never = Watch(world=2, case=1, timeout_s=5, clock=clock).evidence(1, None)
     assert never["state"] == "unresponsive" and never["process"] == "gone"
 
 
-@pytest.mark.parametrize("states, blamed, words", [
-    (["collective", "compute"], [1], "stuck in compute"),
-    (["checkpoint", "unresponsive"], [1], "stopped responding"),
-    (["collective", "compute", "unresponsive"], [1, 2], "stuck in compute"),
-    (["compute", "compute"], [0, 1], "no rank entered a collective"),
-    (["collective", "collective", "checkpoint", "collective"], [2], "different places"),
-    (["collective", "checkpoint"], [], "different places"),
-    (["collective", "collective"], [], "same place"),
-])
+@pytest.mark.parametrize(
+    "states, blamed, words",
+    [
+        (["collective", "compute"], [1], "stuck in compute"),
+        (["checkpoint", "unresponsive"], [1], "stopped responding"),
+        (["collective", "compute", "unresponsive"], [1, 2], "stuck in compute"),
+        (["compute", "compute"], [0, 1], "no rank entered a collective"),
+        (["collective", "collective", "checkpoint", "collective"], [2], "different places"),
+        (["collective", "checkpoint"], [], "different places"),
+        (["collective", "collective"], [], "same place"),
+    ],
+)
 def test_culprits(states, blamed, words):
-    evidence = [{"rank": r, "state": s, "call": "all_reduce" if s == "collective" else None}
-                for r, s in enumerate(states)]
+    evidence = [
+        {"rank": r, "state": s, "call": "all_reduce" if s == "collective" else None}
+        for r, s in enumerate(states)
+    ]
     who, why = culprits(evidence)
     assert who == blamed and words in why
 

@@ -1,6 +1,8 @@
-"""Activation placements inferred for a case with no plan written: from the shapes, whether each output is
-the same on every rank, whether the ranks' outputs add up to the dense one, and the module's own weight.
-Every placement inferred is one a written plan would give; a bug is then named at its module."""
+"""Activation placements inferred for a case with no plan written: from the shapes, whether each
+output is the same on every rank, whether the ranks' outputs add up to the dense one, and the
+module's own weight. Every placement inferred is one a written plan would give; a bug is then
+named at its module."""
+
 import dataclasses
 
 import pytest
@@ -25,7 +27,9 @@ def _views(*per_rank):
 
 
 def test_the_same_dense_shaped_output_on_every_rank_is_replicated():
-    placed, skipped = activations.decide({"m": (4, 2, 8)}, _views(((4, 2, 8), "a"), ((4, 2, 8), "a")), PLAIN, 2)
+    placed, skipped = activations.decide(
+        {"m": (4, 2, 8)}, _views(((4, 2, 8), "a"), ((4, 2, 8), "a")), PLAIN, 2
+    )
     assert placed == {"m": Replicate()} and skipped == {}
 
 
@@ -34,19 +38,23 @@ def test_a_partial_sum_is_not_checked_and_anything_else_that_differs_is_held_rep
     placed, skipped = activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2, partial={"m"})
     assert placed == {} and "a partial sum" in skipped["m"]
     placed, _ = activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2, partial=set())
-    assert placed == {"m": Replicate()}  # should be whole on every rank and is not: checked, and it fails
+    # should be whole on every rank and is not: checked, and it fails
+    assert placed == {"m": Replicate()}
 
 
 def test_is_partial_sum_reads_the_sum_against_the_dense_output():
     dense = torch.randn(16, generator=torch.Generator().manual_seed(0))
     halves = [dense * 0.3, dense * 0.7]
     assert activations.is_partial_sum(halves[0].double() + halves[1].double(), dense)
-    assert not activations.is_partial_sum(halves[0].double() + halves[1].double() + dense.double(), dense)
+    assert not activations.is_partial_sum(
+        halves[0].double() + halves[1].double() + dense.double(), dense
+    )
 
 
 def test_a_shard_along_one_dim_is_inferred_unless_a_fused_parameter_makes_the_last_dim_ambiguous():
     views = _views(((2, 2, 8), "a"), ((2, 2, 8), "b"))
-    assert activations.decide({"m": (4, 2, 8)}, views, FUSED, 2)[0] == {"m": Shard(0)}  # sequence-sharded
+    # sequence-sharded
+    assert activations.decide({"m": (4, 2, 8)}, views, FUSED, 2)[0] == {"m": Shard(0)}
     views = _views(((4, 2, 4), "a"), ((4, 2, 4), "b"))
     assert activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2)[0] == {"m": Shard(2)}
     placed, skipped = activations.decide({"m": (4, 2, 8)}, views, FUSED, 2)
@@ -62,15 +70,25 @@ def test_a_linear_split_along_its_rows_gives_its_output_the_same_layout_on_the_l
     views = [{"gate_up": [[3, 4], "a"]}, {"gate_up": [[3, 4], "b"]}]
     placed, _ = activations.decide({"gate_up": (3, 8)}, views, plan, 2, row_split=rows)
     assert placed == {"gate_up": Fused(1, (4, 4))}
-    head = Plan(params={"gate_up.weight": Shard(0), "gate_up.bias": Shard(0), "qkv.weight": Fused(0, (4, 4))})
-    placed, _ = activations.decide({"gate_up": (3, 8)}, views, head, 2, row_split=activations.row_split_linears(dense, head))
+    head = Plan(
+        params={
+            "gate_up.weight": Shard(0),
+            "gate_up.bias": Shard(0),
+            "qkv.weight": Fused(0, (4, 4)),
+        }
+    )
+    placed, _ = activations.decide(
+        {"gate_up": (3, 8)}, views, head, 2, row_split=activations.row_split_linears(dense, head)
+    )
     assert placed == {"gate_up": Shard(1)}  # its own weight decides, whatever else the plan holds
 
 
 def test_outputs_the_layout_does_not_determine_are_named_with_why():
     dense = {"a": (4, 8), "b": (4, 8), "c": (4, 8), "d": (4, 8)}
-    said = [{"b": [[4, 8], "x"], "c": [[4, 8], "x"], "d": [[4, 3], "x"]},
-            {"c": [[2, 8], "y"], "d": [[4, 3], "y"]}]
+    said = [
+        {"b": [[4, 8], "x"], "c": [[4, 8], "x"], "d": [[4, 3], "x"]},
+        {"c": [[2, 8], "y"], "d": [[4, 3], "y"]},
+    ]
     placed, skipped = activations.decide(dense, said, PLAIN, 2)
     assert placed == {}
     assert "does not call it" in skipped["a"]
@@ -80,9 +98,16 @@ def test_outputs_the_layout_does_not_determine_are_named_with_why():
 
 
 def _no_plan(block: str, fault: str | None = None, sp: bool = False, world: int = 2):
-    """A built-in block loaded by a user loader (the block's own layout), with no plan and no activations."""
-    spec = CaseSpec(block=block, preset="tiny", world_size=world, run=RunSettings(steps=1), fault=fault,
-                    sequence_parallel=sp)
+    """A built-in block loaded by a user loader (the block's
+    own layout), with no plan and no activations."""
+    spec = CaseSpec(
+        block=block,
+        preset="tiny",
+        world_size=world,
+        run=RunSettings(steps=1),
+        fault=fault,
+        sequence_parallel=sp,
+    )
     case = RESOLVER.build(spec)
     plan = case.plan
 
@@ -91,8 +116,11 @@ def _no_plan(block: str, fault: str | None = None, sp: bool = False, world: int 
             p.copy_(plan.params[name].shard(state[name], group.rank, group.world_size))
 
     name = f"{block}_{fault}_{sp}_no_plan"
-    return CaseSpec(block=register(dataclasses.replace(case, name=name, plan=None, load_tp=load_tp)),
-                    world_size=world, run=RunSettings(steps=1)), case
+    return CaseSpec(
+        block=register(dataclasses.replace(case, name=name, plan=None, load_tp=load_tp)),
+        world_size=world,
+        run=RunSettings(steps=1),
+    ), case
 
 
 def _dense_output_shapes(case) -> dict[str, tuple]:
@@ -115,8 +143,9 @@ def _same_layout(a, b, shape, world):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_a_layer_with_no_plan_checks_its_modules_where_the_written_plan_does(sp):
-    """The layer block, no plan and no activations given: equivalent; every output the written plan names
-    is inferred with the same layout or named as not checked; the inferred ones are checked (act:/actgrad:)."""
+    """The layer block, no plan and no activations given: equivalent; every output the written plan
+    names is inferred with the same layout or named as not checked; the inferred ones are
+    checked (act:/actgrad:)."""
     spec, case = _no_plan("layer", sp=sp)
     written, shapes = case.plan, _dense_output_shapes(case)
     (r,) = check([spec])
@@ -124,11 +153,16 @@ def test_a_layer_with_no_plan_checks_its_modules_where_the_written_plan_does(sp)
     code = r["inferred_plan"]
     from tpcheck.plan import AppliedOnRank  # noqa: F401 - names the printed plan may use
 
-    inferred = eval(code.split("\n# not checked")[0], {"Plan": Plan, "Shard": Shard, "Replicate": Replicate,
-                                                        "Fused": Fused})
+    inferred = eval(
+        code.split("\n# not checked")[0],
+        {"Plan": Plan, "Shard": Shard, "Replicate": Replicate, "Fused": Fused},
+    )
     for name, placement in written.activations.items():
         if name in inferred.activations:
-            assert _same_layout(inferred.activations[name], placement, shapes[name], 2), (name, code)
+            assert _same_layout(inferred.activations[name], placement, shapes[name], 2), (
+                name,
+                code,
+            )
         else:
             assert f"# not checked: {name}:" in code
     assert {"attention.o", "mlp.down", "mlp.norm"} <= set(inferred.activations)
@@ -136,12 +170,17 @@ def test_a_layer_with_no_plan_checks_its_modules_where_the_written_plan_does(sp)
     assert {"act:mlp.down", "actgrad:mlp.norm", "act:attention.o"} <= names
 
 
-@pytest.mark.parametrize("fault,first", [("missing_backward_reduce", ("backward", "actgrad:mlp.norm")),
-                                         ("missing_forward_reduce", ("forward", "act:mlp"))])
+@pytest.mark.parametrize(
+    "fault,first",
+    [
+        ("missing_backward_reduce", ("backward", "actgrad:mlp.norm")),
+        ("missing_forward_reduce", ("forward", "act:mlp")),
+    ],
+)
 def test_a_bug_in_a_case_with_no_plan_is_named_at_its_module(fault, first):
     """The missing backward all-reduce is named where the written plan names it; the missing forward
-    all-reduce one module up (mlp.down's output adds up to the dense one: a partial sum, not checked; mlp's
-    does not, and it is held whole), the correct twin equivalent (previous test)."""
+    all-reduce one module up (mlp.down's output adds up to the dense one: a partial sum, not
+    checked; mlp's does not, and it is held whole), the correct twin equivalent (previous test)."""
     spec, _ = _no_plan("layer", fault=fault)
     (r,) = check([spec])
     assert r["verdict"] == "not equivalent"
@@ -197,11 +236,19 @@ def _load(tp, state, group):
 
 
 def _batch(g, dtype):
-    return {"x": torch.randn(4, 2, H, generator=g).to(dtype)}, torch.randn(4, 2, H, generator=g).to(dtype)
+    return {"x": torch.randn(4, 2, H, generator=g).to(dtype)}, torch.randn(4, 2, H, generator=g).to(
+        dtype
+    )
 
 
-PARTIAL_CASE = Case(name="row_no_reduce", build_dense=Dense, build_tp=lambda group, dtype: TP(group, dtype),
-                    plan=None, make_batch=_batch, load_tp=_load)
+PARTIAL_CASE = Case(
+    name="row_no_reduce",
+    build_dense=Dense,
+    build_tp=lambda group, dtype: TP(group, dtype),
+    plan=None,
+    make_batch=_batch,
+    load_tp=_load,
+)
 
 
 def test_a_partial_sum_module_output_is_left_unchecked_not_failed():
@@ -212,9 +259,17 @@ def test_a_partial_sum_module_output_is_left_unchecked_not_failed():
 
 
 def test_checker_mutant_a_partial_sum_held_whole_fails_the_correct_twin(monkeypatch):
-    """Mutant: no output is ever taken for a partial sum. The correct module's fc2 output is then held to
-    the dense one and fails: the partial-sum test is what keeps a correct model equivalent."""
+    """Mutant: no output is ever taken for a partial sum. The correct module's fc2 output is then
+    held to the dense one and fails: the partial-sum test is what keeps a correct
+    model equivalent."""
     monkeypatch.setattr(activations, "is_partial_sum", lambda summed, dense: False)
-    (r,) = check([CaseSpec(block=register(dataclasses.replace(PARTIAL_CASE, name="row_no_reduce_mutant")),
-                           world_size=2, run=RunSettings(steps=1))])
+    (r,) = check(
+        [
+            CaseSpec(
+                block=register(dataclasses.replace(PARTIAL_CASE, name="row_no_reduce_mutant")),
+                world_size=2,
+                run=RunSettings(steps=1),
+            )
+        ]
+    )
     assert r["verdict"] == "not equivalent" and r["first_divergence"]["name"] == "act:fc2"

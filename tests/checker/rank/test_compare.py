@@ -1,7 +1,8 @@
-"""A Check is complete when `Comparator.compare` returns it: what only the caller knows (the loader that
-loaded a weight, the place of a held activation in execution order, the error before an allowance) goes
-in as keyword arguments, and nothing outside the comparator writes to a check. The evidence is kept under
-(stage, step, name) and leaves the rank under the payload's key."""
+"""A Check is complete when `Comparator.compare` returns it: what only the caller knows (the loader
+that loaded a weight, the place of a held activation in execution order, the error before an
+allowance) goes in as keyword arguments, and nothing outside the comparator writes to a check. The
+evidence is kept under (stage, step, name) and leaves the rank under the payload's key."""
+
 import torch
 
 from tpcheck.checker.payload import evidence_key
@@ -19,12 +20,24 @@ def _comparator() -> Comparator:
 
 def test_the_callers_fields_are_in_the_check_and_its_control_keeps_the_bounds_own():
     cmp, w = _comparator(), torch.arange(4.0)
-    check = cmp.compare("weights", 0, "param:w", w.clone(), w, w, Replicate(), exact=True,
-                        reason="bitwise: the plan's shard, as loaded by your load_tp (case.py:3)",
-                        loaded_by="your load_tp (case.py:3)")
+    check = cmp.compare(
+        "weights",
+        0,
+        "param:w",
+        w.clone(),
+        w,
+        w,
+        Replicate(),
+        exact=True,
+        reason="bitwise: the plan's shard, as loaded by your load_tp (case.py:3)",
+        loaded_by="your load_tp (case.py:3)",
+    )
     control = cmp.checks[-1]
     assert (check.reason, check.loaded_by, check.numel) == (
-        "bitwise: the plan's shard, as loaded by your load_tp (case.py:3)", "your load_tp (case.py:3)", 4)
+        "bitwise: the plan's shard, as loaded by your load_tp (case.py:3)",
+        "your load_tp (case.py:3)",
+        4,
+    )
     assert control.control and (control.reason, control.loaded_by) == (EXACT.reason, None)
 
 
@@ -51,5 +64,9 @@ def test_evidence_is_kept_by_tuple_and_sent_under_the_payloads_key():
     cmp.compare("weights", 0, "param:w", w.clone(), w, w, Replicate(), exact=True)
     assert ("weights", 0, "param:w") in set(cmp.evidence)
     sent = cmp.evidence.sent({("weights", 0, "param:w")})
-    assert set(sent) == {evidence_key("weights", 0, "param:w"), evidence_key("weights", 0, "control:param:w")}
-    assert set(cmp.evidence.sent(set())) == {evidence_key("weights", 0, "control:param:w")}  # controls always go
+    assert set(sent) == {
+        evidence_key("weights", 0, "param:w"),
+        evidence_key("weights", 0, "control:param:w"),
+    }
+    # controls always go
+    assert set(cmp.evidence.sent(set())) == {evidence_key("weights", 0, "control:param:w")}

@@ -1,7 +1,9 @@
-"""The checker's two reductions, `max_abs_diff` (every error: max |TP - dense|, max |dense - float64|) and
-`absmax` (every scale), against numpy's one-piece arithmetic: large CPU tensors go through in passes of
-`CHUNK` elements, so a difference planted in the first, a middle or the last (partial) pass must come
-out as it is, and a NaN or an infinity anywhere must make the error infinite."""
+"""The checker's two reductions, `max_abs_diff` (every error: max |TP - dense|, max |dense -
+float64|) and `absmax` (every scale), against numpy's one-piece arithmetic: large CPU tensors go
+through in passes of `CHUNK` elements, so a difference planted in the first, a middle or the last
+(partial) pass must come out as it is, and a NaN or an infinity anywhere must make
+the error infinite."""
+
 import math
 
 import numpy as np
@@ -38,8 +40,8 @@ def test_maxdiff_is_the_one_piece_maximum(n, dtype):
 
 @pytest.mark.parametrize("n", SIZES[2:])
 def test_a_difference_in_any_pass_is_found(n):
-    """The largest difference planted at the first element, in the middle and at the very last one (the
-    last, partial pass): each is the error reported, exactly."""
+    """The largest difference planted at the first element, in the middle and at the very last one
+    (the last, partial pass): each is the error reported, exactly."""
     a = torch.zeros(n)
     for pos in (0, n // 2, n - 1):
         b = a.clone()
@@ -62,7 +64,8 @@ def test_nan_or_inf_anywhere_is_an_infinite_error(n, bad):
 
 
 def test_half_types_are_compared_in_float32():
-    """bfloat16 - bfloat16 would round the difference; maxdiff subtracts in float32, where it is exact."""
+    """bfloat16 - bfloat16 would round the difference;
+    maxdiff subtracts in float32, where it is exact."""
     a = torch.tensor([1.0], dtype=torch.bfloat16)
     b = torch.tensor([1.0 + 2.0**-7], dtype=torch.bfloat16)
     assert maxdiff(a, b) == 2.0**-7
@@ -73,7 +76,8 @@ def test_half_types_are_compared_in_float32():
 
 
 def test_float32_against_float64_in_float64():
-    """The calibrated bound's dense error: a float32 tensor against its float64 truth, over several passes."""
+    """The calibrated bound's dense error: a float32 tensor
+    against its float64 truth, over several passes."""
     g = torch.Generator().manual_seed(3)
     truth = torch.randn(2 * CHUNK + 11, generator=g, dtype=torch.float64)
     dense = truth.float()
@@ -81,4 +85,6 @@ def test_float32_against_float64_in_float64():
     assert float(max_abs_diff(dense, truth, torch.float64)) == want > 0
     b = calibrated(dense, truth, torch.float32, 2)
     assert b.ref_error == want
-    assert b.value == pytest.approx(8 * want + 2.0**-23 * float(np.abs(truth.numpy()).max()), rel=1e-12)
+    assert b.value == pytest.approx(
+        8 * want + 2.0**-23 * float(np.abs(truth.numpy()).max()), rel=1e-12
+    )

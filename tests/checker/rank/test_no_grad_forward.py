@@ -1,6 +1,8 @@
-"""Two Case fields for TP code nobody annotated: `activations` (module outputs to check when the plan is
-inferred) and `no_grad_forward` (the forward without autograd, compared as `output:no_grad`: TP code may
-take another path for inference). And an error raised in the code under test names its line."""
+"""Two Case fields for TP code nobody annotated: `activations` (module outputs to check when the
+plan is inferred) and `no_grad_forward` (the forward without autograd, compared as `output:no_grad`:
+TP code may take another path for inference). And an error raised in the code under
+test names its line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +24,8 @@ EX = example("own_loader")
 
 
 class InferenceSkipsReduce(EX.TPBlock):
-    """The planted bug: without autograd (inference), the row-parallel partial sums are not all-reduced."""
+    """The planted bug: without autograd (inference), the
+    row-parallel partial sums are not all-reduced."""
 
     def forward(self, x):
         if torch.is_grad_enabled():
@@ -33,8 +36,15 @@ class InferenceSkipsReduce(EX.TPBlock):
 
 def _case(name, build_tp=EX.TPBlock, **fields):
     base = EX.no_plan
-    return register(dataclasses.replace(base, name=name, build_tp=lambda group, dtype: build_tp(group, dtype),
-                                        activations={"fc1": Shard(2)}, **fields))
+    return register(
+        dataclasses.replace(
+            base,
+            name=name,
+            build_tp=lambda group, dtype: build_tp(group, dtype),
+            activations={"fc1": Shard(2)},
+            **fields,
+        )
+    )
 
 
 def _checks(result, prefix):
@@ -44,8 +54,11 @@ def _checks(result, prefix):
 def test_no_grad_forward_catches_an_inference_only_bug_and_the_correct_twin_passes():
     good = _case("no_grad_good", no_grad_forward=True)
     bad = _case("no_grad_bad", InferenceSkipsReduce, no_grad_forward=True)
-    blind = _case("no_grad_blind", InferenceSkipsReduce, no_grad_forward=False)  # the checker mutant
-    results = {r["name"].split("/")[0]: r for r in check([file_spec(t, 2) for t in (good, bad, blind)])}
+    # the checker mutant
+    blind = _case("no_grad_blind", InferenceSkipsReduce, no_grad_forward=False)
+    results = {
+        r["name"].split("/")[0]: r for r in check([file_spec(t, 2) for t in (good, bad, blind)])
+    }
     ok = results["no_grad_good"]
     assert ok["verdict"] == "equivalent", ok["summary"]
     assert _checks(ok, "output:no_grad") and {c["name"] for c in _checks(ok, "act:")} == {"act:fc1"}
@@ -53,7 +66,8 @@ def test_no_grad_forward_catches_an_inference_only_bug_and_the_correct_twin_pass
     assert caught["verdict"] == "not equivalent"
     assert {c["name"] for c in caught["checks"] if not c["passed"]} == {"output:no_grad"}
     assert caught["first_divergence"]["name"] == "output:no_grad"
-    assert caught["diagnosis"]["signature"] == "replicas_differ"  # each rank holds its own partial sum
+    # each rank holds its own partial sum
+    assert caught["diagnosis"]["signature"] == "replicas_differ"
     # without the no-grad forward the same bug passes: the check is what sees it
     assert results["no_grad_blind"]["verdict"] == "equivalent"
 
@@ -64,17 +78,21 @@ def test_activations_are_refused_beside_a_written_plan():
 
 
 def test_an_error_names_the_line_of_the_code_under_test():
-    tb = '''Traceback (most recent call last):
+    tb = """Traceback (most recent call last):
   File "/x/site-packages/torch/nn/modules/module.py", line 1789, in _call_impl
     return forward_call(*args, **kwargs)
   File "/x/site-packages/transformers/models/doge/modeling_doge.py", line 181, in eager_attention_forward
     attn_weights = attn_weights + attention_mask
   File "/x/site-packages/torch/_ops.py", line 875, in __call__
     return self._op(*args, **kwargs)
-RuntimeError: boom'''
-    assert raised_in(tb) == ("transformers/models/doge/modeling_doge.py:181 in eager_attention_forward: "
-                             "attn_weights = attn_weights + attention_mask")
-    assert raised_in('  File "/x/site-packages/torch/a.py", line 1, in f\n    g()\nValueError') is None
+RuntimeError: boom"""  # noqa: E501 - a real traceback's lines
+    assert raised_in(tb) == (
+        "transformers/models/doge/modeling_doge.py:181 in eager_attention_forward: "
+        "attn_weights = attn_weights + attention_mask"
+    )
+    assert (
+        raised_in('  File "/x/site-packages/torch/a.py", line 1, in f\n    g()\nValueError') is None
+    )
 
 
 def test_case_is_a_dataclass_with_the_new_fields():

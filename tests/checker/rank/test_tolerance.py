@@ -1,6 +1,8 @@
-"""`tpcheck.checker.rank.tolerance` on synthetic tensors, without processes: the calibrated bound equals the
-formula of docs/tolerances.md (computed here independently), does not depend on the world size, keeps
-an ulp floor, and on a matmul split in two it accepts the reordered sum while rejecting a 1% fault."""
+"""`tpcheck.checker.rank.tolerance` on synthetic tensors, without processes: the calibrated bound
+equals the formula of docs/tolerances.md (computed here independently), does not depend on the world
+size, keeps an ulp floor, and on a matmul split in two it accepts the reordered sum while
+rejecting a 1% fault."""
+
 import math
 
 import numpy as np
@@ -10,13 +12,14 @@ import torch
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.tolerance import EXACT, REPLICA, calibrated
 
-# Machine epsilons written out, not taken from the module, so that the formula is checked independently.
+# Machine epsilons written out, not taken from the
+# module, so that the formula is checked independently.
 EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float64: 2.0**-52}
 
 
 def expected_bound(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> float:
-    """F * err_dense + k * eps(dtype) * scale: F = 8 and k = 1 ulp for 64 elements or more, F = 16 and
-    k = 8 ulps below (docs/tolerances.md), written out here, not taken from the module."""
+    """F * err_dense + k * eps(dtype) * scale: F = 8 and k = 1 ulp for 64 elements or more, F = 16
+    and k = 8 ulps below (docs/tolerances.md), written out here, not taken from the module."""
     d, t = dense.double().numpy(), truth.numpy()
     err_dense = float(np.abs(d - t).max())
     scale = float(np.abs(t).max())
@@ -25,7 +28,8 @@ def expected_bound(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype)
 
 
 def _pair(dtype: torch.dtype, seed: int, shape=(16, 24)) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float64 truth and the same values rounded to `dtype` (the dense model's error is the rounding)."""
+    """A float64 truth and the same values rounded to
+    `dtype` (the dense model's error is the rounding)."""
     g = torch.Generator().manual_seed(seed)
     truth = torch.randn(shape, generator=g, dtype=torch.float64) * 3.0
     return truth.to(dtype), truth
@@ -39,7 +43,9 @@ def test_calibrated_value_is_the_documented_formula(dtype, shape, seed):
     b = calibrated(dense, truth, dtype, 2)
     assert b.kind == "calibrated"
     assert b.value == pytest.approx(expected_bound(dense, truth, dtype), rel=1e-12)
-    assert b.value == pytest.approx(b.ref_error * (8 if truth.numel() >= 64 else 16) + b.floor, rel=1e-12)
+    assert b.value == pytest.approx(
+        b.ref_error * (8 if truth.numel() >= 64 else 16) + b.floor, rel=1e-12
+    )
     # Sanity of the synthetic data: the rounding error is really there and of the dtype's order.
     err = float((dense.double() - truth).abs().max())
     assert 0 < err <= EPS[dtype] * float(truth.abs().max())
@@ -47,7 +53,8 @@ def test_calibrated_value_is_the_documented_formula(dtype, shape, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bound_does_not_depend_on_the_world_size(dtype):
-    """Measured: the factor a correct case needs shows no trend with the world size (docs/tolerances.md)."""
+    """Measured: the factor a correct case needs shows no
+    trend with the world size (docs/tolerances.md)."""
     dense, truth = _pair(dtype, 3)
     values = {calibrated(dense, truth, dtype, w).value for w in (1, 2, 4, 8)}
     assert len(values) == 1
@@ -55,11 +62,13 @@ def test_bound_does_not_depend_on_the_world_size(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_equal_to_truth_keeps_the_ulp_floor(dtype):
-    # Values exactly representable in bf16 (and so in fp32): the dense error is 0, only the floor remains.
+    # Values exactly representable in bf16 (and so in
+    # fp32): the dense error is 0, only the floor remains.
     truth = torch.tensor([[0.5, -4.0], [1.25, 3.0]], dtype=torch.float64)
     dense = truth.to(dtype)
     b = calibrated(dense, truth, dtype, 2)
-    assert b.value == pytest.approx(8 * EPS[dtype] * 4.0, rel=1e-12)  # 4 elements: 8 ulps of the scale
+    # 4 elements: 8 ulps of the scale
+    assert b.value == pytest.approx(8 * EPS[dtype] * 4.0, rel=1e-12)
     assert b.value > 0 and b.ref_error == 0
 
 
@@ -82,7 +91,8 @@ def test_float64_uses_the_fp64_floor():
     assert b.kind == "fp64"
     assert b.value == pytest.approx(tolerance.FP64_FLOOR_ULPS * EPS[torch.float64] * 7.5, rel=1e-12)
     assert "float64" in b.reason and "7.5" in b.reason
-    # About 1e-10 relative, as the docstring says: far above fp64 reordering noise, far below a fault.
+    # About 1e-10 relative, as the docstring says: far
+    # above fp64 reordering noise, far below a fault.
     assert 1e-11 < b.value / 7.5 < 1e-9
 
 
@@ -103,7 +113,7 @@ def _chunked(a: torch.Tensor, b: torch.Tensor, chunk: int = 32) -> torch.Tensor:
     """a @ b accumulated chunk by chunk in float32: another kernel's summation order."""
     acc = torch.zeros(a.shape[0], b.shape[1])
     for s in range(0, a.shape[1], chunk):
-        acc = acc + a[:, s:s + chunk] @ b[s:s + chunk]
+        acc = acc + a[:, s : s + chunk] @ b[s : s + chunk]
     return acc
 
 
@@ -112,10 +122,10 @@ def test_matmul_split_in_two_is_accepted_and_a_one_percent_fault_is_not(seed):
     """A row-parallel matmul at tp 2, simulated: the inner dimension is split in two, each half is a
     float32 matmul (one rank's partial), and the partials are summed in float32 (the all-reduce).
 
-    Why the correct result passes: it only reorders the float32 sum. Its distance from the float64 truth
-    is of the order of the dense float32 model's own (err_dense, a few ulps of the outputs), so
-    |TP - dense| <= |TP - truth| + |dense - truth| ~ 2 err_dense, well inside 8 x err_dense plus the
-    1-ulp floor. (Some BLAS block the inner dim so that the plain split is bitwise equal to the
+    Why the correct result passes: it only reorders the float32 sum. Its distance from the float64
+    truth is of the order of the dense float32 model's own (err_dense, a few ulps of the outputs),
+    so |TP - dense| <= |TP - truth| + |dense - truth| ~ 2 err_dense, well inside 8 x err_dense plus
+    the 1-ulp floor. (Some BLAS block the inner dim so that the plain split is bitwise equal to the
     dense matmul; the chunk-accumulated variant always reorders, so the check is never vacuous.)
 
     Why the fault fails: scaling one partial by 1.01 moves each output by 1% of that partial, i.e.
@@ -136,9 +146,11 @@ def test_matmul_split_in_two_is_accepted_and_a_one_percent_fault_is_not(seed):
 
     assert float((tp_ok - dense).abs().max()) <= bound
     reordered = float((tp_reordered - dense).abs().max())
-    assert 0 < reordered <= 0.5 * bound  # really different from dense, yet well inside (docstring: < 0.5)
+    # really different from dense, yet well inside (docstring: < 0.5)
+    assert 0 < reordered <= 0.5 * bound
     assert float((tp_bad - dense).abs().max()) > 100 * bound  # not a near miss: far outside
-    # The bound is tight in relative terms (fp32: ~1e-6 of the output scale), so a 1% fault is visible.
+    # The bound is tight in relative terms (fp32: ~1e-6
+    # of the output scale), so a 1% fault is visible.
     assert bound / float(truth.abs().max()) < 1e-5
     # And a missing reduction (a rank keeps its own partial) is an O(1) error, a fortiori outside.
     assert float((p0 - dense).abs().max()) > 1e4 * bound

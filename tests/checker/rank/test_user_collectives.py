@@ -1,5 +1,6 @@
-"""The code under test's own torch.distributed collectives are counted in the ledger (phase, op, bytes),
-never twice for tpcheck's own, and only while the TP side runs a phase."""
+"""The code under test's own torch.distributed collectives are counted in the ledger (phase, op,
+bytes), never twice for tpcheck's own, and only while the TP side runs a phase."""
+
 import torch
 import torch.distributed as dist
 
@@ -15,7 +16,8 @@ def _on_rank(group):
     with tap.tp_phase("forward"):
         dist.all_reduce(t)
         torch.distributed.distributed_c10d.broadcast(t, src=0)
-        tap.performing(("all_reduce", "mine", "forward"), dist.all_reduce, t)  # tpcheck's own: inside the tap
+        # tpcheck's own: inside the tap
+        tap.performing(("all_reduce", "mine", "forward"), dist.all_reduce, t)
     with tap.tp_phase("backward"):
         if group.rank == 0:
             dist.barrier()
@@ -27,6 +29,9 @@ def _on_rank(group):
 def test_user_collectives_are_counted_once_in_their_phase():
     results = run_on_ranks(_on_rank, 2)
     for ledger, value in results:
-        assert ledger == [("forward", "all_reduce", USER_SITE, 16), ("forward", "broadcast", USER_SITE, 16),
-                          ("backward", "barrier", USER_SITE, 0)]
+        assert ledger == [
+            ("forward", "all_reduce", USER_SITE, 16),
+            ("forward", "broadcast", USER_SITE, 16),
+            ("backward", "barrier", USER_SITE, 0),
+        ]
         assert value == 8.0  # the collectives still ran: 1 -> 2 -> 4 (broadcast keeps 4) -> 8

@@ -1,6 +1,7 @@
-"""`tpcheck.checker.rank.ledger` on synthetic ledgers, without processes: `check_ledger` against the expected
-collectives (missing, extra, rank-asymmetric; micro-batches scale forward/backward only), `summarize`
-totals, and `ledger_diff`'s account of where two ranks' lists first part."""
+"""`tpcheck.checker.rank.ledger` on synthetic ledgers, without processes: `check_ledger` against the
+expected collectives (missing, extra, rank-asymmetric; micro-batches scale forward/backward only),
+`summarize` totals, and `ledger_diff`'s account of where two ranks' lists first part."""
+
 import pytest
 
 from tpcheck.checker.payload import ledger_diff
@@ -12,9 +13,11 @@ OPT = ("optimizer", "all_reduce", "grad_norm")
 EXPECTED = (FWD, BWD, OPT)
 
 
-def ledger(world: int, steps: int, micro: int, per_micro=(FWD, BWD), per_step=(OPT,), nbytes=256) -> list[dict]:
-    """What a correct run issues: every collective of `per_micro` once per micro-batch, `per_step` once
-    per step, on every rank."""
+def ledger(
+    world: int, steps: int, micro: int, per_micro=(FWD, BWD), per_step=(OPT,), nbytes=256
+) -> list[dict]:
+    """What a correct run issues: every collective of `per_micro` once per micro-batch, `per_step`
+    once per step, on every rank."""
     out = []
     for rank in range(world):
         for _ in range(steps):
@@ -32,7 +35,7 @@ def kinds(result) -> list[str]:
     return [p["kind"] for p in result["problems"]]
 
 
-# --- check_ledger --------------------------------------------------------------------------------------
+# --- check_ledger ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -54,12 +57,14 @@ def test_micro_batches_multiply_forward_and_backward_not_optimizer():
     # A ledger with the optimizer collective once per micro-batch is then an extra, not a match.
     wrong = ledger(2, steps=3, micro=4, per_micro=(FWD, BWD, OPT), per_step=())
     r = check_ledger(wrong, EXPECTED, 2, steps=3, micro=4)
-    assert [(p["kind"], p["site"], p["expected"], p["observed"]) for p in r["problems"]] == \
-        [("extra", "grad_norm", 3, 12)]
+    assert [(p["kind"], p["site"], p["expected"], p["observed"]) for p in r["problems"]] == [
+        ("extra", "grad_norm", 3, 12)
+    ]
 
 
 def test_missing_collective_on_every_rank():
-    # The forward all-reduce was dropped in the second step on both ranks: symmetric, so only "missing".
+    # The forward all-reduce was dropped in the second
+    # step on both ranks: symmetric, so only "missing".
     entries = ledger(2, steps=2, micro=1)
     for rank in range(2):
         entries.remove(entry(rank, *FWD))
@@ -75,8 +80,9 @@ def test_missing_collective_on_every_rank():
 def test_collective_never_issued_is_missing_with_zero_observed():
     entries = ledger(2, steps=2, micro=1, per_micro=(FWD,))
     r = check_ledger(entries, EXPECTED, 2, steps=2, micro=1)
-    assert [(p["kind"], p["site"], p["expected"], p["observed"]) for p in r["problems"]] == \
-        [("missing", "attn.qkv", 2, 0)]
+    assert [(p["kind"], p["site"], p["expected"], p["observed"]) for p in r["problems"]] == [
+        ("missing", "attn.qkv", 2, 0)
+    ]
 
 
 def test_extra_collective():
@@ -94,8 +100,9 @@ def test_extra_collective():
 def test_repeated_expected_collective_is_extra():
     entries = ledger(2, steps=1, micro=1) + [entry(r, *BWD) for r in range(2)]
     r = check_ledger(entries, EXPECTED, 2, steps=1, micro=1)
-    assert [(p["kind"], p["site"], p["expected"], p["observed"]) for p in r["problems"]] == \
-        [("extra", "attn.qkv", 1, 2)]
+    assert [(p["kind"], p["site"], p["expected"], p["observed"]) for p in r["problems"]] == [
+        ("extra", "attn.qkv", 1, 2)
+    ]
 
 
 def test_asymmetric_collective():
@@ -146,7 +153,7 @@ def test_no_expectation_no_count_problems():
     assert r["problems"] == [] and r["expected"] == []
 
 
-# --- summarize -------------------------------------------------------------------------------------------
+# --- summarize ------------------------------------------------------------------------------------
 
 
 def test_summarize_totals_count_and_bytes():
@@ -159,8 +166,13 @@ def test_summarize_totals_count_and_bytes():
     ]
     s = summarize(entries, 3)
     assert s == {
-        "0": {"forward": {"all_reduce": {"count": 2, "bytes": 150}, "all_gather": {"count": 1, "bytes": 7}},
-              "optimizer": {"all_reduce": {"count": 1, "bytes": 8}}},
+        "0": {
+            "forward": {
+                "all_reduce": {"count": 2, "bytes": 150},
+                "all_gather": {"count": 1, "bytes": 7},
+            },
+            "optimizer": {"all_reduce": {"count": 1, "bytes": 8}},
+        },
         "1": {"backward": {"reduce_scatter": {"count": 1, "bytes": 30}}},
         "2": {},  # a rank that issued nothing is still listed
     }
@@ -174,7 +186,7 @@ def test_check_ledger_per_rank_is_the_summary():
     assert r["per_rank"]["1"]["optimizer"]["all_reduce"] == {"count": 2, "bytes": 2 * 8}
 
 
-# --- ledger_diff ------------------------------------------------------------------------------------------
+# --- ledger_diff ----------------------------------------------------------------------------------
 
 A = "forward all_reduce at 'attn.o_proj'"
 B = "backward all_reduce at 'attn.qkv'"

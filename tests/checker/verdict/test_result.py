@@ -1,5 +1,6 @@
 """Typed results: `CaseResult` keeps `Check` records to the edge, `to_json` is the report's case and
 `from_json` reads it back; the checker's vocabulary (`Verdict`, `Stage`) is the report schema's."""
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,26 @@ from tpcheck.report.schema import load_schema
 def test_the_schema_spells_the_verdicts_of_the_vocabulary():
     schema = load_schema()
     assert tuple(schema["$defs"]["verdict"]["enum"]) == VERDICTS
-    assert set(VERDICTS_EXPECTED) <= set(VERDICTS) and EXPECTS == VERDICTS_EXPECTED  # the plugin spells them
+    # the plugin spells them
+    assert set(VERDICTS_EXPECTED) <= set(VERDICTS) and EXPECTS == VERDICTS_EXPECTED
     assert typing.get_args(typing.get_type_hints(Check)["stage"]) == STAGES
 
 
 @pytest.fixture(scope="module")
 def reports():
-    """A passing case, a caught fault (a diagnosis, a first divergence) and an invalid one, as reported."""
-    specs = [CaseSpec(block="mlp", preset="tiny", world_size=2, run=RunSettings(steps=1)),
-             CaseSpec(block="mlp", preset="tiny", world_size=2, run=RunSettings(steps=1), fault="missing_backward_reduce"),
-             CaseSpec(block="mlp", preset="tiny", world_size=3)]  # the tiny MLP's sizes do not divide by 3
+    """A passing case, a caught fault (a diagnosis, a
+    first divergence) and an invalid one, as reported."""
+    specs = [
+        CaseSpec(block="mlp", preset="tiny", world_size=2, run=RunSettings(steps=1)),
+        CaseSpec(
+            block="mlp",
+            preset="tiny",
+            world_size=2,
+            run=RunSettings(steps=1),
+            fault="missing_backward_reduce",
+        ),
+        CaseSpec(block="mlp", preset="tiny", world_size=3),
+    ]  # the tiny MLP's sizes do not divide by 3
     return json.loads(json.dumps(check(specs)))  # as a report file holds them
 
 

@@ -1,7 +1,9 @@
-"""The self-test can fail where it matters: on every rank, at every stage and step, a control (a copy of
-the reference with one element moved by a known amount) goes through the same compare -> bound ->
-merge -> verdict path as the real tensors. Broken checkers (mutants of that path) turn a buggy case's
-run into verdict "error" (exit 3) saying the checker failed its control; the real checker does not."""
+"""The self-test can fail where it matters: on every rank, at every stage and step, a control (a
+copy of the reference with one element moved by a known amount) goes through the same compare ->
+bound -> merge -> verdict path as the real tensors. Broken checkers (mutants of that path) turn a
+buggy case's run into verdict "error" (exit 3) saying the checker failed its control; the real
+checker does not."""
+
 import dataclasses
 
 import pytest
@@ -52,7 +54,13 @@ def _evidence_dropped(monkeypatch):
     monkeypatch.setattr(Comparator, "_keep_evidence", lambda self, *args, **kwargs: None)
 
 
-MUTANTS = [_records_zero, _tolerance_times_1000, _factor_times_1000, _ranks_above_0_pass, _evidence_dropped]
+MUTANTS = [
+    _records_zero,
+    _tolerance_times_1000,
+    _factor_times_1000,
+    _ranks_above_0_pass,
+    _evidence_dropped,
+]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.__name__.strip("_"))
@@ -73,20 +81,23 @@ def test_the_real_checker_passes_its_controls_on_every_rank_stage_and_step():
     for r in (buggy, correct):
         st = r["self_test"]
         assert st["failures"] == [] and st["skipped"] == [] and st["controls"] == st["flagged"] > 0
-        # every (rank, stage, step) with checks has its own control (self_test would list it otherwise),
-        # and every stage is represented
+        # every (rank, stage, step) with checks has its own control (self_test would list it
+        # otherwise), and every stage is represented
         assert {c["stage"] for c in r["checks"]} == STAGES
-        assert not any(c["name"].startswith("control:") for c in r["checks"])  # controls are not checks
+        # controls are not checks
+        assert not any(c["name"].startswith("control:") for c in r["checks"])
 
 
 def test_a_control_that_is_not_flagged_names_where(monkeypatch):
-    """Only float64 bounds are loosened (x 1e6, far above the float64 control's 1e-8 relative shift): a
-    float64 run ends in "error" and the message names the control that was not flagged."""
+    """Only float64 bounds are loosened (x 1e6, far above the float64 control's 1e-8 relative
+    shift): a float64 run ends in "error" and the message names the control that was not flagged."""
     calibrated = tolerance.calibrated
 
     def loose_in_float64(dense, truth, dtype, world):
         bound = calibrated(dense, truth, dtype, world)
-        return dataclasses.replace(bound, value=bound.value * 1e6) if dtype == torch.float64 else bound
+        return (
+            dataclasses.replace(bound, value=bound.value * 1e6) if dtype == torch.float64 else bound
+        )
 
     monkeypatch.setattr(tolerance, "calibrated", loose_in_float64)
     (r,) = check([CORRECT.with_run(dtype="float64")])

@@ -1,6 +1,7 @@
 """Case files that misbehave at run time, on some ranks: they spin, stop, sleep, issue a collective
 alone, interrupt themselves, or spawn processes. The module is a replicated linear layer, so the
 correct case (`ok`) is equivalent and every other outcome comes from the misbehaviour."""
+
 import os
 import signal
 import subprocess
@@ -64,8 +65,14 @@ PLAN = Plan(params={"fc.weight": Replicate(), "fc.bias": Replicate()})
 
 
 def _case(how, build_tp=None):
-    return Case(name=how, build_dense=Dense, build_tp=build_tp or (lambda group, dtype: TP(group, how, dtype)),
-                plan=PLAN, make_batch=make_batch, init=init)
+    return Case(
+        name=how,
+        build_dense=Dense,
+        build_tp=build_tp or (lambda group, dtype: TP(group, how, dtype)),
+        plan=PLAN,
+        make_batch=make_batch,
+        init=init,
+    )
 
 
 ok = _case("ok")

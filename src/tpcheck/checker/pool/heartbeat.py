@@ -2,17 +2,18 @@
 
 Every rank's heartbeat thread samples its main thread's Python stack a few times a second and sends
 the parent a `Beat`: what the rank is doing ("collective" -- inside a torch.distributed call, tapped
-by tpcheck or the user's own; "checkpoint" -- waiting at the checker's store rendezvous; "compute" --
-anything else), where (the innermost frame that is not torch's or Python's own: the user's file:line,
-or tpcheck's), for how long it has been in that spot, and the collectives it issued since the last
-beat. A stopped process (SIGSTOP, a debugger) sends nothing, which is evidence too.
+by tpcheck or the user's own; "checkpoint" -- waiting at the checker's store rendezvous; "compute"
+-- anything else), where (the innermost frame that is not torch's or Python's own: the user's
+file:line, or tpcheck's), for how long it has been in that spot, and the collectives it issued since
+the last beat. A stopped process (SIGSTOP, a debugger) sends nothing, which is evidence too.
 
 When a rank's collective or checkpoint times out, the parent (`Watch`) does not wait for the others'
-own timeouts: it reads their latest beats and names the culprit at once -- a rank computing, or silent,
-while the others wait in a collective; or the ranks that wait somewhere else than the rest. A case in
-which no rank waits and no rank's stack moves for `timeout + STALL_EXTRA_S` is a hang as well (every
-rank spinning); world 1, which has no collective, gets `WORLD1_FACTOR` times that.
+own timeouts: it reads their latest beats and names the culprit at once -- a rank computing, or
+silent, while the others wait in a collective; or the ranks that wait somewhere else than the rest.
+A case in which no rank waits and no rank's stack moves for `timeout + STALL_EXTRA_S` is a hang as
+well (every rank spinning); world 1, which has no collective, gets `WORLD1_FACTOR` times that.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,19 +23,28 @@ from dataclasses import dataclass, field
 
 from tpcheck.checker.usercode import frame_kind, short_path
 
-BEAT_S = 0.25            # a rank's heartbeat period
-STALE_S = 2.0            # no beat for this long: the rank is not responding
-STALL_EXTRA_S = 4.0      # no rank waits and no stack moves for timeout + this: a hang
-WORLD1_FACTOR = 10       # world 1 (no collective to time out) waits this many times longer
-STACK_FRAMES = 8         # frames of a stuck rank's stack kept in the report
+BEAT_S = 0.25  # a rank's heartbeat period
+STALE_S = 2.0  # no beat for this long: the rank is not responding
+STALL_EXTRA_S = 4.0  # no rank waits and no stack moves for timeout + this: a hang
+WORLD1_FACTOR = 10  # world 1 (no collective to time out) waits this many times longer
+STACK_FRAMES = 8  # frames of a stuck rank's stack kept in the report
 
-_COLLECTIVE_FILES = (os.path.join("torch", "distributed", "distributed_c10d.py"),
-                     os.path.join("torch", "distributed", "_functional_collectives.py"),
-                     os.path.join("torch", "distributed", "c10d_logger.py"))
+_COLLECTIVE_FILES = (
+    os.path.join("torch", "distributed", "distributed_c10d.py"),
+    os.path.join("torch", "distributed", "_functional_collectives.py"),
+    os.path.join("torch", "distributed", "c10d_logger.py"),
+)
 _SYNC_FILE = os.path.join("tpcheck", "checker", "sync.py")
 # tpcheck's collective plumbing: a collective issued through a TPGroup is placed at its caller
-_PLUMBING = tuple(os.path.join("tpcheck", *p) for p in (("parallel", "group.py"), ("parallel", "collectives.py"),
-                                                         ("checker", "rank", "ledger.py"), ("faults", "injectors.py")))
+_PLUMBING = tuple(
+    os.path.join("tpcheck", *p)
+    for p in (
+        ("parallel", "group.py"),
+        ("parallel", "collectives.py"),
+        ("checker", "rank", "ledger.py"),
+        ("faults", "injectors.py"),
+    )
+)
 
 
 @dataclass
@@ -50,9 +60,9 @@ class Spot:
 
 @dataclass
 class Beat:
-    """One heartbeat of one rank, for case number `case`. `label` names a tapped collective (op, site,
-    phase) or the checkpoint waited at; `since_s` is how long the rank has been at this spot (its own
-    clock); `ledger` the collectives tapped since the previous beat of this case."""
+    """One heartbeat of one rank, for case number `case`. `label` names a tapped collective (op,
+    site, phase) or the checkpoint waited at; `since_s` is how long the rank has been at this spot
+    (its own clock); `ledger` the collectives tapped since the previous beat of this case."""
 
     rank: int
     case: int
@@ -92,8 +102,12 @@ def spot_of(frame, tapped: tuple | None, checkpoint: str | None) -> Spot:
         first = in_c10d
         while first + 1 < len(frames) and frames[first + 1][0].endswith(_COLLECTIVE_FILES):
             first += 1
-        callers = [f for f in frames[first + 1:] if not _is_library(f[0]) and not f[0].endswith(_PLUMBING)]
-        call = next((f[2] for f in frames[in_c10d:first + 1] if f[2] != "wrapper"), frames[in_c10d][2])
+        callers = [
+            f for f in frames[first + 1 :] if not _is_library(f[0]) and not f[0].endswith(_PLUMBING)
+        ]
+        call = next(
+            (f[2] for f in frames[in_c10d : first + 1] if f[2] != "wrapper"), frames[in_c10d][2]
+        )
         return Spot("collective", _where(callers[0]) if callers else at, call, stack)
     if tapped is not None:
         return Spot("collective", at, tapped[0], stack)
@@ -112,12 +126,16 @@ class BeatMaker:
     def beat(self, case: int, tap, rendezvous, frame) -> Beat:
         if tap is not self._tap:
             self._tap, self._sent = tap, 0
-        new = list(tap.ledger[self._sent:]) if tap is not None else []
+        new = list(tap.ledger[self._sent :]) if tap is not None else []
         self._sent += len(new)
         tapped = getattr(tap, "inside", None)
         checkpoint = getattr(rendezvous, "waiting_at", None)
         spot = spot_of(frame, tapped, checkpoint)
-        label = checkpoint if spot.state == "checkpoint" else (tapped if spot.state == "collective" else None)
+        label = (
+            checkpoint
+            if spot.state == "checkpoint"
+            else (tapped if spot.state == "collective" else None)
+        )
         progress = (len(tap.ledger) if tap is not None else 0, getattr(rendezvous, "rounds", 0))
         key = (case, spot.state, spot.at, spot.call, label, progress)
         now = time.monotonic()
@@ -137,7 +155,8 @@ def main_frame():
 
 
 def process_state(pid: int) -> str | None:
-    """Linux's one-letter state of `pid` (R running, S sleeping, T stopped, t traced, D disk, Z zombie)."""
+    """Linux's one-letter state of `pid` (R running, S
+    sleeping, T stopped, t traced, D disk, Z zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
@@ -145,17 +164,34 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-STATE_WORDS = {"T": "stopped by a signal (SIGSTOP/SIGTSTP)", "t": "stopped by a debugger", "D": "in uninterruptible I/O",
-               "Z": "exited (zombie)", "R": "running, but its heartbeat thread gets no time",
-               "S": "sleeping, but its heartbeat thread is silent"}
+STATE_WORDS = {
+    "T": "stopped by a signal (SIGSTOP/SIGTSTP)",
+    "t": "stopped by a debugger",
+    "D": "in uninterruptible I/O",
+    "Z": "exited (zombie)",
+    "R": "running, but its heartbeat thread gets no time",
+    "S": "sleeping, but its heartbeat thread is silent",
+}
 
 
 class Watch:
     """The parent's view of one case's ranks: their latest beats, and when the case is stuck."""
 
-    def __init__(self, world: int, case: int, timeout_s: float, clock=time.monotonic,
-                 stall_s: float | None = None) -> None:
-        self.world, self.case, self.timeout_s, self.clock, self.stall_s = world, case, timeout_s, clock, stall_s
+    def __init__(
+        self,
+        world: int,
+        case: int,
+        timeout_s: float,
+        clock=time.monotonic,
+        stall_s: float | None = None,
+    ) -> None:
+        self.world, self.case, self.timeout_s, self.clock, self.stall_s = (
+            world,
+            case,
+            timeout_s,
+            clock,
+            stall_s,
+        )
         self.beats: dict[int, Beat] = {}
         self.beat_at: dict[int, float] = {}
         self.ledgers: dict[int, list] = {r: [] for r in range(world)}
@@ -194,12 +230,22 @@ class Watch:
         if beat is None or silent > STALE_S:
             proc = process_state(pid) if pid else None
             how = STATE_WORDS.get(proc or "", "gone") if proc else "gone"
-            out = {"rank": rank, "state": "unresponsive", "seconds": round(silent, 1), "process": how}
+            out = {
+                "rank": rank,
+                "state": "unresponsive",
+                "seconds": round(silent, 1),
+                "process": how,
+            }
             if beat is not None:
                 out.update(at=beat.spot.at, stack=beat.spot.stack)
             return out
-        out = {"rank": rank, "state": beat.spot.state, "at": beat.spot.at, "seconds": round(beat.since_s, 1),
-               "stack": beat.spot.stack}
+        out = {
+            "rank": rank,
+            "state": beat.spot.state,
+            "at": beat.spot.at,
+            "seconds": round(beat.since_s, 1),
+            "stack": beat.spot.stack,
+        }
         if beat.spot.state == "collective":
             out["call"] = beat.spot.call
             if isinstance(beat.label, tuple):
@@ -207,4 +253,3 @@ class Watch:
         elif beat.spot.state == "checkpoint":
             out["checkpoint"] = beat.label
         return out
-

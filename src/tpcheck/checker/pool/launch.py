@@ -1,19 +1,19 @@
 """Launching ranks: a reusable pool of forked ranks, or the ranks torchrun started.
 
-Pool: for each world size and device, `world` processes are forked from this one (after `import torch`,
-so a rank starts in milliseconds) and join one group (gloo; on GPUs NCCL beside it, checker/devices.py)
-through a FileStore in a fresh temp directory (no port to pick, so concurrent checks cannot collide).
-Each rank talks to the parent over its own pipe: cases go down, results and progress notes come up.
-Pipes, not `multiprocessing.Queue`: a Queue's feeder thread may still hold a lock (or unsent data) when
-the parent forks the next pool, or when a rank calls `os._exit`; `Connection.send` is synchronous, so
-neither can happen.
+Pool: for each world size and device, `world` processes are forked from this one (after
+`import torch`, so a rank starts in milliseconds) and join one group (gloo; on GPUs NCCL beside it,
+checker/devices.py) through a FileStore in a fresh temp directory (no port to pick, so concurrent
+checks cannot collide). Each rank talks to the parent over its own pipe: cases go down, results and
+progress notes come up. Pipes, not `multiprocessing.Queue`: a Queue's feeder thread may still hold a
+lock (or unsent data) when the parent forks the next pool, or when a rank calls `os._exit`;
+`Connection.send` is synchronous, so neither can happen.
 
 Never hang: every collective has the process group's timeout, and the checker's checkpoints wait on
 the store with the same timeout, so a rank stuck in a collective reports "hang" by itself. Each rank
 also sends heartbeats (heartbeat.py: where it is, from its Python stack). When a rank's wait times
 out, the parent decides at once from the others' latest beats -- who was computing, silent, or
-waiting elsewhere -- and kills them: a hang is reported within `timeout` + about a second. The parent
-is also the backstop for a case in which no rank waits: no stack moving and no progress for
+waiting elsewhere -- and kills them: a hang is reported within `timeout` + about a second. The
+parent is also the backstop for a case in which no rank waits: no stack moving and no progress for
 `timeout + 4` s is a hang (world 1, which has no collective, gets 10 times that; `stall_s` overrides
 it). After a crash or an error the others get 1 s (they only wait for the dead rank), then are
 stopped. A pool that saw any problem is torn down (its group may be out of step) and a fresh one
@@ -22,6 +22,7 @@ serves the next case.
 Ranks die with the parent (PR_SET_PDEATHSIG, plus a parent-pid check while idle): a killed check
 leaves no process behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,17 +57,24 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
 
 
 def _preload() -> None:
-    """Import, once in the parent, torch's lazily imported optimizer machinery (torch._dynamo, seconds).
-    Forked ranks inherit it, so a respawned pool serves its first case in milliseconds, not seconds."""
+    """Import, once in the parent, torch's lazily imported optimizer machinery (torch._dynamo,
+    seconds). Forked ranks inherit it, so a respawned pool serves its first case in
+    milliseconds, not seconds."""
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 class RankPool:
-    """`world` forked rank processes sharing one group on `device`; `resolve` turns a spec into a Case on
-    a rank."""
+    """`world` forked rank processes sharing one group on `device`; `resolve` turns a spec into a
+    Case on a rank."""
 
-    def __init__(self, world: int, resolve: Build, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 stall_s: float | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        world: int,
+        resolve: Build,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        stall_s: float | None = None,
+        device: str = "cpu",
+    ) -> None:
         _preload()
         self.world, self.timeout_s, self.stall_s = world, timeout_s, stall_s
         self.ranks = Ranks(world, pool_rank, (timeout_s, resolve, device))
@@ -75,7 +83,8 @@ class RankPool:
         self.cases = 0  # cases sent, counted alike by the ranks: their beats carry it
 
     def run(self, spec: CaseSpec) -> list[RankPayload]:
-        """Run one case on every rank; returns one payload per rank (synthesised for dead or killed ranks)."""
+        """Run one case on every rank; returns one payload
+        per rank (synthesised for dead or killed ranks)."""
         self.cases += 1
         watch = Watch(self.world, self.cases, self.timeout_s, stall_s=self.stall_s)
         for conn in self.conns:
@@ -91,10 +100,12 @@ class RankPool:
         return payloads
 
     def _collect(self, watch: Watch) -> dict[int, RankPayload]:
-        """Wait for every rank's result, a death, a hang, or the stall deadline; returns the results.
-        A rank whose wait timed out ends the wait at once: the others' beats say where they are."""
+        """Wait for every rank's result, a death, a hang, or the stall deadline; returns the
+        results. A rank whose wait timed out ends the wait at once: the others' beats
+        say where they are."""
         got: dict[int, RankPayload] = {}
-        failed_by = None  # after a crash or an error: the others get a short grace, then are stopped
+        # after a crash or an error: the others get a short grace, then are stopped
+        failed_by = None
         while len(got) < self.world:
             deadline = watch.deadline() if failed_by is None else failed_by
             left = deadline - time.monotonic()
@@ -137,25 +148,39 @@ class RankPool:
         return None
 
     def _synthesise(self, got: dict[int, RankPayload], watch: Watch) -> None:
-        """Payloads for ranks that gave none (stopped after another rank's failure, or stuck), and the
-        parent's evidence of where each rank was (heartbeat.py) on every payload of a hang."""
+        """Payloads for ranks that gave none (stopped after another rank's failure, or stuck), and
+        the parent's evidence of where each rank was (heartbeat.py) on every payload of a hang."""
         failed = sorted(r for r, p in got.items() if p.status not in ("ok", "hang"))
         for r in range(self.world):
             e = watch.evidence(r, self.procs[r].pid)
-            e["own_report"] = r in got  # False: the launcher's evidence alone (the rank was stopped)
+            # False: the launcher's evidence alone (the rank was stopped)
+            e["own_report"] = r in got
             if r in got:
                 if got[r].status == "hang":
                     got[r].where = e
                 continue
             if failed:
-                got[r] = RankPayload(status="aborted", rank=r, has_ledger=False, where=e,
-                                     message=f"rank {r} was stopped: still running after rank(s) {failed} failed; "
-                                             f"{describe(e)}")
+                got[r] = RankPayload(
+                    status="aborted",
+                    rank=r,
+                    has_ledger=False,
+                    where=e,
+                    message=f"rank {r} was stopped: still running after rank(s) {failed} failed; "
+                    f"{describe(e)}",
+                )
                 continue
             label = e.get("op") and (e["op"], e["site"], e["phase"])
-            got[r] = RankPayload(status="hang", rank=r, message=describe(e), where=e, waiting_in=e["state"],
-                                 checkpoint=e.get("checkpoint"), last_collective=label or None,
-                                 ledger=list(watch.ledgers[r]), has_ledger=r in watch.beats)
+            got[r] = RankPayload(
+                status="hang",
+                rank=r,
+                message=describe(e),
+                where=e,
+                waiting_in=e["state"],
+                checkpoint=e.get("checkpoint"),
+                last_collective=label or None,
+                ledger=list(watch.ledgers[r]),
+                has_ledger=r in watch.beats,
+            )
 
     def close(self) -> None:
         if self.healthy:
@@ -176,20 +201,28 @@ def _death(rank: int, exitcode: int | None) -> RankPayload:
         how = f"killed by signal {signal.Signals(-exitcode).name}"
     else:
         how = f"exited with code {exitcode}"
-    return RankPayload(status="crash", rank=rank, message=f"rank {rank} died ({how}) before reporting", has_ledger=False)
+    return RankPayload(
+        status="crash",
+        rank=rank,
+        message=f"rank {rank} died ({how}) before reporting",
+        has_ledger=False,
+    )
 
 
 class Launcher:
-    """Runs specs on pools, one pool per world size and device, respawning a pool after any failure. The resolver
-    checks each spec in the parent first and turns it into a Case on each rank (`tpcheck.resolve`: the
-    checker itself knows no block and no fault)."""
+    """Runs specs on pools, one pool per world size and device, respawning a pool after any failure.
+    The resolver checks each spec in the parent first and turns it into a Case on each rank
+    (`tpcheck.resolve`: the checker itself knows no block and no fault)."""
 
-    def __init__(self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 stall_s: float | None = None) -> None:
+    def __init__(
+        self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S, stall_s: float | None = None
+    ) -> None:
         number = isinstance(timeout_s, (int, float))
         if not (number and MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S):
-            raise UsageError(f"timeout {timeout_s!r} must be between {MIN_TIMEOUT_S:g} and "
-                             f"{MAX_TIMEOUT_S:g} seconds: it is how long any collective may wait")
+            raise UsageError(
+                f"timeout {timeout_s!r} must be between {MIN_TIMEOUT_S:g} and "
+                f"{MAX_TIMEOUT_S:g} seconds: it is how long any collective may wait"
+            )
         self.resolver = resolver
         self.timeout_s, self.stall_s = float(timeout_s), stall_s
         self.pools: dict[tuple[int, str], RankPool] = {}
@@ -198,13 +231,15 @@ class Launcher:
     def run(self, spec: CaseSpec) -> list[RankPayload]:
         try:
             self.resolver.validate(spec)
-        except UsageError as e:  # one bad case of a matrix is an "invalid" result; the rest still run
+        # one bad case of a matrix is an "invalid" result; the rest still run
+        except UsageError as e:
             return [RankPayload(status="usage", rank=0, message=str(e))]
         key = (spec.world_size, spec.device)
         pool = self.pools.get(key)
         if pool is None:
-            pool = self.pools[key] = RankPool(spec.world_size, self.resolver.build, self.timeout_s, self.stall_s,
-                                              spec.device)
+            pool = self.pools[key] = RankPool(
+                spec.world_size, self.resolver.build, self.timeout_s, self.stall_s, spec.device
+            )
         payloads = pool.run(spec)
         if not pool.healthy:
             pool.close()
@@ -228,7 +263,8 @@ class Launcher:
         return self
 
     def __exit__(self, exc_type, *rest) -> None:
-        if exc_type is not None and not issubclass(exc_type, Exception):  # KeyboardInterrupt, a signal
+        # KeyboardInterrupt, a signal
+        if exc_type is not None and not issubclass(exc_type, Exception):
             self.abort()
         else:
             self.close()
@@ -236,7 +272,8 @@ class Launcher:
 
 class CompileCache:
     """Torch's compile cache (TORCHINDUCTOR_CACHE_DIR) in a private temp dir, removed with the
-    launcher, unless the user chose one: otherwise every run leaves torchinductor_<user> in $TMPDIR."""
+    launcher, unless the user chose one: otherwise every run leaves
+    torchinductor_<user> in $TMPDIR."""
 
     VAR = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -265,12 +302,14 @@ def under_torchrun() -> bool:
 
 class TorchrunLauncher:
     """The ranks were started by torchrun: this process is one of them. Every rank runs every case;
-    rank 0 gathers the payloads (other ranks get None back). On a machine with GPUs the group has NCCL
-    beside gloo, and a rank's GPU is its LOCAL_RANK, so cases may run on either device."""
+    rank 0 gathers the payloads (other ranks get None back). On a machine with GPUs the group has
+    NCCL beside gloo, and a rank's GPU is its LOCAL_RANK, so cases may run on either device."""
 
     def __init__(self, resolver: Resolver, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        self.local_world = int(
+            os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+        )
         if not dist.is_initialized():
             gpus = dist.is_nccl_available() and torch.cuda.device_count() >= self.local_world
             device = "cuda" if gpus else "cpu"
@@ -287,17 +326,26 @@ class TorchrunLauncher:
     def run(self, spec: CaseSpec) -> list[RankPayload] | None:
         rank, world = self.group_args
         if spec.world_size != world:
-            raise UsageError(f"torchrun started {world} ranks but the case asks for world size {spec.world_size}; "
-                             f"pass --world-size {world} or change --nproc_per_node")
+            raise UsageError(
+                f"torchrun started {world} ranks but the case asks for world size "
+                f"{spec.world_size}; pass --world-size {world} or change --nproc_per_node"
+            )
         if spec.device == "cuda":
             check_device("cuda", world, local_world=self.local_world, forking=False)
             if "nccl" not in self.backends:
-                raise UsageError(f"--device cuda: the process group has no NCCL backend ({self.backends}); start "
-                                 "torchrun on a machine with one GPU per local rank")
+                raise UsageError(
+                    f"--device cuda: the process group has no NCCL backend ({self.backends}); "
+                    "start torchrun on a machine with one GPU per local rank"
+                )
         if self.state is None:
             store = dist.distributed_c10d._get_default_store()
-            self.state = RankState(rank, world, dist.group.WORLD, Rendezvous(store, rank, world, self.timeout_s),
-                                   local_rank=self.local_rank)
+            self.state = RankState(
+                rank,
+                world,
+                dist.group.WORLD,
+                Rendezvous(store, rank, world, self.timeout_s),
+                local_rank=self.local_rank,
+            )
         payload = self.state.run(spec, self.resolver.build)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)

@@ -1,9 +1,9 @@
 """Forking ranks: the one helper behind the launcher's pool, the tests and the benchmarks.
 
 `Ranks` forks `world` processes from this one (after `import torch`, so a rank starts in
-milliseconds), each with its own duplex pipe to the parent; `join_group` is how a rank joins the group
-(a FileStore in a fresh temp directory: no port to pick, so concurrent runs cannot collide): gloo, or
-on GPUs gloo and NCCL (checker/devices.py).
+milliseconds), each with its own duplex pipe to the parent; `join_group` is how a rank joins the
+group (a FileStore in a fresh temp directory: no port to pick, so concurrent runs cannot collide):
+gloo, or on GPUs gloo and NCCL (checker/devices.py).
 `run_on_ranks(fn, world, *args)` runs `fn(group, *args)` on every rank and returns their values.
 
 Pipes carry plain payloads: `send_plain` pickles with the standard pickler into bytes. Tensors then
@@ -12,6 +12,7 @@ tensors): a handle whose owner calls `os._exit` right after sending is the race 
 tensors fail with ConnectionResetError on a loaded machine. `Connection.send_bytes` is synchronous,
 so nothing is left in flight when a rank exits.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -51,7 +52,9 @@ class Ranks:
     rank leads its own process group, so what it spawns dies with it (`kill`), and a Ctrl-C at the
     terminal reaches the parent only (which then stops every rank at once)."""
 
-    def __init__(self, world: int, target: Callable, args: tuple = (), name: str = "tpcheck-rank") -> None:
+    def __init__(
+        self, world: int, target: Callable, args: tuple = (), name: str = "tpcheck-rank"
+    ) -> None:
         ctx = mp.get_context("fork")
         self.world = world
         self.tmpdir = tempfile.mkdtemp(prefix="tpcheck-")
@@ -61,8 +64,22 @@ class Ranks:
         self.threads = (rank_threads(world), threads_while_others_wait(world))
         for r in range(world):
             mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_entry, args=(target, r, world, self.store_path, theirs, list(self.conns),
-                                                  os.getpid(), args, self.threads), daemon=True, name=f"{name}{r}")
+            p = ctx.Process(
+                target=_entry,
+                args=(
+                    target,
+                    r,
+                    world,
+                    self.store_path,
+                    theirs,
+                    list(self.conns),
+                    os.getpid(),
+                    args,
+                    self.threads,
+                ),
+                daemon=True,
+                name=f"{name}{r}",
+            )
             p.start()
             theirs.close()
             self.conns.append(mine)
@@ -111,35 +128,39 @@ _PARENT_KEPT_TO_ONE_THREAD = False
 
 
 def keep_parent_to_one_thread() -> None:
-    """Called first thing by the `tpcheck` command (before any torch op): this process then computes on one
-    thread, and the ranks it forks share the CPUs (`rank_threads`). Any other parent (a pytest process, a
-    script calling `tpcheck.check`) may have started the thread team, so its ranks run one thread each."""
+    """Called first thing by the `tpcheck` command (before any torch op): this process then computes
+    on one thread, and the ranks it forks share the CPUs (`rank_threads`). Any other parent (a
+    pytest process, a script calling `tpcheck.check`) may have started the thread team, so its ranks
+    run one thread each."""
     global _PARENT_KEPT_TO_ONE_THREAD
     torch.set_num_threads(1)
     _PARENT_KEPT_TO_ONE_THREAD = True
 
 
 def rank_threads(world: int) -> int:
-    """Intra-op threads for each of `world` ranks forked now: the CPUs this process may run on shared among
-    them (at most OMP_NUM_THREADS when set), if this process kept to one thread; else 1."""
+    """Intra-op threads for each of `world` ranks forked now: the CPUs this process may run on
+    shared among them (at most OMP_NUM_THREADS when set), if this process kept to
+    one thread; else 1."""
     cpus, cap = _cpus()
     return min(max(1, cpus // world), cap)
 
 
 def threads_while_others_wait(world: int) -> int:
-    """Intra-op threads for a rank of `world` forked now while every other rank waits for it (rank 0's
-    float64 truth: the others are blocked at the TP side's first collective): the whole group's CPUs, at
-    most OMP_NUM_THREADS; 1 where `rank_threads` is 1 for fork-safety."""
+    """Intra-op threads for a rank of `world` forked now while every other rank waits for it (rank
+    0's float64 truth: the others are blocked at the TP side's first collective): the whole group's
+    CPUs, at most OMP_NUM_THREADS; 1 where `rank_threads` is 1 for fork-safety."""
     cpus, cap = _cpus()
     return min(cpus, cap, rank_threads(world) * world)
 
 
 def _cpus() -> tuple[int, int]:
-    """(the CPUs ranks forked now may share, the cap on one process's threads); (1, 1) if this process did
-    not keep to one thread (its ranks then compute on one thread: libgomp)."""
+    """(the CPUs ranks forked now may share, the cap on one process's threads); (1, 1) if this
+    process did not keep to one thread (its ranks then compute on one thread: libgomp)."""
     if not _PARENT_KEPT_TO_ONE_THREAD or torch.get_num_threads() != 1:
         return 1, 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     cap = os.environ.get("OMP_NUM_THREADS", "")
     return cpus, int(cap) if cap.isdigit() and int(cap) > 0 else cpus
 
@@ -155,7 +176,8 @@ def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, t
     signal.signal(signal.SIGINT, _sigint)
     die_with_parent(parent_pid)
     global THREADS_WHILE_OTHERS_WAIT
-    torch.set_num_threads(threads[0])  # rank_threads and threads_while_others_wait, decided in the parent
+    # rank_threads and threads_while_others_wait, decided in the parent
+    torch.set_num_threads(threads[0])
     THREADS_WHILE_OTHERS_WAIT = threads[1]
     for c in inherited:  # the parent's ends of earlier ranks' pipes, inherited by the fork
         c.close()
@@ -180,9 +202,9 @@ def _sigint(signum, frame) -> None:
 
 
 def interrupt_is_a_signal() -> bool:
-    """Whether a KeyboardInterrupt caught now may come from a real SIGINT (else user code raised it):
-    in a rank, only if one arrived; in the CLI, never (its SIGINT raises its own Interrupted); under
-    Python's default handler, it may."""
+    """Whether a KeyboardInterrupt caught now may come from a real SIGINT (else user code raised
+    it): in a rank, only if one arrived; in the CLI, never (its SIGINT raises its own Interrupted);
+    under Python's default handler, it may."""
     handler = signal.getsignal(signal.SIGINT)
     if handler is _sigint:
         return _SIGINT_SEEN
@@ -199,42 +221,61 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def join_group(rank: int, world: int, store_path: str, timeout_s: float, device: str = "cpu") -> dist.Store:
-    """Join the group of `world` ranks rendezvousing at `store_path` (gloo; on "cuda", this rank's GPU
-    made current and NCCL for CUDA tensors beside gloo); returns the store."""
+def join_group(
+    rank: int, world: int, store_path: str, timeout_s: float, device: str = "cpu"
+) -> dist.Store:
+    """Join the group of `world` ranks rendezvousing at `store_path` (gloo; on "cuda", this rank's
+    GPU made current and NCCL for CUDA tensors beside gloo); returns the store."""
     rank_device(device, rank)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend(device),
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return store
 
 
-# ---------------------------------------------------------------------------- run a function on ranks
+# -------------------------------------------------------------------------- run a function on ranks
 
 
 def _run_fn(rank, world, store_path, conn, fn, args, timeout_s, device) -> None:
     try:
         join_group(rank, world, store_path, timeout_s, device)
-        out = fn(TPGroup(rank=rank, world_size=world, pg=dist.group.WORLD, device=rank_device(device, rank)), *args)
+        out = fn(
+            TPGroup(
+                rank=rank, world_size=world, pg=dist.group.WORLD, device=rank_device(device, rank)
+            ),
+            *args,
+        )
         send_plain(conn, ("ok", out))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it there
         send_plain(conn, ("error", traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0, device: str = "cpu") -> list:
-    """`fn(group, *args)` on `world` forked ranks (gloo; on "cuda" one GPU each, NCCL beside gloo); the
-    ranks' return values, in rank order. A rank that raises or dies fails the call with its traceback;
-    none waits past `timeout_s`."""
+def run_on_ranks(
+    fn: Callable, world: int, *args, timeout_s: float = 120.0, device: str = "cpu"
+) -> list:
+    """`fn(group, *args)` on `world` forked ranks (gloo; on "cuda" one GPU each, NCCL beside gloo);
+    the ranks' return values, in rank order. A rank that raises or dies fails the call with its
+    traceback; none waits past `timeout_s`."""
     ranks = Ranks(world, _run_fn, (fn, args, timeout_s, device))
     results: dict[int, object] = {}
     try:
         pending = {c: r for r, c in enumerate(ranks.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(ranks.procs)}
         while pending:
-            ready = wait([*pending, *(s for s, r in sentinels.items() if r not in results)], timeout=timeout_s)
+            ready = wait(
+                [*pending, *(s for s, r in sentinels.items() if r not in results)],
+                timeout=timeout_s,
+            )
             if not ready:
-                raise TimeoutError(f"rank(s) {sorted(pending.values())} gave no result within {timeout_s:g} s")
+                raise TimeoutError(
+                    f"rank(s) {sorted(pending.values())} gave no result within {timeout_s:g} s"
+                )
             for obj in ready:
                 if obj in pending:
                     r = pending.pop(obj)
@@ -244,7 +285,9 @@ def run_on_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0, devi
                     results[r] = out
                 elif sentinels[obj] in pending.values() and not ranks.conns[sentinels[obj]].poll():
                     r = sentinels[obj]
-                    raise AssertionError(f"rank {r} died (exit code {ranks.procs[r].exitcode}) before reporting")
+                    raise AssertionError(
+                        f"rank {r} died (exit code {ranks.procs[r].exitcode}) before reporting"
+                    )
     finally:
         ranks.kill()
     return [results[r] for r in range(world)]

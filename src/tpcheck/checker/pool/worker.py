@@ -5,6 +5,7 @@ Talks to the parent over one pipe with plain payloads (see spawn.py). A heartbea
 the rank is a few times a second (heartbeat.py), so the parent can tell a slow rank from a stuck one
 and, when a wait times out, name the rank that holds the others up.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,11 +39,15 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 class RankState:
-    """What this rank is doing now: the tap of the case in progress (the progress thread reads it)."""
+    """What this rank is doing now: the tap of the case
+    in progress (the progress thread reads it)."""
 
-    def __init__(self, rank: int, world: int, pg, rendezvous: Rendezvous, local_rank: int | None = None) -> None:
+    def __init__(
+        self, rank: int, world: int, pg, rendezvous: Rendezvous, local_rank: int | None = None
+    ) -> None:
         self.rank, self.world, self.pg, self.rendezvous = rank, world, pg, rendezvous
-        self.local_rank = rank if local_rank is None else local_rank  # its GPU, on "cuda" (torchrun: LOCAL_RANK)
+        # its GPU, on "cuda" (torchrun: LOCAL_RANK)
+        self.local_rank = rank if local_rank is None else local_rank
         self.tap = CollectiveTap(rank)
         self.case = 0  # cases received, counted alike by the parent: beats carry it
         self.beats = BeatMaker(rank)
@@ -53,8 +58,13 @@ class RankState:
         self.tap = tap = CollectiveTap(self.rank)
         self.case += 1
         try:
-            group = TPGroup(rank=self.rank, world_size=self.world, pg=self.pg, tap=tap,
-                            device=rank_device(spec.device, self.local_rank))
+            group = TPGroup(
+                rank=self.rank,
+                world_size=self.world,
+                pg=self.pg,
+                tap=tap,
+                device=rank_device(spec.device, self.local_rank),
+            )
             case = resolve(spec)
             done = run_case_on_rank(case, group, self.rendezvous, spawn.THREADS_WHILE_OTHERS_WAIT)
             return dataclasses.replace(done, run=case.run)  # what ran, for the report
@@ -63,16 +73,35 @@ class RankState:
         except PeerFailed as e:
             return RankPayload(status="aborted", rank=self.rank, message=str(e))
         except CollectiveMismatch as e:
-            return RankPayload(status="hang", rank=self.rank, message=str(e), waiting_in="checkpoint",
-                               checkpoint=e.checkpoint, last_collective=tap.inside, ledger=tap.ledger)
-        except KeyboardInterrupt:  # SIGINT sent to this rank alone (the parent's own Ctrl-C kills ranks)
-            return RankPayload(status="error", rank=self.rank, traceback=traceback.format_exc(), ledger=tap.ledger,
-                               message=f"rank {self.rank} was interrupted (SIGINT) while running the case")
+            return RankPayload(
+                status="hang",
+                rank=self.rank,
+                message=str(e),
+                waiting_in="checkpoint",
+                checkpoint=e.checkpoint,
+                last_collective=tap.inside,
+                ledger=tap.ledger,
+            )
+        # SIGINT sent to this rank alone (the parent's own Ctrl-C kills ranks)
+        except KeyboardInterrupt:
+            return RankPayload(
+                status="error",
+                rank=self.rank,
+                traceback=traceback.format_exc(),
+                ledger=tap.ledger,
+                message=f"rank {self.rank} was interrupted (SIGINT) while running the case",
+            )
         except Exception as e:  # noqa: BLE001 - a rank's failure is a result, reported with its traceback
             hang = _is_timeout(e)
-            return RankPayload(status="hang" if hang else "error", rank=self.rank, message=f"{type(e).__name__}: {e}",
-                               traceback=traceback.format_exc(), last_collective=tap.inside if hang else tap.last,
-                               ledger=tap.ledger, waiting_in="collective" if hang else None)
+            return RankPayload(
+                status="hang" if hang else "error",
+                rank=self.rank,
+                message=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc(),
+                last_collective=tap.inside if hang else tap.last,
+                ledger=tap.ledger,
+                waiting_in="collective" if hang else None,
+            )
 
     def beat(self):
         return self.beats.beat(self.case, self.tap, self.rendezvous, main_frame())
@@ -108,10 +137,17 @@ def _heartbeat(chan: _Channel, state: RankState) -> None:
             return  # the parent is gone: the main thread notices too
 
 
-def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_s: float, resolve: Build,
-              device: str = "cpu") -> None:
-    """The body of one pool rank (run by spawn.Ranks in the forked process); every case it is sent runs
-    on `device`."""
+def pool_rank(
+    rank: int,
+    world: int,
+    store_path: str,
+    conn: Connection,
+    timeout_s: float,
+    resolve: Build,
+    device: str = "cpu",
+) -> None:
+    """The body of one pool rank (run by spawn.Ranks in the forked process); every case it is sent
+    runs on `device`."""
     chan = _Channel(conn, os.getppid())
     try:
         store = join_group(rank, world, store_path, timeout_s, device)
@@ -123,8 +159,14 @@ def pool_rank(rank: int, world: int, store_path: str, conn: Connection, timeout_
         dist.destroy_process_group()
     except BaseException:
         try:
-            chan.send(RankPayload(status="error", rank=rank, message="rank failed outside a case",
-                                  traceback=traceback.format_exc()))
+            chan.send(
+                RankPayload(
+                    status="error",
+                    rank=rank,
+                    message="rank failed outside a case",
+                    traceback=traceback.format_exc(),
+                )
+            )
         except OSError:
             pass
         raise

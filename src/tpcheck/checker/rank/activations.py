@@ -2,29 +2,33 @@
 `Case.activations`), which module outputs are checked, and how each lives on the ranks.
 
 The first micro-batch captures the output (and its gradient) of every module the dense and the TP
-model both have by name; the TP side's tensors are held, not compared, until the ranks have agreed on
-the placements, then compared in the order they were produced. A placement is inferred only where the
-layout, not the values against the dense side, decides it -- a wrong guess would be a false "not
+model both have by name; the TP side's tensors are held, not compared, until the ranks have agreed
+on the placements, then compared in the order they were produced. A placement is inferred only where
+the layout, not the values against the dense side, decides it -- a wrong guess would be a false "not
 equivalent", and a guess from the values would hide the bug the check is there to find:
 
-- the TP output has the dense shape on every rank and is bitwise the same on every rank: `Replicate()`;
+- the TP output has the dense shape on every rank and is bitwise the same on every
+  rank: `Replicate()`;
 - it has the dense shape but differs across ranks: the ranks' outputs are summed (one checker
-  all-reduce for all of them). If the sum is the dense output (within `PARTIAL_RELATIVE` of its scale:
-  the rounding of a sum, never a bug's O(1) difference), it is a partial sum before its all-reduce (a
-  row-parallel linear whose reduction comes later): not checked. Otherwise it is a tensor every rank
-  should hold whole and does not -- `Replicate()`, so its check fails and names the module (a missing
-  all-reduce is then named one module up, where the partial sum is used as if it were whole);
-- the module's own 2-D `weight` is split along its output rows -- `Shard(0)` (a column-parallel linear,
-  an LM head) or `Fused(0, ...)` (a fused gate/up or QKV linear) -- and its output has the shape that
-  layout gives the last dim: the same layout on the last dim (`[gate_r; up_r]` for a fused one);
-- the TP output has the same shape on every rank, the dense shape with one dim `world` times smaller:
-  `Shard(dim)` -- unless that dim is the last (the features) and the plan holds a fused parameter: a
-  module downstream of a fused linear may carry `[a_r; b_r]` with that very shape (not checked: name it
-  in `Case.activations`).
+  all-reduce for all of them). If the sum is the dense output (within `PARTIAL_RELATIVE` of its
+  scale: the rounding of a sum, never a bug's O(1) difference), it is a partial sum before its
+  all-reduce (a row-parallel linear whose reduction comes later): not checked. Otherwise it is a
+  tensor every rank should hold whole and does not -- `Replicate()`, so its check fails and names
+  the module (a missing all-reduce is then named one module up, where the partial sum is used
+  as if it were whole);
+- the module's own 2-D `weight` is split along its output rows -- `Shard(0)` (a column-parallel
+  linear, an LM head) or `Fused(0, ...)` (a fused gate/up or QKV linear) -- and its output has the
+  shape that layout gives the last dim: the same layout on the last dim
+  (`[gate_r; up_r]` for a fused one);
+- the TP output has the same shape on every rank, the dense shape with one dim `world` times
+  smaller: `Shard(dim)` -- unless that dim is the last (the features) and the plan holds a fused
+  parameter: a module downstream of a fused linear may carry `[a_r; b_r]` with that very shape (not
+  checked: name it in `Case.activations`).
 
 Everything else is not checked, and the inferred plan says why, by name. The gradient of a module
 output is checked with the output's placement, as a written plan's is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,7 +44,8 @@ from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
 
 def candidates(dense: nn.Module, tp: nn.Module) -> set[str]:
-    """The modules both models have by name (the root excluded: its output is checked as `output`)."""
+    """The modules both models have by name (the root
+    excluded: its output is checked as `output`)."""
     ours = {name for name, _ in capture.named_modules(tp)}
     return {name for name, _ in capture.named_modules(dense) if name and name in ours}
 
@@ -56,20 +61,22 @@ def seen(tensors: list[tuple[str, str, torch.Tensor]]) -> dict[str, list]:
     return out
 
 
-# how close the sum of the ranks' outputs must be to the dense output, relative to its largest element, for
-# an output that differs across ranks to be taken for a partial sum (the rounding of a sum in 16 bits is
-# ~1e-2 of the scale at most; the sum of anything else is off by O(1))
+# how close the sum of the ranks' outputs must be to the dense output, relative to its largest
+# element, for an output that differs across ranks to be taken for a partial sum (the rounding of a
+# sum in 16 bits is ~1e-2 of the scale at most; the sum of anything else is off by O(1))
 PARTIAL_RELATIVE = 0.05
 
 
 def differing(dense_shapes: dict[str, tuple[int, ...]], said: list[dict[str, list]]) -> list[str]:
-    """The outputs with the dense shape on every rank that differ across ranks: the ones whose sum over
-    the ranks decides (`is_partial_sum`), in the same order on every rank."""
+    """The outputs with the dense shape on every rank that differ across ranks: the ones whose sum
+    over the ranks decides (`is_partial_sum`), in the same order on every rank."""
     out = []
     for name in sorted(dense_shapes):
         views = [rank.get(name) for rank in said]
-        if all(v is not None and tuple(v[0]) == tuple(dense_shapes[name]) for v in views) \
-                and len({v[1] for v in views}) > 1:
+        if (
+            all(v is not None and tuple(v[0]) == tuple(dense_shapes[name]) for v in views)
+            and len({v[1] for v in views}) > 1
+        ):
             out.append(name)
     return out
 
@@ -78,23 +85,33 @@ def is_partial_sum(summed: torch.Tensor, dense: torch.Tensor) -> bool:
     """Whether the ranks' outputs summed (float64) are the dense output, up to rounding."""
     if not dense.numel():
         return True
-    return float(max_abs_diff(summed, dense, torch.float64)) <= PARTIAL_RELATIVE * max(absmax(dense), 1e-30)
+    return float(max_abs_diff(summed, dense, torch.float64)) <= PARTIAL_RELATIVE * max(
+        absmax(dense), 1e-30
+    )
 
 
 def row_split_linears(dense: nn.Module, plan: Plan) -> dict[str, Shard | Fused]:
-    """The modules whose own 2-D `weight` is split along its rows (Shard(0) or Fused(0, ...)), by name."""
+    """The modules whose own 2-D `weight` is split along
+    its rows (Shard(0) or Fused(0, ...)), by name."""
     out = {}
     for name, module in dense.named_modules():
         w = getattr(module, "weight", None)
         p = plan.params.get(f"{name}.weight" if name else "weight")
-        if isinstance(w, torch.Tensor) and w.dim() == 2 and isinstance(p, (Shard, Fused)) and p.dim in (0, -2):
+        if (
+            isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and isinstance(p, (Shard, Fused))
+            and p.dim in (0, -2)
+        ):
             out[name] = p
     return out
 
 
-def _row_split_output(p: Shard | Fused, dense: tuple[int, ...], world: int) -> tuple[Placement, tuple] | None:
-    """The output layout of a linear whose weight is split along its rows as `p`, and rank 0's output
-    shape under it (None when this output's last dim cannot be the weight's rows)."""
+def _row_split_output(
+    p: Shard | Fused, dense: tuple[int, ...], world: int
+) -> tuple[Placement, tuple] | None:
+    """The output layout of a linear whose weight is split along its rows as `p`, and rank 0's
+    output shape under it (None when this output's last dim cannot be the weight's rows)."""
     last = len(dense) - 1
     out = Shard(last) if isinstance(p, Shard) else Fused(last, p.units, p.unit_size)
     try:
@@ -103,12 +120,17 @@ def _row_split_output(p: Shard | Fused, dense: tuple[int, ...], world: int) -> t
         return None
 
 
-def decide(dense_shapes: dict[str, tuple[int, ...]], said: list[dict[str, list]], plan: Plan, world: int,
-           partial: set[str] = frozenset(), row_split: dict[str, Shard | Fused] | None = None
-           ) -> tuple[dict[str, Placement], dict[str, str]]:
-    """(placements, reasons not checked) from the dense output shapes, every rank's `seen`, the outputs
-    found to be partial sums and the linears split along their rows (`row_split_linears`); the same on
-    every rank (every rank decides from the same data)."""
+def decide(
+    dense_shapes: dict[str, tuple[int, ...]],
+    said: list[dict[str, list]],
+    plan: Plan,
+    world: int,
+    partial: set[str] = frozenset(),
+    row_split: dict[str, Shard | Fused] | None = None,
+) -> tuple[dict[str, Placement], dict[str, str]]:
+    """(placements, reasons not checked) from the dense output shapes, every rank's `seen`, the
+    outputs found to be partial sums and the linears split along their rows (`row_split_linears`);
+    the same on every rank (every rank decides from the same data)."""
     fused = any(isinstance(p, Fused) for p in plan.params.values())
     row_split = row_split or {}
     placed: dict[str, Placement] = {}
@@ -129,25 +151,40 @@ def decide(dense_shapes: dict[str, tuple[int, ...]], said: list[dict[str, list]]
         (local,) = shapes
         if local == dense:
             if name in partial:
-                skipped[name] = "a partial sum: the ranks' outputs add up to the dense one (reduced later)"
+                skipped[name] = (
+                    "a partial sum: the ranks' outputs add up to the dense one (reduced later)"
+                )
             else:
                 placed[name] = Replicate()
             continue
-        if name in row_split and (layout := _row_split_output(row_split[name], dense, world)) and layout[1] == local:
+        if (
+            name in row_split
+            and (layout := _row_split_output(row_split[name], dense, world))
+            and layout[1] == local
+        ):
             placed[name] = layout[0]
             continue
         dims = [d for d in range(len(dense)) if len(local) == len(dense) and local[d] != dense[d]]
         if len(dims) == 1 and local[dims[0]] * world == dense[dims[0]]:
             if fused and dims[0] == len(dense) - 1:
-                skipped[name] = (f"its output is 1/{world} of the dense one along its last dim, and the plan "
-                                 "holds a fused parameter: contiguous or fused parts cannot be told from the shape")
+                skipped[name] = (
+                    f"its output is 1/{world} of the dense one along its last dim, and the plan "
+                    "holds a fused parameter: contiguous or fused parts cannot be "
+                    "told from the shape"
+                )
             else:
                 placed[name] = Shard(dims[0])
             continue
-        skipped[name] = f"its output {list(local)} is no placement of the dense {list(dense)} the shape determines"
+        skipped[name] = (
+            f"its output {list(local)} is no placement of the dense {list(dense)} "
+            "the shape determines"
+        )
     return placed, skipped
 
 
 def exchange(rendezvous, mine: dict[str, list]) -> list[dict[str, list]]:
     """Every rank's `seen`, through the rendezvous store (no collective)."""
-    return [json.loads(t) for t in rendezvous.exchange("acts", json.dumps(mine), label="inferring the plan")]
+    return [
+        json.loads(t)
+        for t in rendezvous.exchange("acts", json.dumps(mine), label="inferring the plan")
+    ]

@@ -1,10 +1,12 @@
 """Capture of intermediate tensors: each named module's forward output and the gradient flowing
-into that output in backward. The dense side stores a copy of each (`Recorder`), the float64 side the
-bound it calibrates against that copy (`Calibrating`); the TP side compares each one as it is produced,
-so the checks come out in execution order (forward, then backward) and nothing is held longer than one
-step. Every side's tensors are thus taken as they were produced: a model may go on to work in place on
-a module's output (`h.mul_(s)`, `nn.ReLU(inplace=True)`, an in-place dropout) or a backward on a
-gradient, and a stored reference would then be compared as changed, not as its module produced it."""
+into that output in backward. The dense side stores a copy of each (`Recorder`), the float64 side
+the bound it calibrates against that copy (`Calibrating`); the TP side compares each one as it is
+produced, so the checks come out in execution order (forward, then backward) and nothing is held
+longer than one step. Every side's tensors are thus taken as they were produced: a model may go on
+to work in place on a module's output (`h.mul_(s)`, `nn.ReLU(inplace=True)`, an in-place dropout) or
+a backward on a gradient, and a stored reference would then be compared as changed, not as its
+module produced it."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -18,8 +20,8 @@ Sink = Callable[[str, str, torch.Tensor], None]
 
 
 def named_modules(model: nn.Module):
-    """(name, module) of every module `model` runs: its tree, or, for a model that runs modules outside
-    its own tree (an adapter's wrapper), what its `capture_modules()` lists."""
+    """(name, module) of every module `model` runs: its tree, or, for a model that runs modules
+    outside its own tree (an adapter's wrapper), what its `capture_modules()` lists."""
     return model.capture_modules() if hasattr(model, "capture_modules") else model.named_modules()
 
 
@@ -47,8 +49,8 @@ def _hook(name: str, sink: Sink):
 
 
 class Recorder:
-    """The dense side (and the float64 truth where it is the dense model): keeps a copy of each captured
-    tensor, as its module produced it, until the TP side asks for it."""
+    """The dense side (and the float64 truth where it is the dense model): keeps a copy of each
+    captured tensor, as its module produced it, until the TP side asks for it."""
 
     def __init__(self) -> None:
         self.tensors: dict[tuple[str, str], list[torch.Tensor]] = defaultdict(list)
@@ -65,18 +67,21 @@ class Recorder:
 
 
 class Calibrating(Recorder):
-    """The float64 side: instead of a float64 copy of each captured tensor, what the comparison needs of
-    it, computed as it is produced from it and the dense side's copy of the same capture (the dense pass
-    runs first): `calibrate(dense, t)`, or a copy of `t` where that gives None or the two captures do not
-    pair (another count or shape)."""
+    """The float64 side: instead of a float64 copy of each captured tensor, what the comparison
+    needs of it, computed as it is produced from it and the dense side's copy of the same capture
+    (the dense pass runs first): `calibrate(dense, t)`, or a copy of `t` where that gives None or
+    the two captures do not pair (another count or shape)."""
 
-    def __init__(self, dense: Recorder, calibrate: Callable[[torch.Tensor, torch.Tensor], object | None]) -> None:
+    def __init__(
+        self, dense: Recorder, calibrate: Callable[[torch.Tensor, torch.Tensor], object | None]
+    ) -> None:
         super().__init__()
         self.dense, self.calibrate = dense, calibrate
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
         key = (stage, name)
-        i = len(self.tensors[key])  # captures of this key so far: nothing is taken before the truth's pass ends
+        # captures of this key so far: nothing is taken before the truth's pass ends
+        i = len(self.tensors[key])
         queue = self.dense.tensors.get(key, [])
         dense = queue[i] if i < len(queue) else None
         kept = self.calibrate(dense, t) if dense is not None and dense.shape == t.shape else None
@@ -84,7 +89,8 @@ class Calibrating(Recorder):
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """`t` as it is now, kept apart from the model: what the model does to `t` later does not change it."""
+    """`t` as it is now, kept apart from the model: what
+    the model does to `t` later does not change it."""
     return t.detach().clone()
 
 

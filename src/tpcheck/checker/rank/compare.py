@@ -7,6 +7,7 @@ becomes a `Check` that records its error, its bound and the reason for the bound
 kept as evidence for the diagnosis (checker/rank/evidence.py). A Check is complete when `compare`
 returns it: nothing outside this class writes to one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,31 +28,49 @@ from tpcheck.plan import Placement, copies
 
 
 class Comparator:
-    """The checks of one case on one rank, in execution order, and the evidence kept for diagnosis."""
+    """The checks of one case on one rank, in execution
+    order, and the evidence kept for diagnosis."""
 
-    def __init__(self, group: TPGroup, tap: CollectiveTap, dtype: torch.dtype, dtype_name: str) -> None:
+    def __init__(
+        self, group: TPGroup, tap: CollectiveTap, dtype: torch.dtype, dtype_name: str
+    ) -> None:
         self.group, self.tap, self.dtype, self.dtype_name = group, tap, dtype, dtype_name
         self.checks: list[Check] = []
         # (check, values in float64, mask of the elements several ranks hold; None: all of them)
         self.pending_replicas: list[tuple[Check, torch.Tensor, torch.Tensor | None]] = []
         self.evidence = Evidence()
         self.seq = 0
-        self.controlled: set[tuple[str, int, str]] = set()  # (stage, step, bound kind) with a control
+        # (stage, step, bound kind) with a control
+        self.controlled: set[tuple[str, int, str]] = set()
 
-    def compare(self, stage: Stage, step: int, name: str, tp_local: torch.Tensor, dense: torch.Tensor,
-                truth: torch.Tensor | None, placement: Placement, exact: bool = False,
-                dtype: torch.dtype | None = None, bound: tolerance.Bound | None = None, *,
-                reason: str | None = None, loaded_by: str | None = None, seq: int | None = None,
-                raw: torch.Tensor | None = None) -> Check:
+    def compare(
+        self,
+        stage: Stage,
+        step: int,
+        name: str,
+        tp_local: torch.Tensor,
+        dense: torch.Tensor,
+        truth: torch.Tensor | None,
+        placement: Placement,
+        exact: bool = False,
+        dtype: torch.dtype | None = None,
+        bound: tolerance.Bound | None = None,
+        *,
+        reason: str | None = None,
+        loaded_by: str | None = None,
+        seq: int | None = None,
+        raw: torch.Tensor | None = None,
+    ) -> Check:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives.
-        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING), or is
-        given (`bound`: rank 0 computed it for a tensor only this rank compares, AppliedOnRank).
-        `dtype`: the dtype the compared values were rounded to (default: the working dtype).
-        What the caller knows of the check: `reason` (for the bound's own: the weights a user's loader
-        loaded), `loaded_by` (that loader), `seq` (a tensor held until the activation placements were
-        inferred: its place in execution order), `raw` (`tp_local` before an allowance excused part of
-        the difference: its error is kept as `raw_error` where it differs)."""
+        `truth` (float64) is held on rank 0 only; elsewhere the bound comes from rank 0 (PENDING),
+        or is given (`bound`: rank 0 computed it for a tensor only this rank compares,
+        AppliedOnRank). `dtype`: the dtype the compared values were rounded to (default: the working
+        dtype). What the caller knows of the check: `reason` (for the bound's own: the weights a
+        user's loader loaded), `loaded_by` (that loader), `seq` (a tensor held until the activation
+        placements were inferred: its place in execution order), `raw` (`tp_local` before an
+        allowance excused part of the difference: its error is kept as `raw_error` where it
+        differs)."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
         diff = maxdiff(tp_local, ref)
@@ -59,13 +78,14 @@ class Comparator:
             bound = tolerance.EXACT
         elif bound is None:
             bound = self.calibrated(dense, truth, dtype) if truth is not None else tolerance.PENDING
-        # NaN/Inf make the difference or the bound non-finite; only then look for where they come from
+        # NaN/Inf make the difference or the bound
+        # non-finite; only then look for where they come from
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
             self._check_reference_finite(stage, step, name, dense, truth)
         self.seq += 1
         check = self._record(stage, step, name, diff, bound, placement)
-        # what only this comparison knows, set before the check leaves here (`_record`, which makes every
-        # check and control alike, takes what they share)
+        # what only this comparison knows, set before the check leaves here (`_record`, which makes
+        # every check and control alike, takes what they share)
         check.numel, check.loaded_by = ref.numel(), loaded_by
         if reason is not None:
             check.reason = reason
@@ -75,27 +95,47 @@ class Comparator:
             check.raw_error = raw_error
         self._keep_evidence(check, tp_local, ref, dense)
         self._control(check, ref, dense, bound, placement)
+        self._hold_replicas(check, tp_local, dense, placement)
+        return check
+
+    def _hold_replicas(self, check: Check, tp_local, dense, placement: Placement) -> None:
+        """What of `tp_local` other ranks hold too, kept for `flush_replicas` (compared bitwise)."""
+        rank, world = self.group.rank, self.group.world_size
         if world > 1 and placement.replicated:
-            self.pending_replicas.append((check, tp_local.detach().double().reshape(-1).cpu(), None))
+            self.pending_replicas.append(
+                (check, tp_local.detach().double().reshape(-1).cpu(), None)
+            )
         elif world > 1 and (held := copies(placement, tuple(dense.shape), world)) is not None:
-            # some elements live on several ranks (GQA KV heads replicated over ranks): their copies
-            # must agree bitwise too; compared in the dense layout, on the elements held twice or more
+            # some elements live on several ranks (GQA KV heads replicated over ranks): their
+            # copies must agree bitwise too; compared in the dense layout, on the elements held
+            # twice or more
             idx = placement.index_map(tuple(dense.shape), rank, world).reshape(-1)
             spread_in = torch.full((held.numel(),), -math.inf, dtype=torch.float64)
             spread_in[idx] = tp_local.detach().double().reshape(-1).cpu()
             self.pending_replicas.append((check, spread_in, held >= 2))
-        return check
 
-    def calibrated(self, dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype | None = None) -> tolerance.Bound:
-        """The calibrated bound of a tensor of this rank's checks, in `dtype` (default: the working dtype)."""
+    def calibrated(
+        self, dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tolerance.Bound:
+        """The calibrated bound of a tensor of this rank's
+        checks, in `dtype` (default: the working dtype)."""
         return tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
 
-    def compare_local(self, stage: Stage, step: int, name: str, tp_local: torch.Tensor, ref_local: torch.Tensor,
-                      placement: Placement, reason: str, weights: torch.Tensor | None = None) -> Check:
-        """Bitwise comparison of this rank's tensor with a reference computed on this rank from the TP
-        side's own inputs (the optimizer replay): no cross-rank replica check, exact bound. `weights`
-        (the parameter the tensor belongs to) is kept as evidence: a difference proportional to it
-        names weight decay."""
+    def compare_local(
+        self,
+        stage: Stage,
+        step: int,
+        name: str,
+        tp_local: torch.Tensor,
+        ref_local: torch.Tensor,
+        placement: Placement,
+        reason: str,
+        weights: torch.Tensor | None = None,
+    ) -> Check:
+        """Bitwise comparison of this rank's tensor with a reference computed on this rank from the
+        TP side's own inputs (the optimizer replay): no cross-rank replica check, exact bound.
+        `weights` (the parameter the tensor belongs to) is kept as evidence: a difference
+        proportional to it names weight decay."""
         diff = maxdiff(tp_local, ref_local)
         self.seq += 1
         bound = tolerance.Bound(0.0, "exact", reason)
@@ -104,110 +144,194 @@ class Comparator:
         self._control(check, ref_local, ref_local, bound, placement)
         return check
 
-    def record_rng(self, step: int, name: str, seq: int, error: int, reason: str, placement: str, info: dict,
-                   control: bool = False) -> Check:
-        """An RNG placement check (checker/rank/rng.py): `error` counts the ranks whose draw breaks the rule
-        against this rank's (bound 0); `info` (the rule, those ranks, a mismatch with the dense side's
-        draw) is kept as evidence for the diagnosis."""
-        check = Check(stage="forward", step=step, name=name, rank=self.group.rank, error=float(error),
-                      diff_vs_dense=float(error), bound=0.0, kind="rng", reason=reason, passed=error <= 0,
-                      placement=placement, seq=seq, control=control)
+    def record_rng(
+        self,
+        step: int,
+        name: str,
+        seq: int,
+        error: int,
+        reason: str,
+        placement: str,
+        info: dict,
+        control: bool = False,
+    ) -> Check:
+        """An RNG placement check (checker/rank/rng.py): `error` counts the ranks whose draw breaks
+        the rule against this rank's (bound 0); `info` (the rule, those ranks, a mismatch with the
+        dense side's draw) is kept as evidence for the diagnosis."""
+        check = Check(
+            stage="forward",
+            step=step,
+            name=name,
+            rank=self.group.rank,
+            error=float(error),
+            diff_vs_dense=float(error),
+            bound=0.0,
+            kind="rng",
+            reason=reason,
+            passed=error <= 0,
+            placement=placement,
+            seq=seq,
+            control=control,
+        )
         self.checks.append(check)
         self.evidence.keep_rng(step, name, error, placement, info)
         return check
 
     def take_control(self, key: tuple[str, int, str]) -> bool:
-        """Whether the control of `key` (stage, step, kind of check) is still to be planted on this rank:
-        True once, to the first caller, who plants it."""
+        """Whether the control of `key` (stage, step, kind of check) is still to be planted on this
+        rank: True once, to the first caller, who plants it."""
         if key in self.controlled:
             return False
         self.controlled.add(key)
         return True
 
     def next_seq(self) -> int:
-        """A position in execution order for a check recorded later (an RNG check, known after the exchange)."""
+        """A position in execution order for a check recorded
+        later (an RNG check, known after the exchange)."""
         self.seq += 1
         return self.seq
 
-    def _record(self, stage: Stage, step: int, name: str, error: float, bound: tolerance.Bound, placement: Placement,
-                control: bool = False) -> Check:
-        """One comparison's Check, appended in execution order. `passed` is provisional: the parent fills
-        in pending bounds and judges every check (`result.judge`)."""
-        check = Check(stage=stage, step=step, name=name, rank=self.group.rank, error=error, diff_vs_dense=error,
-                      bound=bound.value, kind=bound.kind, reason=bound.reason,
-                      passed=None if bound.value is None else error <= bound.value, placement=str(placement),
-                      seq=self.seq, ref_error=bound.ref_error, floor=bound.floor, control=control)
+    def _record(
+        self,
+        stage: Stage,
+        step: int,
+        name: str,
+        error: float,
+        bound: tolerance.Bound,
+        placement: Placement,
+        control: bool = False,
+    ) -> Check:
+        """One comparison's Check, appended in execution order. `passed` is provisional: the parent
+        fills in pending bounds and judges every check (`result.judge`)."""
+        check = Check(
+            stage=stage,
+            step=step,
+            name=name,
+            rank=self.group.rank,
+            error=error,
+            diff_vs_dense=error,
+            bound=bound.value,
+            kind=bound.kind,
+            reason=bound.reason,
+            passed=None if bound.value is None else error <= bound.value,
+            placement=str(placement),
+            seq=self.seq,
+            ref_error=bound.ref_error,
+            floor=bound.floor,
+            control=control,
+        )
         self.checks.append(check)
         return check
 
-    def _control(self, real: Check, ref: torch.Tensor, dense: torch.Tensor, bound: tolerance.Bound,
-                 placement: Placement) -> None:
-        """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the reference with
-        its largest element moved by `tolerance.control_shift` (the largest error the checker claims to
-        flag in this dtype) goes through the same maxdiff -> record -> bound -> judge path as `real`,
-        with `real`'s bound. If it is not flagged, the checker cannot see errors of that size here."""
+    def _control(
+        self,
+        real: Check,
+        ref: torch.Tensor,
+        dense: torch.Tensor,
+        bound: tolerance.Bound,
+        placement: Placement,
+    ) -> None:
+        """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the
+        reference with its largest element moved by `tolerance.control_shift` (the largest error the
+        checker claims to flag in this dtype) goes through the same maxdiff -> record -> bound ->
+        judge path as `real`, with `real`'s bound. If it is not flagged, the checker cannot see
+        errors of that size here."""
         if ref.numel() == 0 or not self.take_control((real.stage, real.step, real.kind)):
             return
         planted = ref.detach().clone().reshape(-1)
         i = int(planted.abs().argmax())
         scale = absmax(dense)
-        shift = tolerance.control_shift(self.dtype, scale)  # the working dtype's claim (masters included)
+        # the working dtype's claim (masters included)
+        shift = tolerance.control_shift(self.dtype, scale)
         if not planted.is_floating_point():
             shift = max(1.0, round(shift))
         planted[i] = planted[i].double().add(shift).to(planted.dtype)
         planted = planted.reshape(ref.shape)
-        check = self._record(real.stage, real.step, f"control:{real.name}", maxdiff(planted, ref), bound, placement,
-                             control=True)
+        check = self._record(
+            real.stage,
+            real.step,
+            f"control:{real.name}",
+            maxdiff(planted, ref),
+            bound,
+            placement,
+            control=True,
+        )
         lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
-        near = ref.detach().reshape(-1)[lo:i + 4]
-        self._keep_evidence(check, planted.reshape(-1)[lo:i + 4], near, near)
+        near = ref.detach().reshape(-1)[lo : i + 4]
+        self._keep_evidence(check, planted.reshape(-1)[lo : i + 4], near, near)
 
     def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
         """Bad input is reported as such (exit 2), not as a TP bug."""
         if truth is not None and not bool(torch.isfinite(truth).all()):
-            raise UsageError(f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
-                             "the inputs or weights are bad, not the TP implementation")
+            raise UsageError(
+                f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
+                "the inputs or weights are bad, not the TP implementation"
+            )
         if not bool(torch.isfinite(dense).all()):
-            raise UsageError(f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
-                             "NaN/Inf (pure float16 parameters with AdamW, whose eps underflows in float16, are a known "
-                             "cause: drop --no-master-weights / master_weights=False, or use --optimizer sgd). The "
-                             "reference is bad, not the TP implementation")
+            raise UsageError(
+                f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
+                "NaN/Inf (pure float16 parameters with AdamW, whose eps underflows in float16, are "
+                "a known cause: drop --no-master-weights / master_weights=False, or use "
+                "--optimizer sgd). The reference is bad, not the TP implementation"
+            )
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
         """The tensors of `check`, kept for the diagnosis when small enough (evidence.py)."""
         self.evidence.keep(check, tp_local, ref, dense, weights)
 
     def flush_replicas(self) -> None:
-        """Compare every pending replicated tensor (and every element several ranks hold) across ranks,
-        bitwise: max - min over ranks, for all of them in one all-reduce (MAX of [x; -x]; an element a
-        rank does not hold enters as -inf in x and in -x, so it drops out of both maxima)."""
+        """Compare every pending replicated tensor (and every element several
+        ranks hold) across ranks,
+        bitwise: max - min over ranks, for all of them in one all-reduce (MAX of [x; -x]; an element
+        a rank does not hold enters as -inf in x and in -x, so it drops out of both maxima)."""
         if not self.pending_replicas:
             return
         # the control: one element that the last rank holds 1 larger than the others must be flagged
         first = self.pending_replicas[0][0]
-        planted = torch.tensor([1.0 if self.group.rank == self.group.world_size - 1 else 0.0], dtype=torch.float64)
-        self.pending_replicas.append((dataclasses.replace(first, name=f"control:{first.name}", control=True),
-                                      planted, None))
+        planted = torch.tensor(
+            [1.0 if self.group.rank == self.group.world_size - 1 else 0.0], dtype=torch.float64
+        )
+        self.pending_replicas.append(
+            (dataclasses.replace(first, name=f"control:{first.name}", control=True), planted, None)
+        )
         flats = [t for _, t, _ in self.pending_replicas]
         sizes = [f.numel() for f in flats]
         both = torch.empty(2 * sum(sizes), dtype=torch.float64)
         hi, neg_lo = both.split(both.numel() // 2)
         torch.cat(flats, out=hi)
         torch.neg(hi, out=neg_lo)
-        parts = list(zip(hi.split(sizes), neg_lo.split(sizes)))  # views: the all-reduce fills them in place
+        # views: the all-reduce fills them in place
+        parts = list(zip(hi.split(sizes), neg_lo.split(sizes)))
         for (_, _, shared), (h, n) in zip(self.pending_replicas, parts):
             if shared is not None:  # an element this rank does not hold stays -inf in -x too
                 n.masked_fill_(h == -math.inf, -math.inf)
-        self.tap.performing(("all_reduce", "checker:replicas", "optimizer"), dist.all_reduce, both,
-                            op=dist.ReduceOp.MAX, group=self.group.pg)
+        self.tap.performing(
+            ("all_reduce", "checker:replicas", "optimizer"),
+            dist.all_reduce,
+            both,
+            op=dist.ReduceOp.MAX,
+            group=self.group.pg,
+        )
         b = tolerance.REPLICA
         for (check, _, shared), (h, n) in zip(self.pending_replicas, parts):
             d = (h + n).abs() if shared is None else (h + n).abs()[shared]
             spread = float(d.max()) if d.numel() else 0.0
             spread = spread if not math.isnan(spread) else math.inf
-            self.checks.append(Check(stage="replicas", step=check.step, name=check.name, rank=check.rank,
-                                     error=spread, diff_vs_dense=spread, bound=b.value, kind="replica",
-                                     reason=b.reason, passed=spread <= b.value, placement=check.placement,
-                                     seq=check.seq, control=check.control))
+            self.checks.append(
+                Check(
+                    stage="replicas",
+                    step=check.step,
+                    name=check.name,
+                    rank=check.rank,
+                    error=spread,
+                    diff_vs_dense=spread,
+                    bound=b.value,
+                    kind="replica",
+                    reason=b.reason,
+                    passed=spread <= b.value,
+                    placement=check.placement,
+                    seq=check.seq,
+                    control=check.control,
+                )
+            )
         self.pending_replicas.clear()
-

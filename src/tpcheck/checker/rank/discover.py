@@ -1,17 +1,18 @@
-"""The plan the engine checks through, and the only writer of it: a written plan as it is; for a case
-with none written (`Case(plan=None, load_tp=...)`), the plan inferred as the run reveals it.
+"""The plan the engine checks through, and the only writer of it: a written plan as it is; for a
+case with none written (`Case(plan=None, load_tp=...)`), the plan inferred as the run reveals it.
 
 Three steps, each agreed over the ranks through the store (the engine holds the Case unchanged and
 reads the plan from here, `Discovery.plan`):
 1. before the first step, the parameter placements, from what the user's loader loaded
    (checker/rank/inference.py);
-2. in the first micro-batch, the activation placements, from the first micro-batch's output shapes and
-   whether each output is the same on every rank (checker/rank/activations.py) -- unless the case names
-   them (`Case.activations`);
+2. in the first micro-batch, the activation placements, from the first micro-batch's output shapes
+   and whether each output is the same on every rank (checker/rank/activations.py) -- unless the
+   case names them (`Case.activations`);
 3. after the first step's gradients, the parameters applied on one rank only: inferred `Replicate()`
    but with a gradient on one rank alone, `AppliedOnRank(r)` (the values cannot tell the two apart).
 `as_code()` prints the result, with the module outputs left unchecked and why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,12 @@ from tpcheck.plan import AppliedOnRank, Plan, Replicate
 class Discovery:
     """The case's plan as known so far on this rank (`plan`), and what is still to be inferred."""
 
-    def __init__(self, case: Case, group: TPGroup, rendezvous: Rendezvous, dense: nn.Module, tp: nn.Module) -> None:
-        assert isinstance(group.tap, CollectiveTap), "the activations' checker collective goes through the tap"
+    def __init__(
+        self, case: Case, group: TPGroup, rendezvous: Rendezvous, dense: nn.Module, tp: nn.Module
+    ) -> None:
+        assert isinstance(group.tap, CollectiveTap), (
+            "the activations' checker collective goes through the tap"
+        )
         self.group, self.rendezvous, self.dense = group, rendezvous, dense
         self.inferred = case.plan is None
         # activation placements inferred in the first micro-batch (no plan written, none named)
@@ -53,54 +58,82 @@ class Discovery:
         return self._plan
 
     def capture_names(self) -> set[str]:
-        """The module outputs captured: the plan's activations, or, while they are being inferred, every
-        module both models have (checker/rank/activations.py)."""
+        """The module outputs captured: the plan's activations, or, while they are being inferred,
+        every module both models have (checker/rank/activations.py)."""
         return self.candidates if self.acts_pending else set(self._plan.activations)
 
     def infer_activations(self, dense_recorder: capture.Recorder, held: list) -> None:
-        """The activation placements, from the first micro-batch: the dense side's captured outputs and the
-        TP side's `held` ones ((stage, name, tensor, seq) each); the ranks agree through the store. The
-        plan then carries them, and says which outputs are not checked and why."""
+        """The activation placements, from the first micro-batch: the dense side's captured outputs
+        and the TP side's `held` ones ((stage, name, tensor, seq) each); the ranks agree through the
+        store. The plan then carries them, and says which outputs are not checked and why."""
         mine = activations.seen([(stage, name, t) for stage, name, t, _ in held])
         said = activations.exchange(self.rendezvous, mine)
-        dense = {name: q[0] for (stage, name), q in dense_recorder.tensors.items() if stage == "forward" and q}
+        dense = {
+            name: q[0]
+            for (stage, name), q in dense_recorder.tensors.items()
+            if stage == "forward" and q
+        }
         dense_shapes = {name: tuple(t.shape) for name, t in dense.items()}
         partial = set()
-        if names := activations.differing(dense_shapes, said):  # summed over the ranks: partial sums?
+        # summed over the ranks: partial sums?
+        if names := activations.differing(dense_shapes, said):
             partial = self._partial_sums(names, dense, held)
-        placed, skipped = activations.decide(dense_shapes, said, self._plan, self.group.world_size, partial,
-                                             activations.row_split_linears(self.dense, self._plan))
+        placed, skipped = activations.decide(
+            dense_shapes,
+            said,
+            self._plan,
+            self.group.world_size,
+            partial,
+            activations.row_split_linears(self.dense, self._plan),
+        )
         self._plan = dataclasses.replace(self._plan, activations=placed)
         self.skipped = skipped
         self.acts_pending = False
 
-    def _partial_sums(self, names: list[str], dense: dict[str, torch.Tensor], held: list) -> set[str]:
-        """Of the outputs in `names` (the dense shape on every rank, not the same on every rank), those whose
-        sum over the ranks is the dense output: one checker all-reduce for all of them."""
+    def _partial_sums(
+        self, names: list[str], dense: dict[str, torch.Tensor], held: list
+    ) -> set[str]:
+        """Of the outputs in `names` (the dense shape on every rank, not the same on every rank),
+        those whose sum over the ranks is the dense output: one checker
+        all-reduce for all of them."""
         first = {}
         for stage, name, t, _ in held:
             if stage == "forward":
                 first.setdefault(name, t)
-        both = torch.cat([first[n].double().reshape(-1).cpu() for n in names])  # gloo: a checker collective
-        self.group.tap.performing(("all_reduce", "checker:activations", "forward"), dist.all_reduce, both,
-                                  group=self.group.pg)
+        # gloo: a checker collective
+        both = torch.cat([first[n].double().reshape(-1).cpu() for n in names])
+        self.group.tap.performing(
+            ("all_reduce", "checker:activations", "forward"),
+            dist.all_reduce,
+            both,
+            group=self.group.pg,
+        )
         sums = both.split([dense[n].numel() for n in names])
-        return {n for n, summed in zip(names, sums) if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu())}
+        return {
+            n
+            for n, summed in zip(names, sums)
+            if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu())
+        }
 
     def infer_applied_on(self, tp: nn.Module) -> None:
-        """After the first step's gradients, with an inferred plan: a parameter inferred Replicate() that
-        gets a gradient on one rank only is applied on that rank, AppliedOnRank(r) (a row-parallel bias
-        added before the all-reduce). The values cannot tell the two apart, the first step's gradients
-        can; the ranks agree through the store. A gradient that is zero rather than absent on the other
-        ranks is not inferred (the grads stage then compares it as a replica)."""
+        """After the first step's gradients, with an inferred plan: a parameter inferred Replicate()
+        that gets a gradient on one rank only is applied on that rank, AppliedOnRank(r) (a
+        row-parallel bias added before the all-reduce). The values cannot tell the two apart, the
+        first step's gradients can; the ranks agree through the store. A gradient that is zero
+        rather than absent on the other ranks is not inferred (the grads stage then compares
+        it as a replica)."""
         plan = self._plan
         if not self.inferred or self.group.world_size == 1:
             return
         tp_params = dict(tp.named_parameters())
         names = [n for n, p in plan.params.items() if isinstance(p, Replicate)]
         mine = [n for n in names if tp_params[plan.tp_name(n)].grad is not None]
-        said = [set(json.loads(t)) for t in self.rendezvous.exchange("applied", json.dumps(mine),
-                                                                      label="inferring the plan")]
+        said = [
+            set(json.loads(t))
+            for t in self.rendezvous.exchange(
+                "applied", json.dumps(mine), label="inferring the plan"
+            )
+        ]
         applied = {}
         for name in names:
             holders = [r for r, got in enumerate(said) if name in got]
@@ -110,6 +143,6 @@ class Discovery:
             self._plan = dataclasses.replace(plan, params={**plan.params, **applied})
 
     def as_code(self) -> str | None:
-        """The plan of a case with no plan written, as inferred (parameters, then where the gradients
-        appear, then the activations), as code; None for a written plan."""
+        """The plan of a case with no plan written, as inferred (parameters, then where the
+        gradients appear, then the activations), as code; None for a written plan."""
         return plan_as_code(self._plan, self.skipped) if self.inferred else None

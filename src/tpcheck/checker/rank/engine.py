@@ -2,30 +2,32 @@
 the plan. Nothing here knows a layer: shapes and layouts come from the plan.
 
 Three models run on every rank: the dense model in the working dtype, a float64 copy of it (the
-ground truth that calibrates tolerances, held on rank 0 only: it is the largest of the three) and the
-TP model. All start from the same weights, and every step after the first restarts the TP model and
-the truth from the dense model's weights (through the plan), so each step is checked on its own
-arithmetic. Every rank measures its TP tensors against the dense ones; rank 0 also measures the dense
-model's own error against float64, which sets each check's bound (the parent fills in the bounds of
-the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with master weights each side's
-optimizer steps float32 masters (checker/rank/optimizer.py: `Masters`).
+ground truth that calibrates tolerances, held on rank 0 only: it is the largest of the three) and
+the TP model. All start from the same weights, and every step after the first restarts the TP model
+and the truth from the dense model's weights (through the plan), so each step is checked on its own
+arithmetic. Every rank measures its TP tensors against the dense ones; rank 0 also measures the
+dense model's own error against float64, which sets each check's bound (the parent fills in the
+bounds of the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with master weights each
+side's optimizer steps float32 masters (checker/rank/optimizer.py: `Masters`).
 
 The engine holds the Case as it was handed and reads the plan from `Discovery` (checker/rank/
-discover.py: a written plan, or the one inferred, step by step, for a case with none written). Around
-this step loop: the random masks and the RNG placement check (checker/rank/rng.py, over masks.py), the
-tensors applied on one rank only (applied_on.py), the evidence a rank sends (evidence.py).
+discover.py: a written plan, or the one inferred, step by step, for a case with none written).
+Around this step loop: the random masks and the RNG placement check (checker/rank/rng.py, over
+masks.py), the tensors applied on one rank only (applied_on.py), the evidence a rank
+sends (evidence.py).
 
-Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_forward`, by a forward of
-every side without autograd, its output compared), dense and float64 forward/backward (capturing the
-activations named in `plan.activations`), then the TP forward/backward, whose captured tensors are
-compared as they are produced (local comparisons only, no collective inside the model's forward;
-in the first micro-batch of a case with no plan written they are held until the activation placements
-are inferred), then a ledger sync and the RNG placement checks of the micro-batch's random draws
-(rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after step 1: the
-parameters applied on one rank), grads, the checker's own collective (the replica comparisons of the
-whole step), the replay of the dense optimizer rule on the TP side's inputs, the optimizer steps, update
-and state against the replay, weights.
+Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_forward`, by a forward
+of every side without autograd, its output compared), dense and float64 forward/backward (capturing
+the activations named in `plan.activations`), then the TP forward/backward, whose captured tensors
+are compared as they are produced (local comparisons only, no collective inside the model's forward;
+in the first micro-batch of a case with no plan written they are held until the activation
+placements are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
+random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
+step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
+comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
+optimizer steps, update and state against the replay, weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,12 +40,12 @@ from torch import nn
 from tpcheck.checker.case import Case
 from tpcheck.checker.payload import Check, RankPayload
 from tpcheck.checker.rank import capture, evidence
-from tpcheck.checker.rank.applied_on import ALONE, not_applied_here, owner_bound
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
 from tpcheck.checker.rank.loading import cast, check_names, leaf, load_from_dense, map_tensors
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
+from tpcheck.checker.rank.params import compare_params, compare_replay
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.sync import Rendezvous
@@ -59,28 +61,38 @@ def _in_float64(value):
     step tensor, a number) copied as they are."""
     if not torch.is_tensor(value):
         return value
-    return value.detach().clone().double() if value.is_floating_point() and value.dim() else value.clone()
+    return (
+        value.detach().clone().double()
+        if value.is_floating_point() and value.dim()
+        else value.clone()
+    )
 
 
 def _one_tensor(out, model: nn.Module, side: str) -> torch.Tensor:
-    """A module's forward output, which must be one tensor: the checker compares it and hands it to the
-    loss. Anything else is refused naming the module's forward and what it returned."""
+    """A module's forward output, which must be one tensor: the checker compares it and hands it to
+    the loss. Anything else is refused naming the module's forward and what it returned."""
     if isinstance(out, torch.Tensor):
         return out
-    what = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list, dict)) else type(out).__name__
-    raise UsageError(f"the {side} module's forward ({defined_at(model.forward)}) returned {what}, not a tensor: "
-                     "tpcheck compares one output tensor and hands it to the loss; return that tensor (a model that "
-                     "returns a tuple, a dict or a ModelOutput: wrap it in a module whose forward returns the output "
-                     "you train on, its logits say)")
+    what = (
+        f"a {type(out).__name__} of {len(out)}"
+        if isinstance(out, (tuple, list, dict))
+        else type(out).__name__
+    )
+    raise UsageError(
+        f"the {side} module's forward ({defined_at(model.forward)}) returned {what}, not a tensor: "
+        "tpcheck compares one output tensor and hands it to the loss; return that tensor (a model "
+        "that returns a tuple, a dict or a ModelOutput: wrap it in a module whose forward returns "
+        "the output you train on, its logits say)"
+    )
 
 
 @contextlib.contextmanager
 def others_wait(more: int):
-    """Around rank 0's float64 passes: every other rank is then blocked at the TP side's first collective,
-    so rank 0 may compute on their CPUs too (`more` threads, the pool's `threads_while_others_wait`; one
-    thread per rank is otherwise all a rank has). The truth's float64 sums may then be ordered
-    differently, which moves a bound by ~1e-16 of itself; the compared sides never run on more threads
-    than the rank's own."""
+    """Around rank 0's float64 passes: every other rank is then blocked at the TP side's first
+    collective, so rank 0 may compute on their CPUs too (`more` threads, the pool's
+    `threads_while_others_wait`; one thread per rank is otherwise all a rank has). The truth's
+    float64 sums may then be ordered differently, which moves a bound by ~1e-16 of itself; the
+    compared sides never run on more threads than the rank's own."""
     mine = torch.get_num_threads()
     if more <= mine:
         yield
@@ -99,15 +111,27 @@ class _NoGrad:
 
 
 class _TPActivations:
-    """The capture sink of the TP side's module outputs and gradients in one micro-batch: each compared
-    as it is produced, against the dense side's copy (and the truth's bound or copy). While the activation
-    placements are being inferred (the first micro-batch of a case with no plan written), every tensor is
-    held instead, a copy (a loss may work in place on the logits) with its place in execution order, and
-    compared in `release` once the placements are known."""
+    """The capture sink of the TP side's module outputs and gradients in one micro-batch: each
+    compared as it is produced, against the dense side's copy (and the truth's bound or copy). While
+    the activation placements are being inferred (the first micro-batch of a case with no plan
+    written), every tensor is held instead, a copy (a loss may work in place on the logits) with its
+    place in execution order, and compared in `release` once the placements are known."""
 
-    def __init__(self, cmp: Comparator, step: int, rec_d: capture.Recorder, rec_t: capture.Recorder,
-                 discovery: Discovery) -> None:
-        self.cmp, self.step, self.rec_d, self.rec_t, self.discovery = cmp, step, rec_d, rec_t, discovery
+    def __init__(
+        self,
+        cmp: Comparator,
+        step: int,
+        rec_d: capture.Recorder,
+        rec_t: capture.Recorder,
+        discovery: Discovery,
+    ) -> None:
+        self.cmp, self.step, self.rec_d, self.rec_t, self.discovery = (
+            cmp,
+            step,
+            rec_d,
+            rec_t,
+            discovery,
+        )
         self.held: list | None = [] if discovery.acts_pending else None
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
@@ -117,8 +141,8 @@ class _TPActivations:
             self._compare(stage, name, t)
 
     def release(self) -> None:
-        """After the micro-batch: the placements inferred from the held tensors (discover.py), then the
-        held tensors that got one compared, each under the place it was produced in."""
+        """After the micro-batch: the placements inferred from the held tensors (discover.py), then
+        the held tensors that got one compared, each under the place it was produced in."""
         if self.held is None:
             return
         self.discovery.infer_activations(self.rec_d, self.held)
@@ -131,26 +155,43 @@ class _TPActivations:
         tr = self.rec_t.take(stage, name) if self.rec_t is not self.rec_d else d
         if d is not None:
             label = "act" if stage == "forward" else "actgrad"
-            given = {"bound": tr} if isinstance(tr, Bound) else {}  # calibrated as the truth produced it
-            self.cmp.compare(stage, self.step, f"{label}:{name}", t, d, None if given else tr,
-                             self.discovery.plan.activations[name], seq=seq, **given)
+            # calibrated as the truth produced it
+            given = {"bound": tr} if isinstance(tr, Bound) else {}
+            self.cmp.compare(
+                stage,
+                self.step,
+                f"{label}:{name}",
+                t,
+                d,
+                None if given else tr,
+                self.discovery.plan.activations[name],
+                seq=seq,
+                **given,
+            )
 
 
 class Engine:
     """One case on one rank: the three models, their optimizers, and the comparator."""
 
-    def __init__(self, case: Case, group: TPGroup, rendezvous: Rendezvous, wait_threads: int = 1) -> None:
-        assert isinstance(group.tap, CollectiveTap), "the engine runs the TP side through the checker's tap"
+    def __init__(
+        self, case: Case, group: TPGroup, rendezvous: Rendezvous, wait_threads: int = 1
+    ) -> None:
+        assert isinstance(group.tap, CollectiveTap), (
+            "the engine runs the TP side through the checker's tap"
+        )
         self.case, self.group, self.tap, self.rendezvous = case, group, group.tap, rendezvous
         self.settings = case.run
-        self.wait_threads = wait_threads  # threads for rank 0's float64 passes while the others wait
+        # threads for rank 0's float64 passes while the others wait
+        self.wait_threads = wait_threads
         self.dtype = case.run.torch_dtype
         self.device = group.device
         self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype)
         try:
             self._build()
         except Exception as e:  # noqa: BLE001 - tell the other ranks before they issue a collective
-            rendezvous.setup_failed(f"{type(e).__name__}: {e}" if not isinstance(e, UsageError) else str(e))
+            rendezvous.setup_failed(
+                f"{type(e).__name__}: {e}" if not isinstance(e, UsageError) else str(e)
+            )
             raise
         rendezvous.setup_done()
         self.discovery = Discovery(case, group, rendezvous, self.dense, self.tp)
@@ -164,7 +205,9 @@ class Engine:
         case, group = self.case, self.group
         self.gen = torch.Generator().manual_seed(self.settings.seed)
         # the dense side's dropout masks and the checks of the TP side's draws (checker/rank/rng.py)
-        self.draws = RandomDraws(self.settings.seed, case.dropout, self.cmp, self.rendezvous, self.device)
+        self.draws = RandomDraws(
+            self.settings.seed, case.dropout, self.cmp, self.rendezvous, self.device
+        )
         self.first_batch = self._batch()  # drawn before the weights, as the seed
         master = case.build_dense(torch.float32)  # on the CPU, where the seeded init draws
         case.init(master, self.gen)
@@ -185,26 +228,37 @@ class Engine:
         self._build_optimizers()
 
     def _build_optimizers(self) -> None:
-        """What each optimizer steps (the modules' own parameters, or their float32 masters), the three
-        optimizers, the replay of the dense rule on the TP side's inputs, and the allowance after adaptive
-        steps (checker/rank/optimizer.py)."""
+        """What each optimizer steps (the modules' own parameters, or their float32 masters), the
+        three optimizers, the replay of the dense rule on the TP side's inputs, and the allowance
+        after adaptive steps (checker/rank/optimizer.py)."""
         case, group = self.case, self.group
-        self.dense_master, self.tp_master = Masters.of(self.dense, self.settings), Masters.of(self.tp, self.settings)
+        self.dense_master, self.tp_master = (
+            Masters.of(self.dense, self.settings),
+            Masters.of(self.tp, self.settings),
+        )
         self.opt_dense = self.settings.make_optimizer(self.dense_master.parameters())
         if case.inject.tp_optimizer is not None:
-            self.opt_tp = case.inject.tp_optimizer(self.tp_master.owner, group, self.settings.make_optimizer)
+            self.opt_tp = case.inject.tp_optimizer(
+                self.tp_master.owner, group, self.settings.make_optimizer
+            )
         else:
             self.opt_tp = self.settings.make_optimizer(self.tp_master.parameters())
         has_truth = self.truth is not None and self.truth is not self.dense
-        self.opt_truth = self.settings.make_optimizer(self.truth.parameters()) if has_truth else None
+        self.opt_truth = (
+            self.settings.make_optimizer(self.truth.parameters()) if has_truth else None
+        )
         self.replay = Replay(self.tp_master.params, self.settings.make_optimizer)
-        self.slack = AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth) \
-            if self.settings.optimizer != "sgd" else None
+        self.slack = (
+            AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth)
+            if self.settings.optimizer != "sgd"
+            else None
+        )
 
     def _load_tp(self, dense: nn.Module, plan: Plan | None, load_plan: Plan | None = None) -> None:
-        """The TP module's weights from the dense ones: the user's own `load_tp` when the case has one
-        (checked at the weights stage, never overwritten; its names held to `plan`, the plan as known,
-        none before it is inferred), else through `load_plan` (a fault's own loading) or `plan`."""
+        """The TP module's weights from the dense ones: the user's own `load_tp` when the case has
+        one (checked at the weights stage, never overwritten; its names held to `plan`, the plan as
+        known, none before it is inferred), else through `load_plan` (a fault's own
+        loading) or `plan`."""
         if self.case.load_tp is None:
             load_from_dense(self.tp, dense, load_plan or plan, self.group)
             return
@@ -223,8 +277,8 @@ class Engine:
         return model.to(self.device)
 
     def _batch(self):
-        """The next batch: drawn by `make_batch` from the case's generator (on the CPU, so every device
-        draws the same values), then on this rank's device."""
+        """The next batch: drawn by `make_batch` from the case's generator (on the CPU, so every
+        device draws the same values), then on this rank's device."""
         inputs, target = self.case.make_batch(self.gen, self.dtype)
         move = lambda t: t.to(self.device)  # noqa: E731
         return map_tensors(move, inputs), map_tensors(move, target)
@@ -237,11 +291,23 @@ class Engine:
     def run(self) -> list[Check]:
         case, plan = self.case, self.plan
         tp_params = dict(self.tp.named_parameters())
-        loaded_by = f"your load_tp ({defined_at(case.load_tp)})" if case.load_tp is not None else None
+        loaded_by = (
+            f"your load_tp ({defined_at(case.load_tp)})" if case.load_tp is not None else None
+        )
         reason = f"bitwise: the plan's shard, as loaded by {loaded_by}" if loaded_by else None
         for name, p in self.dense.named_parameters():
-            self.cmp.compare("weights", 0, f"param:{name}", tp_params[plan.tp_name(name)].detach(), p.detach(),
-                             p.detach(), plan.params[name], exact=True, reason=reason, loaded_by=loaded_by)
+            self.cmp.compare(
+                "weights",
+                0,
+                f"param:{name}",
+                tp_params[plan.tp_name(name)].detach(),
+                p.detach(),
+                p.detach(),
+                plan.params[name],
+                exact=True,
+                reason=reason,
+                loaded_by=loaded_by,
+            )
         self.sync("loading the weights")
         self.cmp.flush_replicas()
         for step in range(1, self.settings.steps + 1):
@@ -251,7 +317,8 @@ class Engine:
     def _step(self, step: int) -> None:
         for opt in self._optimizers():
             opt.zero_grad(set_to_none=True)
-        for model in (self.dense, self.tp, self.truth):  # under master weights the optimizers hold the masters
+        # under master weights the optimizers hold the masters
+        for model in (self.dense, self.tp, self.truth):
             if model is not None:
                 model.zero_grad(set_to_none=True)
         if step > 1:
@@ -270,12 +337,19 @@ class Engine:
         self.sync(f"finalize_grads of step {step}")
         if step == 1:
             self.discovery.infer_applied_on(self.tp)
-        self._compare_params(step, "grads", dict(self.dense.named_parameters()), dict(self.tp.named_parameters()),
-                             lambda p: p.grad)
+        compare_params(
+            self,
+            step,
+            "grads",
+            dict(self.dense.named_parameters()),
+            dict(self.tp.named_parameters()),
+            lambda p: p.grad,
+        )
         self.cmp.flush_replicas()
         self.dense_master.take_grads()
         self.tp_master.take_grads()
-        self.replay.run(self.tp_master.params)  # the dense rule on the TP side's own weights and grads
+        # the dense rule on the TP side's own weights and grads
+        self.replay.run(self.tp_master.params)
         self._truth_from_dense(self.dense_master.params.items(), self.opt_dense)
         for opt in self._optimizers():
             with self.tap.tp_phase("optimizer") if opt is self.opt_tp else contextlib.nullcontext():
@@ -283,8 +357,10 @@ class Engine:
         self.dense_master.write_back()
         self.tp_master.write_back()
         self.sync(f"optimizer step {step}")
-        self._compare_replay(step, self.tp_master.params)
-        self._compare_params(step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p)
+        compare_replay(self, step, self.tp_master.params)
+        compare_params(
+            self, step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p
+        )
         self.cmp.flush_replicas()
 
     def _forward_backward(self, step: int, micro: int, batch) -> None:
@@ -292,20 +368,34 @@ class Engine:
         inputs, target = batch
         wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
         book = self.draws.book()
-        rec_d, rec_t, (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = self._reference_passes(inputs, target, wanted, book)
+        rec_d, rec_t, (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = self._reference_passes(
+            inputs, target, wanted, book
+        )
         acts = _TPActivations(cmp, step, rec_d, rec_t, self.discovery)
-        handles = capture.attach(self.tp, self.discovery.capture_names(), acts) if self.settings.capture else []
+        handles = (
+            capture.attach(self.tp, self.discovery.capture_names(), acts)
+            if self.settings.capture
+            else []
+        )
         kw_tp = self._tp_inputs(inputs, wanted)
         with training_rng(self.device, self.settings.seed, step, micro):
             with self.tap.tp_phase("forward"), self.draws.tp_masks(book, self.tp):
                 out_tp = _one_tensor(self.tp(**kw_tp), self.tp, "TP")
             # compared before the loss sees it: a loss may work in place on its input (Megatron's
             # vocab-parallel cross-entropy subtracts the max from the logits)
-            cmp.compare("forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement)
-            target_local = map_tensors(lambda t: case.target_placement.shard(cast(t, self.dtype), group.rank,
-                                                                             group.world_size), target)
+            cmp.compare(
+                "forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement
+            )
+            target_local = map_tensors(
+                lambda t: case.target_placement.shard(
+                    cast(t, self.dtype), group.rank, group.world_size
+                ),
+                target,
+            )
             with self.tap.tp_phase("forward"):
-                loss_tp = case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
+                loss_tp = (
+                    case.compute_tp_loss(out_tp, target_local, group) / self.settings.micro_batches
+                )
             cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
             with self.tap.tp_phase("backward"):
                 loss_tp.backward()
@@ -314,147 +404,121 @@ class Engine:
         acts.release()
         self.draws.check(step, book, f"the random draws of step {step}")
         self._compare_input_grads(step, wanted, kw_tp, kw_d, kw_t)
-        # the replicas of every micro-batch are compared across ranks with the step's grads (one checker
-        # all-reduce for all of them); each replica check keeps the place of its tensor in the order
+        # the replicas of every micro-batch are compared across ranks with the step's grads (one
+        # checker all-reduce for all of them); each replica check keeps the place of
+        # its tensor in the order
 
     def _reference_passes(self, inputs: dict, target, wanted: tuple, book):
-        """The dense pass (drawing the micro-batch's masks into `book`) and the float64 truth's (replaying
-        them), each capturing the activations: (dense recorder, truth recorder, (inputs, output, loss) of
-        the dense side, the same of the truth). Where the truth is the dense model (a float64 run) it is
-        the dense side's; on a rank that holds none, inputs without gradients and no output or loss."""
+        """The dense pass (drawing the micro-batch's masks into `book`) and the float64 truth's
+        (replaying them), each capturing the activations: (dense recorder, truth recorder, (inputs,
+        output, loss) of the dense side, the same of the truth). Where the truth is the dense model
+        (a float64 run) it is the dense side's; on a rank that holds none, inputs without gradients
+        and no output or loss."""
         rec_d = capture.Recorder()
         rec_t = capture.Calibrating(rec_d, self._truth_bound)
         with self.draws.watching(book):
-            dense = self._reference_pass(self.dense, self.dtype, inputs, target, rec_d, wanted,
-                                         self.draws.masks(book.draw, self.dense))
+            dense = self._reference_pass(
+                self.dense,
+                self.dtype,
+                inputs,
+                target,
+                rec_d,
+                wanted,
+                self.draws.masks(book.draw, self.dense),
+            )
         if self.truth is self.dense:
             return rec_d, rec_d, dense, dense
         if self.truth is None:
             return rec_d, rec_t, dense, ({k: _NoGrad for k in dense[0]}, None, None)
         with others_wait(self.wait_threads):
-            truth = self._reference_pass(self.truth, torch.float64, inputs, target, rec_t, wanted,
-                                         self.draws.masks(book.replay, self.truth))
+            truth = self._reference_pass(
+                self.truth,
+                torch.float64,
+                inputs,
+                target,
+                rec_t,
+                wanted,
+                self.draws.masks(book.replay, self.truth),
+            )
         return rec_d, rec_t, dense, truth
 
-    def _reference_pass(self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks):
+    def _reference_pass(
+        self, model: nn.Module, dtype: torch.dtype, inputs, target, recorder, wanted, masks
+    ):
         case = self.case
-        handles = capture.attach(model, self.discovery.capture_names(), recorder) if self.settings.capture else []
+        handles = (
+            capture.attach(model, self.discovery.capture_names(), recorder)
+            if self.settings.capture
+            else []
+        )
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         with masks:
             out = _one_tensor(model(**kw), model, "dense")
-        produced = capture.snapshot(out)  # as the model produced it: a loss may work in place on its input
-        loss = case.loss(out, map_tensors(lambda t: cast(t, dtype), target)) / self.settings.micro_batches
+        # as the model produced it: a loss may work in place on its input
+        produced = capture.snapshot(out)
+        loss = (
+            case.loss(out, map_tensors(lambda t: cast(t, dtype), target))
+            / self.settings.micro_batches
+        )
         loss.backward()
         capture.detach_all(handles)
         return kw, produced, loss.detach()
 
-    def _compare_input_grads(self, step: int, wanted: tuple, kw_tp: dict, kw_d: dict, kw_t: dict) -> None:
-        """The gradients of the forward inputs in `wanted`, TP against dense; an input that gets one on one
-        side only, or on neither when the case names it in `grad_inputs`, is refused naming it."""
+    def _compare_input_grads(
+        self, step: int, wanted: tuple, kw_tp: dict, kw_d: dict, kw_t: dict
+    ) -> None:
+        """The gradients of the forward inputs in `wanted`, TP against dense; an input that gets one
+        on one side only, or on neither when the case names it in `grad_inputs`, is
+        refused naming it."""
         case = self.case
         for k in wanted:
             if kw_tp[k].grad is None or kw_d[k].grad is None:
                 if case.grad_inputs is None and kw_tp[k].grad is None and kw_d[k].grad is None:
-                    continue  # a floating input that no gradient reaches (a mask, say): nothing to check
-                side = "either side" if kw_tp[k].grad is None and kw_d[k].grad is None else \
-                    "the TP side only" if kw_tp[k].grad is None else "the dense side only"
-                raise UsageError(f"forward input {k!r} got no gradient on {side}: is it used in forward? "
-                                 "(grad_inputs lists the inputs whose gradients are checked)")
-            self.cmp.compare("backward", step, f"grad:{k}", kw_tp[k].grad, kw_d[k].grad, kw_t[k].grad,
-                             case.input_placements.get(k, Replicate()))
-
-    def _compare_params(self, step: int, stage: str, dense_params: dict, tp_params: dict, get) -> None:
-        """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against the
-        dense side's; after the step these are what the optimizers stepped (float32 masters under
-        master weights, compared with float32's bound)."""
-        plan, group = self.plan, self.group
-        truth_params = dict(self.truth.named_parameters()) if self.truth is not None else {}
-        for name, p in dense_params.items():
-            tp_p = tp_params[plan.tp_name(name)]
-            tp_val, dense_val = get(tp_p), get(p)
-            truth_val = get(truth_params[name]) if truth_params else None
-            owner = plan.params[name].applied_on
-            sent = self._owner_bound(step, stage, name, owner, p, truth_params.get(name), dense_val, truth_val) \
-                if owner not in (None, 0) and dense_val is not None and self.truth is not self.dense else None
-            if owner is not None and owner != group.rank:
-                not_applied_here(self.cmp, self.dtype, step, stage, name, tp_val, dense_val, owner)
-                continue
-            if tp_val is None or dense_val is None:
-                if (tp_val is None) != (dense_val is None):
-                    self._refuse_one_sided_grad(name, tp_val is None)
-                continue
-            tp_val, truth_val = tp_val.detach(), truth_val.detach() if truth_val is not None else None
-            raw = tp_val
-            placement = ALONE if owner is not None and stage != "weights" else plan.params[name]
-            if stage == "optimizer" and self.slack is not None:
-                tp_val, truth_val = self.slack.apply(name, plan.params[name], group.rank, group.world_size,
-                                                     plan.tp_name(name), p, truth_params.get(name), tp_val, truth_val)
-            label = "grad" if stage == "grads" else "param"
-            self.cmp.compare(stage, step, f"{label}:{name}", tp_val, dense_val.detach(), truth_val, placement,
-                             dtype=dense_val.dtype, bound=sent, raw=raw if tp_val is not raw else None)
-
-    def _refuse_one_sided_grad(self, name: str, missing_on_tp: bool) -> None:
-        """A parameter with a gradient on one side only: refused, naming the side that lacks it (and, for a
-        replicated one missing on the TP side, the AppliedOnRank placement that may be meant)."""
-        if missing_on_tp:
-            hint = ("; if the TP module applies it on one rank only (a row-parallel bias added before "
-                    "the all-reduce), place it AppliedOnRank(r) in the plan, r the rank that applies it"
-                    if self.plan.params[name].replicated else "; is it used in the TP forward?")
-            raise UsageError(f"parameter {name!r} got no gradient on rank {self.group.rank} of the TP side, "
-                             f"but does on the dense side{hint}")
-        raise UsageError(f"parameter {name!r} got a gradient on rank {self.group.rank} of the TP side but none "
-                         "on the dense side: is it used in the dense forward?")
-
-    def _owner_bound(self, step: int, stage: str, name: str, owner: int, p, truth_p, dense_val,
-                     truth_val) -> Bound | None:
-        """Rank 0's bound for a tensor that rank `owner` alone compares (applied_on.py)."""
-        return owner_bound(self.cmp, self.rendezvous, self.slack, step, stage, name, owner, p, truth_p, dense_val,
-                           truth_val)
-
-    def _compare_replay(self, step: int, tp_params: dict) -> None:
-        """The TP optimizer's state and update against the replay's, bitwise, parameter by parameter: the
-        state first (a wrong moment is the cause, a wrong update its effect), tensors before the step
-        count. State the TP optimizer lacks counts as zeros (nothing was accumulated)."""
-        plan = self.plan
-        for name in (n for n, _ in self.dense.named_parameters()):
-            tp_name = plan.tp_name(name)
-            p = tp_params[tp_name]
-            if p.grad is None:
-                continue
-            placement = plan.params[name]
-            own = self.opt_tp.state.get(p, {})
-            for key, ref in sorted(self.replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
-                mine = own.get(key)
-                if mine is None:
-                    mine = torch.zeros_like(ref)
-                elif not isinstance(mine, torch.Tensor) or mine.shape != ref.shape:
-                    mine = torch.full_like(ref, float("nan"))  # misshapen state: never equal
-                self.cmp.compare_local("optimizer", step, f"state:{name}.{key}", mine.detach(), ref, placement,
-                                       f"bitwise: the TP optimizer's {key} against the replay's",
-                                       weights=self.replay.before[tp_name])
-            self.cmp.compare_local("optimizer", step, f"update:{name}", p.detach() - self.replay.before[tp_name],
-                                   self.replay.update(tp_name), placement,
-                                   "bitwise: the dense update rule replayed on this rank's TP weights and grads",
-                                   weights=self.replay.params[tp_name].detach())
+                    # a floating input that no gradient reaches (a mask, say): nothing to check
+                    continue
+                side = (
+                    "either side"
+                    if kw_tp[k].grad is None and kw_d[k].grad is None
+                    else "the TP side only"
+                    if kw_tp[k].grad is None
+                    else "the dense side only"
+                )
+                raise UsageError(
+                    f"forward input {k!r} got no gradient on {side}: is it used in forward? "
+                    "(grad_inputs lists the inputs whose gradients are checked)"
+                )
+            self.cmp.compare(
+                "backward",
+                step,
+                f"grad:{k}",
+                kw_tp[k].grad,
+                kw_d[k].grad,
+                kw_t[k].grad,
+                case.input_placements.get(k, Replicate()),
+            )
 
     def _tp_from_dense(self) -> None:
-        """Every step after the first starts the TP side from the dense side's weights (and masters),
-        through the plan, as the first step does: each step is then checked from the same weights, so its
-        forward, grads and update are held to the rounding of that step's own arithmetic. Nothing is
+        """Every step after the first starts the TP side from the dense side's weights (and
+        masters), through the plan, as the first step does: each step is then checked from the same
+        weights, so its forward, grads and update are held to the rounding of that step's own
+        arithmetic. Nothing is
         lost: the previous step's update was compared with the dense rule element by element (the
-        replay) and the weights with the dense ones; the TP optimizer's state and anything the TP module
-        keeps besides its parameters (caches, buffers) are not touched."""
+        replay) and the weights with the dense ones; the TP optimizer's state and anything the TP
+        module keeps besides its parameters (caches, buffers) are not touched."""
         self._load_tp(self.dense, self.plan)
         if self.tp_master.masters:
             load_from_dense(self.tp_master, self.dense_master, self.plan, self.group)
 
-    def _truth_from_dense(self, dense_params, dense_opt: torch.optim.Optimizer | None = None) -> None:
-        """The float64 truth restarts from the dense side at every step: its weights (before the forward:
-        the weights the dense module computes with; before the optimizer step: what the dense optimizer
-        steps, and that optimizer's state, in float64). So the dense side's distance to the truth is the
-        rounding of this step's arithmetic only, never the dense trajectory's own drift (16-bit weights
-        cannot follow lr-sized updates exactly: without the restart the reference's "error" after one
-        step is of the order of the update itself, and every bound after it is vacuous)."""
+    def _truth_from_dense(
+        self, dense_params, dense_opt: torch.optim.Optimizer | None = None
+    ) -> None:
+        """The float64 truth restarts from the dense side at every step: its weights (before the
+        forward: the weights the dense module computes with; before the optimizer step: what the
+        dense optimizer steps, and that optimizer's state, in float64). So the dense side's distance
+        to the truth is the rounding of this step's arithmetic only, never the dense trajectory's
+        own drift (16-bit weights cannot follow lr-sized updates exactly: without the restart the
+        reference's "error" after one step is of the order of the update itself, and every bound
+        after it is vacuous)."""
         if self.opt_truth is None:
             return
         truth = dict(self.truth.named_parameters())
@@ -469,51 +533,81 @@ class Engine:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
 
     def _truth_bound(self, dense: torch.Tensor, truth: torch.Tensor) -> Bound | None:
-        """The bound of a captured tensor, calibrated when the truth produces it against the dense side's
-        copy (what `Comparator.compare` would calibrate later), so that no float64 copy is held; None (keep
-        the copy) where the truth is not finite, for the comparison to name the bad reference."""
+        """The bound of a captured tensor, calibrated when the truth produces it against the dense
+        side's copy (what `Comparator.compare` would calibrate later), so that no float64 copy is
+        held; None (keep the copy) where the truth is not finite, for the comparison to name
+        the bad reference."""
         bound = self.cmp.calibrated(dense, truth)
         return bound if math.isfinite(bound.value) else None
 
     def _tp_inputs(self, inputs: dict, wanted: tuple = ()) -> dict:
-        """The TP side's forward inputs: each placed as `input_placements` says (Replicate by default)."""
+        """The TP side's forward inputs: each placed as
+        `input_placements` says (Replicate by default)."""
         case, group = self.case, self.group
-        return {k: leaf(case.input_placements.get(k, Replicate()).shard(cast(v, self.dtype), group.rank,
-                                                                          group.world_size), k in wanted)
-                for k, v in inputs.items()}
+        return {
+            k: leaf(
+                case.input_placements.get(k, Replicate()).shard(
+                    cast(v, self.dtype), group.rank, group.world_size
+                ),
+                k in wanted,
+            )
+            for k, v in inputs.items()
+        }
 
     def _no_grad_forward(self, step: int, inputs: dict) -> None:
-        """The forward without autograd on every side, its output compared ("output:no_grad"): TP code may
-        take another path when no gradient is needed (local matmuls and a plain all-reduce instead of
-        DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""
+        """The forward without autograd on every side, its output compared ("output:no_grad"): TP
+        code may take another path when no gradient is needed (local matmuls and a plain all-reduce
+        instead of DTensor's autograd-aware ops), and that path is the one inference
+        and evaluation run."""
         book = self.draws.book()
         with torch.no_grad():
             with self.draws.watching(book), self.draws.masks(book.draw, self.dense):
-                out_d = _one_tensor(self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()}), self.dense,
-                                    "dense")
+                out_d = _one_tensor(
+                    self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()}),
+                    self.dense,
+                    "dense",
+                )
             if self.truth is self.dense:
                 out_t = out_d
             elif self.truth is not None:
                 with self.draws.masks(book.replay, self.truth), others_wait(self.wait_threads):
-                    out_t = _one_tensor(self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}),
-                                        self.truth, "dense")
+                    out_t = _one_tensor(
+                        self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}),
+                        self.truth,
+                        "dense",
+                    )
             else:
                 out_t = None
-            with self.tap.tp_phase("forward"), training_rng(self.device, self.settings.seed, step, -1), \
-                    self.draws.tp_masks(book, self.tp):
+            with (
+                self.tap.tp_phase("forward"),
+                training_rng(self.device, self.settings.seed, step, -1),
+                self.draws.tp_masks(book, self.tp),
+            ):
                 out_tp = _one_tensor(self.tp(**self._tp_inputs(inputs)), self.tp, "TP")
-        self.cmp.compare("forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement)
+        self.cmp.compare(
+            "forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement
+        )
         self.draws.check(step, book, "the forward without autograd")
 
 
-def run_case_on_rank(case: Case, group: TPGroup, rendezvous: Rendezvous, wait_threads: int = 1) -> RankPayload:
-    """Run `case` on this rank; returns its checks, ledger and evidence for the launcher. `wait_threads`:
-    the intra-op threads rank 0 may use for its float64 passes while the other ranks wait for it."""
+def run_case_on_rank(
+    case: Case, group: TPGroup, rendezvous: Rendezvous, wait_threads: int = 1
+) -> RankPayload:
+    """Run `case` on this rank; returns its checks, ledger and evidence for the launcher.
+    `wait_threads`: the intra-op threads rank 0 may use for its float64 passes while the other
+    ranks wait for it."""
     t0 = time.perf_counter()
     engine = Engine(case, group, rendezvous, wait_threads)
     checks = engine.run()
     kept = engine.cmp.evidence
     sent = kept.sent(evidence.needed_evidence(checks, kept, rendezvous))
-    return RankPayload(status="ok", rank=group.rank, checks=checks, evidence=sent,
-                       expected_collectives=case.expected_collectives, inferred_plan=engine.discovery.as_code(),
-                       ledger=list(engine.tap.ledger), seconds=time.perf_counter() - t0)
+    return RankPayload(
+        status="ok",
+        rank=group.rank,
+        checks=checks,
+        evidence=sent,
+        expected_collectives=case.expected_collectives,
+        inferred_plan=engine.discovery.as_code(),
+        ledger=list(engine.tap.ledger),
+        seconds=time.perf_counter() - t0,
+    )

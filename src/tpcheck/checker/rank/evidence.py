@@ -1,11 +1,13 @@
-"""The evidence of one case on one rank: the tensors behind its checks, kept for the parent's diagnosis,
-and the part of them the rank sends.
+"""The evidence of one case on one rank: the tensors behind its checks, kept for the parent's
+diagnosis, and the part of them the rank sends.
 
-Small tensors are kept as they are compared (every control's few elements and every RNG check's record
-outside the budget); after the run one store exchange tells every rank which checks fail on some rank,
-and only their tensors travel (with the loaded weights and the controls). A key is `(stage, step,
-name)`, a check's own three fields (`payload.evidence_key`), on the rank and in the payload alike.
+Small tensors are kept as they are compared (every control's few elements and every RNG check's
+record outside the budget); after the run one store exchange tells every rank which checks fail on
+some rank, and only their tensors travel (with the loaded weights and the controls). A key is
+`(stage, step, name)`, a check's own three fields (`payload.evidence_key`), on the rank and
+in the payload alike.
 """
+
 from __future__ import annotations
 
 import array
@@ -41,49 +43,74 @@ class Evidence:
         return iter(self.kept)
 
     def keep(self, check: Check, tp_local, ref, dense, weights=None) -> None:
-        """Small tensors (and every control's few elements, outside the budget) are kept for diagnosis."""
+        """Small tensors (and every control's few elements,
+        outside the budget) are kept for diagnosis."""
         if not check.control:
             if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.left < 3 * dense.numel():
                 return
             self.left -= 3 * dense.numel()
         # copies (later steps change these tensors in place), made numpy in `sent` if needed
         kept = self.kept[key_of(check)] = {
-            "tp": tp_local.detach().clone(), "ref": ref.detach().clone(), "dense": dense.detach().clone(),
+            "tp": tp_local.detach().clone(),
+            "ref": ref.detach().clone(),
+            "dense": dense.detach().clone(),
             "placement": check.placement,
-            "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0}
+            "eps": float(torch.finfo(tp_local.dtype).eps) if tp_local.is_floating_point() else 0.0,
+        }
         if weights is not None:
             kept["weights"] = weights.detach().clone()
 
     def keep_rng(self, step: int, name: str, error: int, placement: str, info: dict) -> None:
-        """An RNG check's record: the count of ranks breaking the rule, and `info` (the rule, those ranks,
-        a mismatch with the dense side's draw), which the diagnosis names."""
+        """An RNG check's record: the count of ranks breaking the rule, and `info` (the rule, those
+        ranks, a mismatch with the dense side's draw), which the diagnosis names."""
         zero = np.zeros(1)
-        self.kept[("forward", step, name)] = {"tp": np.array([float(error)]), "ref": zero, "dense": zero,
-                                              "placement": placement, "eps": 0.0, "rng": info}
+        self.kept[("forward", step, name)] = {
+            "tp": np.array([float(error)]),
+            "ref": zero,
+            "dense": zero,
+            "placement": placement,
+            "eps": 0.0,
+            "rng": info,
+        }
 
     def sent(self, keys: set[Key] | None) -> dict[Key, dict]:
-        """The evidence sent to the parent, as float64 arrays, under the payload's keys: the entries in
-        `keys` (None: every one), every control's (the self-test reads them) and every RNG check's."""
+        """The evidence sent to the parent, as float64 arrays, under the payload's keys: the entries
+        in `keys` (None: every one), every control's (the self-test reads them) and
+        every RNG check's."""
         out = {}
         for key, e in self.kept.items():
             if keys is None or key in keys or key[2].startswith("control:") or "rng" in e:
-                out[key] = {k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v
-                                           for k, v in e.items()}
+                out[key] = {
+                    k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v
+                    for k, v in e.items()
+                }
         return out
 
 
-def needed_evidence(checks: list[Check], kept: Iterable[Key], rendezvous: Rendezvous) -> set[Key] | None:
-    """The evidence keys the parent can need: those of every check that fails on some rank (the diagnosis
-    reads the first one's tensors on every rank) and the weights stage's (a loaded bias can explain an
-    offset), out of all this rank kept; None (send everything) when the ranks cannot tell. Sending only
-    these saves pickling ~1,300 small arrays per tiny case. A rank other than 0 cannot judge its
-    calibrated checks, whose bound rank 0 computes: one store exchange carries rank 0's bounds and the
-    other ranks' errors for them, in check order, with a digest of that order (AppliedOnRank(r) makes the
-    orders differ: then everything is sent)."""
-    failing = {key_of(c) for c in checks if not c.control and c.bound is not None and not c.error <= c.bound}
+def needed_evidence(
+    checks: list[Check], kept: Iterable[Key], rendezvous: Rendezvous
+) -> set[Key] | None:
+    """The evidence keys the parent can need: those of every check that fails on some rank (the
+    diagnosis reads the first one's tensors on every rank) and the weights stage's (a loaded bias
+    can explain an offset), out of all this rank kept; None (send everything) when the ranks cannot
+    tell. Sending only these saves pickling ~1,300 small arrays per tiny case. A rank other than 0
+    cannot judge its calibrated checks, whose bound rank 0 computes: one store exchange carries rank
+    0's bounds and the other ranks' errors for them, in check order, with a digest of that order
+    (AppliedOnRank(r) makes the orders differ: then everything is sent)."""
+    failing = {
+        key_of(c)
+        for c in checks
+        if not c.control and c.bound is not None and not c.error <= c.bound
+    }
     if rendezvous.rank == 0:  # the checks whose bound the other ranks take from here
-        mine = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is not None
-                and c.kind == "calibrated"]
+        mine = [
+            c
+            for c in checks
+            if not c.control
+            and c.stage != "replicas"
+            and c.bound is not None
+            and c.kind == "calibrated"
+        ]
         values = [c.bound for c in mine]
     else:
         mine = [c for c in checks if not c.control and c.stage != "replicas" and c.bound is None]
@@ -99,19 +126,34 @@ def needed_evidence(checks: list[Check], kept: Iterable[Key], rendezvous: Rendez
         failing.update(key_of(c) for c, e, b in zip(mine, errors, bounds) if not e <= b)
     keys = {k for k in kept if k[0] == "weights"}
     for stage, step, name in failing:
-        if stage == "replicas":  # the replicated tensor's own evidence, under the stage it was compared in
+        # the replicated tensor's own evidence, under the stage it was compared in
+        if stage == "replicas":
             keys.update(k for k in kept if k[1:] == (step, name))
         else:
             keys.add((stage, step, name))
     return keys
 
 
-def _exchange(rendezvous: Rendezvous, failing: set[Key], mine: list[Check], values: list[float]) -> list[dict] | None:
-    """Every rank's failing checks and `values` (rank 0's bounds, the others' errors) through the store,
-    with a digest of the order of `mine`; None when the ranks' orders differ."""
-    digest = hashlib.blake2b("\n".join(repr(key_of(c)) for c in mine).encode(), digest_size=16).hexdigest()
-    said = [json.loads(t) for t in rendezvous.exchange("evidence", json.dumps({
-        "failing": sorted(failing), "digest": digest,
-        "values": base64.b64encode(array.array("d", values).tobytes()).decode()}),
-        label="choosing the evidence to send")]
+def _exchange(
+    rendezvous: Rendezvous, failing: set[Key], mine: list[Check], values: list[float]
+) -> list[dict] | None:
+    """Every rank's failing checks and `values` (rank 0's bounds, the others' errors) through the
+    store, with a digest of the order of `mine`; None when the ranks' orders differ."""
+    digest = hashlib.blake2b(
+        "\n".join(repr(key_of(c)) for c in mine).encode(), digest_size=16
+    ).hexdigest()
+    said = [
+        json.loads(t)
+        for t in rendezvous.exchange(
+            "evidence",
+            json.dumps(
+                {
+                    "failing": sorted(failing),
+                    "digest": digest,
+                    "values": base64.b64encode(array.array("d", values).tobytes()).decode(),
+                }
+            ),
+            label="choosing the evidence to send",
+        )
+    ]
     return None if any(s["digest"] != digest for s in said) else said

@@ -1,17 +1,20 @@
-"""A plan nobody wrote: each TP parameter's placement inferred from the values the user's loader put there.
+"""A plan nobody wrote: each TP parameter's placement
+inferred from the values the user's loader put there.
 
 With `Case(plan=None, load_tp=...)`, after the user's loader ran, every rank tries, for each dense
-parameter, the placements its shape admits (in this order: replicate, a contiguous shard of each dim,
-a fused weight of 2 or 3 equal parts along each dim; then a fused `[q; k; v]` with smaller, sharded or
-replicated, k and v, which rank 0 proposes from its values: `uneven_fused`) and keeps those whose shard
-of the dense tensor equals the TP tensor bitwise. The ranks then agree through the rendezvous store: a parameter's
-placement is the first candidate every rank matched. Random weights make an accidental match
-impossible (a shard is many independent values); a parameter no candidate explains on some rank is
-reported naming it, the shapes and what was tried -- usually a loader bug, or a layout to write down.
+parameter, the placements its shape admits (in this order: replicate, a contiguous shard of each
+dim, a fused weight of 2 or 3 equal parts along each dim; then a fused `[q; k; v]` with smaller,
+sharded or replicated, k and v, which rank 0 proposes from its values: `uneven_fused`) and keeps
+those whose shard of the dense tensor equals the TP tensor bitwise. The ranks then agree through the
+rendezvous store: a parameter's placement is the first candidate every rank matched. Random weights
+make an accidental match impossible (a shard is many independent values); a parameter no candidate
+explains on some rank is reported naming it, the shapes and what was tried -- usually a loader bug,
+or a layout to write down.
 
 The inferred plan is then used like a written one (the weights stage still checks every parameter),
 and is printed as code (`tpcheck verify --print-plan`) to paste into the case file.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +28,8 @@ from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
 
 def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
-    """The placements tried for a dense tensor of `shape` at `world` ranks, in order of preference."""
+    """The placements tried for a dense tensor of
+    `shape` at `world` ranks, in order of preference."""
     out: list[Placement] = [Replicate()]
     out += [Shard(d) for d in range(len(shape)) if shape[d] % world == 0 and world > 1]
     for parts in (2, 3):
@@ -36,12 +40,19 @@ def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
     return out
 
 
-def matches(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int,
-            tried: list[Placement] | None = None) -> list[int]:
-    """Indices (into `tried`, by default `candidates`) of the placements whose shard of `dense` is `local`,
-    bitwise."""
+def matches(
+    dense: torch.Tensor,
+    local: torch.Tensor,
+    rank: int,
+    world: int,
+    tried: list[Placement] | None = None,
+) -> list[int]:
+    """Indices (into `tried`, by default `candidates`) of the placements whose shard of `dense` is
+    `local`, bitwise."""
     found = []
-    for i, placement in enumerate(candidates(tuple(dense.shape), world) if tried is None else tried):
+    for i, placement in enumerate(
+        candidates(tuple(dense.shape), world) if tried is None else tried
+    ):
         try:
             shard = placement.shard(dense, rank, world)
         except UsageError:  # a proposed layout this shape does not admit
@@ -52,19 +63,24 @@ def matches(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int,
 
 
 def uneven_fused(dense: torch.Tensor, local: torch.Tensor, world: int) -> list[Fused]:
-    """Rank 0's proposals for a fused `[q; k; v]` weight with a smaller k and v (grouped-query attention),
-    which the shape alone does not determine: along a dim, the rows rank 0 holds equal the dense rows up to
-    where its q block ends (`a` rows), so q has `a * world` rows and k and v split the rest. Proposed: k and
-    v sharded (`Fused(d, (q, kv, kv))`, rows as units), and k and v replicated over ranks when rank 0's k
-    block is a whole KV head of `u` rows (`Fused(d, (q/u, kv/u, kv/u), (u, u, u))`). Every rank then tests
-    them like any candidate."""
+    """Rank 0's proposals for a fused `[q; k; v]` weight with a smaller k and v (grouped-query
+    attention), which the shape alone does not determine: along a dim, the rows rank 0 holds equal
+    the dense rows up to where its q block ends (`a` rows), so q has `a * world` rows and k and v
+    split the rest. Proposed: k and v sharded (`Fused(d, (q, kv, kv))`, rows as units), and k and v
+    replicated over ranks when rank 0's k block is a whole KV head of `u` rows
+    (`Fused(d, (q/u, kv/u, kv/u), (u, u, u))`). Every rank then tests them like any candidate."""
     out: list[Fused] = []
     for d in range(dense.dim()):
         n, held = dense.shape[d], local.shape[d]
-        if local.dim() != dense.dim() or any(local.shape[i] != dense.shape[i] for i in range(dense.dim()) if i != d):
+        if local.dim() != dense.dim() or any(
+            local.shape[i] != dense.shape[i] for i in range(dense.dim()) if i != d
+        ):
             continue
         m = min(n, held)
-        rows_l, rows_d = local.movedim(d, 0).reshape(held, -1)[:m], dense.movedim(d, 0).reshape(n, -1)[:m]
+        rows_l, rows_d = (
+            local.movedim(d, 0).reshape(held, -1)[:m],
+            dense.movedim(d, 0).reshape(n, -1)[:m],
+        )
         same = (rows_l.to(rows_d.dtype) == rows_d).all(dim=1).tolist()
         a = same.index(False) if False in same else m
         q, rest = a * world, n - a * world
@@ -74,13 +90,21 @@ def uneven_fused(dense: torch.Tensor, local: torch.Tensor, world: int) -> list[F
         if kv % world == 0 and held == a + 2 * kv // world:
             out.append(Fused(d, (q, kv, kv)))
         u = (held - a) // 2
-        if (held - a) % 2 == 0 and u and kv % u == 0 and q % u == 0 and kv // u < world and world % (kv // u) == 0:
+        if (
+            (held - a) % 2 == 0
+            and u
+            and kv % u == 0
+            and q % u == 0
+            and kv // u < world
+            and world % (kv // u) == 0
+        ):
             out.append(Fused(d, (q // u, kv // u, kv // u), (u, u, u)))
     return out
 
 
 def looks_like(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> str | None:
-    """When no placement explains `local` on `rank`: another rank's shard that it equals, in words."""
+    """When no placement explains `local` on `rank`:
+    another rank's shard that it equals, in words."""
     for placement in candidates(tuple(dense.shape), world):
         for other in range(world):
             if other == rank:
@@ -91,33 +115,19 @@ def looks_like(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) 
     return None
 
 
-def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: int, world: int,
-               tp_names: dict[str, str] | None = None) -> Plan:
-    """The plan every rank agrees on, from the loaded TP module and the dense one (same parameter names,
-    or `tp_names`). Raises UsageError naming the first parameter no placement explains."""
+def infer_plan(
+    tp: nn.Module,
+    dense: nn.Module,
+    rendezvous: Rendezvous,
+    rank: int,
+    world: int,
+    tp_names: dict[str, str] | None = None,
+) -> Plan:
+    """The plan every rank agrees on, from the loaded TP module and the dense one (same parameter
+    names, or `tp_names`). Raises UsageError naming the first parameter no placement explains."""
     tp_names = tp_names or {}
-    tp_params = dict(tp.named_parameters())
-    pairs = {}
-    for name, p in dense.named_parameters():
-        tp_name = tp_names.get(name, name)
-        if tp_name not in tp_params:
-            raise UsageError(f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; TP parameters "
-                             f"are {sorted(tp_params)} (name them alike, or map them with Plan(tp_names=...))")
-        pairs[name] = (p.detach(), tp_params[tp_name].detach())
-    found = {name: matches(d, t, rank, world) for name, (d, t) in pairs.items()}
-    # uneven fused parts are proposed by rank 0 from its values; every rank then tries the same candidates
-    proposals = {name: [[f.dim, list(f.units), list(f.unit_size)] for f in uneven_fused(d, t, world)]
-                 for name, (d, t) in pairs.items() if rank == 0 and world > 1 and not found[name]}
-    proposed = json.loads(rendezvous.exchange("fused", json.dumps(proposals), label="inferring the plan")[0])
-    tried_all: dict[str, list[Placement]] = {}
-    mine: dict[str, dict] = {}
-    for name, (d, t) in pairs.items():
-        base = candidates(tuple(d.shape), world)
-        extra = [Fused(dim, tuple(units), tuple(sizes)) for dim, units, sizes in proposed.get(name, [])]
-        tried_all[name] = base + extra
-        hits = found[name] + [len(base) + i for i in matches(d, t, rank, world, extra)]
-        mine[name] = {"matches": hits, "hint": None if hits else looks_like(d, t, rank, world)}
-    said = [json.loads(text) for text in rendezvous.exchange("plan", json.dumps(mine), label="inferring the plan")]
+    pairs = _pairs(tp, dense, tp_names)
+    tried_all, said = _matches_on_every_rank(pairs, rendezvous, rank, world)
     params: dict[str, Placement] = {}
     for name, p in dense.named_parameters():
         tried = tried_all[name]
@@ -125,27 +135,82 @@ def infer_plan(tp: nn.Module, dense: nn.Module, rendezvous: Rendezvous, rank: in
         for r, theirs in enumerate(said):
             common &= set(theirs[name]["matches"])
             if not common:
-                if world > 1 and all(n % world for n in p.shape):  # only a replica could be tried
-                    fits = [w for w in range(2, 9) if any(n % w == 0 for n in p.shape)]
-                    raise UsageError(
-                        f"cannot infer a placement for parameter {name!r} {list(p.shape)} at world size {world}: no dim "
-                        f"divides by {world}, so only a replica was tried, and rank {r} does not hold the whole tensor "
-                        "(an uneven split, which tpcheck's placements do not express, or values loaded wrong); "
-                        "choose a world size that divides the dim it is split along "
-                        f"({', '.join(map(str, fits)) or 'none up to 8'} divide one of its dims)")
-                hint = f" ({theirs[name]['hint']})" if theirs[name]["hint"] else ""
-                raise UsageError(
-                    f"cannot infer a placement for parameter {name!r} {list(p.shape)}: on rank {r} its values are "
-                    f"none of {', '.join(map(str, tried))} of the dense tensor{hint}, or not the same one as on "
-                    "the ranks before; check what your load_tp puts there, or write the plan "
-                    "(Plan(params={...}), docs/case-files.md)")
+                raise _no_placement(name, p, r, world, tried, theirs[name]["hint"])
         params[name] = tried[min(common)]
     return Plan(params=params, tp_names=dict(tp_names))
+
+
+def _pairs(tp: nn.Module, dense: nn.Module, tp_names: dict[str, str]) -> dict[str, tuple]:
+    """{dense parameter name: (its dense value, the TP module's value of it)}."""
+    tp_params = dict(tp.named_parameters())
+    pairs = {}
+    for name, p in dense.named_parameters():
+        tp_name = tp_names.get(name, name)
+        if tp_name not in tp_params:
+            raise UsageError(
+                f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; TP "
+                f"parameters are {sorted(tp_params)} (name them alike, or map them "
+                "with Plan(tp_names=...))"
+            )
+        pairs[name] = (p.detach(), tp_params[tp_name].detach())
+    return pairs
+
+
+def _matches_on_every_rank(pairs: dict, rendezvous: Rendezvous, rank: int, world: int):
+    """(the placements tried per parameter, every rank's matches among them and hint), through the
+    store: uneven fused parts are proposed by rank 0 from its values, and every rank then tries the
+    same candidates."""
+    found = {name: matches(d, t, rank, world) for name, (d, t) in pairs.items()}
+    proposals = {
+        name: [[f.dim, list(f.units), list(f.unit_size)] for f in uneven_fused(d, t, world)]
+        for name, (d, t) in pairs.items()
+        if rank == 0 and world > 1 and not found[name]
+    }
+    proposed = json.loads(
+        rendezvous.exchange("fused", json.dumps(proposals), label="inferring the plan")[0]
+    )
+    tried_all: dict[str, list[Placement]] = {}
+    mine: dict[str, dict] = {}
+    for name, (d, t) in pairs.items():
+        base = candidates(tuple(d.shape), world)
+        extra = [
+            Fused(dim, tuple(units), tuple(sizes)) for dim, units, sizes in proposed.get(name, [])
+        ]
+        tried_all[name] = base + extra
+        hits = found[name] + [len(base) + i for i in matches(d, t, rank, world, extra)]
+        mine[name] = {"matches": hits, "hint": None if hits else looks_like(d, t, rank, world)}
+    said = [
+        json.loads(text)
+        for text in rendezvous.exchange("plan", json.dumps(mine), label="inferring the plan")
+    ]
+    return tried_all, said
+
+
+def _no_placement(name: str, p, r: int, world: int, tried: list, hint: str | None) -> UsageError:
+    """Why no placement explains parameter `name` on rank `r`, and what to do."""
+    if world > 1 and all(n % world for n in p.shape):  # only a replica could be tried
+        fits = [w for w in range(2, 9) if any(n % w == 0 for n in p.shape)]
+        return UsageError(
+            f"cannot infer a placement for parameter {name!r} {list(p.shape)} at world "
+            f"size {world}: no dim divides by {world}, so only a replica was tried, "
+            f"and rank {r} does not hold the whole tensor (an uneven split, which "
+            "tpcheck's placements do not express, or values loaded wrong); choose a "
+            "world size that divides the dim it is split along "
+            f"({', '.join(map(str, fits)) or 'none up to 8'} divide one of its dims)"
+        )
+    hint = f" ({hint})" if hint else ""
+    return UsageError(
+        f"cannot infer a placement for parameter {name!r} {list(p.shape)}: on rank {r} "
+        f"its values are none of {', '.join(map(str, tried))} of the dense "
+        f"tensor{hint}, or not the same one as on the ranks before; check what your "
+        "load_tp puts there, or write the plan (Plan(params={...}), docs/case-files.md)"
+    )
 
 
 def plan_as_code(plan: Plan, not_checked: dict[str, str] | None = None) -> str:
     """The plan as Python to paste into a case file; `not_checked`: module outputs no activation
     placement was inferred for, and why (as comments)."""
+
     def code(p: Placement) -> str:
         if isinstance(p, Replicate):
             return "Replicate()"
@@ -160,5 +225,7 @@ def plan_as_code(plan: Plan, not_checked: dict[str, str] | None = None) -> str:
     names = f", tp_names={plan.tp_names!r}" if plan.tp_names else ""
     acts = "".join(f"\n    {name!r}: {code(p)}," for name, p in plan.activations.items())
     acts = f", activations={{{acts}\n}}" if acts else ""
-    why = "".join(f"\n# not checked: {name}: {reason}" for name, reason in sorted((not_checked or {}).items()))
+    why = "".join(
+        f"\n# not checked: {name}: {reason}" for name, reason in sorted((not_checked or {}).items())
+    )
     return "Plan(params={\n" + "\n".join(lines) + "\n}" + acts + names + ")" + why

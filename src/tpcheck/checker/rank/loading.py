@@ -1,4 +1,5 @@
 """Moving tensors between the dense and TP sides through the plan, and small tensor helpers."""
+
 from __future__ import annotations
 
 import math
@@ -12,39 +13,47 @@ from tpcheck.plan import Plan
 
 
 def load_from_dense(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup) -> None:
-    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes. (A fault's
-    `Injection.load_plan` stands for a TP implementation that loads its weights its own way: the engine
-    passes it here, while the checks still use `Case.plan`.)"""
+    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes. (A
+    fault's `Injection.load_plan` stands for a TP implementation that loads its weights its own way:
+    the engine passes it here, while the checks still use `Case.plan`.)"""
     tp_params = check_names(tp, dense, plan)
     with torch.no_grad():
         for name, p in dense.named_parameters():
             tp_name = plan.tp_name(name)
             local = plan.params[name].shard(p.detach(), group.rank, group.world_size)
             if tuple(local.shape) != tuple(tp_params[tp_name].shape):
-                raise UsageError(f"parameter {tp_name!r} on rank {group.rank}: the plan ({plan.params[name]}) gives a "
-                                 f"shard of shape {list(local.shape)} but the TP module holds "
-                                 f"{list(tp_params[tp_name].shape)}")
+                raise UsageError(
+                    f"parameter {tp_name!r} on rank {group.rank}: the plan ({plan.params[name]}) "
+                    f"gives a shard of shape {list(local.shape)} but the TP module holds "
+                    f"{list(tp_params[tp_name].shape)}"
+                )
             tp_params[tp_name].copy_(local)
 
 
 def check_names(tp: nn.Module, dense: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
-    """The TP module's parameters by name, each the image of one dense parameter under `plan.tp_name`."""
+    """The TP module's parameters by name, each the image
+    of one dense parameter under `plan.tp_name`."""
     tp_params = dict(tp.named_parameters())
     expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
     unplanned = sorted(set(tp_params) - expected)
     if unplanned:
-        raise UsageError(f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
-                         "name them like the dense ones or add plan.tp_names entries")
+        raise UsageError(
+            f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
+            "name them like the dense ones or add plan.tp_names entries"
+        )
     missing = sorted(expected - set(tp_params))
     if missing:
-        raise UsageError(f"TP module has no parameter(s) {missing} for the dense parameters of those names; "
-                         f"TP parameters are {sorted(tp_params)}")
+        raise UsageError(
+            f"TP module has no parameter(s) {missing} for the dense parameters of those names; "
+            f"TP parameters are {sorted(tp_params)}"
+        )
     return tp_params
 
 
-# Elements per pass of `max_abs_diff` over a large CPU tensor: the difference goes through one buffer of
-# this size (2 MiB in float64), reused, instead of a temporary as large as the tensor, whose fresh pages
-# cost more than the arithmetic (a 1024 x 4096 difference: ~50 ms in passes, ~230 ms in one piece).
+# Elements per pass of `max_abs_diff` over a large CPU tensor: the difference goes through one
+# buffer of this size (2 MiB in float64), reused, instead of a temporary as large as the tensor,
+# whose fresh pages cost more than the arithmetic (a 1024 x 4096 difference: ~50 ms in passes,
+# ~230 ms in one piece).
 CHUNK = 1 << 18
 
 
@@ -58,32 +67,40 @@ def absmax(t: torch.Tensor) -> float:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """max |a - b| with both sides in `dtype` (a 0-dim tensor; NaN if a difference is NaN), computed in
-    passes of `CHUNK` elements on the CPU: the same element-wise arithmetic, no full-size temporaries."""
+    """max |a - b| with both sides in `dtype` (a 0-dim tensor; NaN if a difference is NaN), computed
+    in passes of `CHUNK` elements on the CPU: the same element-wise arithmetic, no
+    full-size temporaries."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    # the subtraction computes in `dtype` by itself (float32 - float64, say), or after converting the sides
-    put = (lambda t: t) if torch.promote_types(a.dtype, b.dtype) == dtype else (lambda t: t.to(dtype))
+    # the subtraction computes in `dtype` by itself
+    # (float32 - float64, say), or after converting the sides
+    put = (
+        (lambda t: t) if torch.promote_types(a.dtype, b.dtype) == dtype else (lambda t: t.to(dtype))
+    )
     n = a.numel()
     if n <= CHUNK or a.device.type != "cpu":
         return (put(a) - put(b)).abs_().amax()  # amax, like maximum, propagates NaN
     buf = torch.empty(CHUNK, dtype=dtype)
     best = torch.zeros((), dtype=dtype)
     for i in range(0, n, CHUNK):
-        part = buf[:min(CHUNK, n - i)]
-        torch.sub(put(a[i:i + CHUNK]), put(b[i:i + CHUNK]), out=part)
+        part = buf[: min(CHUNK, n - i)]
+        torch.sub(put(a[i : i + CHUNK]), put(b[i : i + CHUNK]), out=part)
         torch.maximum(best, part.abs_().amax(), out=best)
     return best
 
 
 def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
-        raise UsageError(f"TP tensor of shape {list(a.shape)} cannot be compared with the plan's shard "
-                         f"{list(b.shape)}: the plan or the TP module's layout is wrong")
+        raise UsageError(
+            f"TP tensor of shape {list(a.shape)} cannot be compared with the plan's shard "
+            f"{list(b.shape)}: the plan or the TP module's layout is wrong"
+        )
     if a.numel() == 0:
         return 0.0
-    # float32 or float64 as they are (the seed's metric is a float32 difference); half types in float32,
-    # where they are exact. A NaN anywhere makes the difference infinite.
-    d = max_abs_diff(a, b, torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32))
+    # float32 or float64 as they are (the seed's metric is a float32 difference); half types in
+    # float32, where they are exact. A NaN anywhere makes the difference infinite.
+    d = max_abs_diff(
+        a, b, torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    )
     return float(d) if not torch.isnan(d) else math.inf
 
 
@@ -93,15 +110,15 @@ def leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A copy of `t` for one side: in `dtype` if floating (else its own dtype), never `t` itself, so a
-    model or loss that works in place on its input changes its own copy only, not the batch the other
-    sides take theirs from."""
+    """A copy of `t` for one side: in `dtype` if floating (else its own dtype), never `t` itself, so
+    a model or loss that works in place on its input changes its own copy only, not the batch the
+    other sides take theirs from."""
     return t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
 
 
 def map_tensors(fn, obj):
-    """`fn` applied to every tensor of a target that may be a tensor or a dict/list/tuple of them (labels
-    and masks beside each other); anything else as it is."""
+    """`fn` applied to every tensor of a target that may be a tensor or a dict/list/tuple of them
+    (labels and masks beside each other); anything else as it is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):

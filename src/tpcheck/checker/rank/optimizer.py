@@ -3,31 +3,33 @@
 0. What is stepped. In float32/float64, and with pure 16-bit parameters, each optimizer steps its
    module's own parameters. With a 16-bit dtype and master weights (the default: Megatron-Core's and
    torchtitan's recipe) each side keeps float32 masters: created from the module's 16-bit weights as
-   loaded, given the module's grads upcast after the last micro-batch, stepped in float32 with float32
-   state, and rounded back into the module after the step (`Masters`).
+   loaded, given the module's grads upcast after the last micro-batch, stepped in float32 with
+   float32 state, and rounded back into the module after the step (`Masters`).
 
-1. The replay. The dense update rule (torch.optim, the dense side's hyperparameters) is applied to the
-   TP side's own weights and gradients as they are just before the TP optimizer steps. SGD and AdamW
-   are elementwise, so replaying them on a rank's local shards is exactly what the dense optimizer
-   computes for those elements. The TP side's update must then equal the replay's bitwise (the same
-   kernel sees the same inputs), and so must its optimizer state (exp_avg, exp_avg_sq, step). Nothing
-   here is derived from the TP optimizer: a wrong lr, betas, eps, weight decay, a reset or missing
-   state, a parameter left out on some rank, shows at the step where it first acts.
+1. The replay. The dense update rule (torch.optim, the dense side's hyperparameters) is applied to
+   the TP side's own weights and gradients as they are just before the TP optimizer steps. SGD and
+   AdamW are elementwise, so replaying them on a rank's local shards is exactly what the dense
+   optimizer computes for those elements. The TP side's update must then equal the replay's bitwise
+   (the same kernel sees the same inputs), and so must its optimizer state (exp_avg, exp_avg_sq,
+   step). Nothing here is derived from the TP optimizer: a wrong lr, betas, eps, weight decay, a
+   reset or missing state, a parameter left out on some rank, shows at the step where it first acts.
 
 2. Against the dense model. After an adaptive optimizer step, how far the TP weights may be from the
    dense ones for reasons the grads already explain:
 
 An adaptive optimizer amplifies small grad differences: AdamW steps by lr * m / (sqrt(v) + eps),
-about lr * sign(grad) at first, so where a moment is near 0 (or near eps) a rounding-level difference
-in the grads can move an element by up to 2 x lr, and it stays moved. The grads were already checked
-against their bounds, and the replay has shown that the TP side applied the dense rule to them. So each
-element may differ by (twice) the update difference the moments explain, lr * |u_tp - u_dense|, with u
-from the dense hyperparameters and, for the TP side, the *replay's* moments (the dense rule on the TP
-side's own grads), never the TP optimizer's own: a TP optimizer bug cannot widen its own allowance.
-Per step (every step starts from the dense weights). Likewise the float64 side against the dense one, so that bounds are not
-inflated by the same effect. Only after adaptive optimizer steps; the check then records the raw
-difference beside the one left unexplained (`Check.raw_error`).
+about lr * sign(grad) at first, so where a moment is near 0 (or near eps) a rounding-level
+difference in the grads can move an element by up to 2 x lr, and it stays moved. The grads were
+already checked against their bounds, and the replay has shown that the TP side applied the dense
+rule to them. So each element may differ by (twice) the update difference the moments explain, lr *
+|u_tp - u_dense|, with u from the dense hyperparameters and, for the TP side, the *replay's* moments
+(the dense rule on the TP side's own grads), never the TP optimizer's own: a TP optimizer bug cannot
+widen its own allowance. Per step (every step starts from the dense weights). Likewise the float64
+side against the dense one, so that bounds are not inflated by the same effect. Only after adaptive
+optimizer steps; the check then records the raw difference beside the one left unexplained
+(`Check.raw_error`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +42,11 @@ class Masters:
     def __init__(self, module: nn.Module, masters: bool) -> None:
         self.module, self.masters = module, masters
         own = dict(module.named_parameters())
-        self.params = {n: nn.Parameter(p.detach().float().clone()) for n, p in own.items()} if masters else own
+        self.params = (
+            {n: nn.Parameter(p.detach().float().clone()) for n, p in own.items()}
+            if masters
+            else own
+        )
         self._own = own
 
     @classmethod
@@ -49,8 +55,8 @@ class Masters:
 
     @property
     def owner(self):
-        """What a TP-side optimizer factory is handed: the module itself, or (master weights) an object
-        whose named_parameters() are the masters."""
+        """What a TP-side optimizer factory is handed: the module itself, or (master weights) an
+        object whose named_parameters() are the masters."""
         return self if self.masters else self.module
 
     def named_parameters(self):
@@ -75,8 +81,8 @@ class Masters:
 
 
 class Replay:
-    """The dense update rule on the TP side's own inputs: `run(tp_params)` copies each TP parameter and
-    its gradient (before the TP optimizer steps) and steps `make_optimizer` on the copies."""
+    """The dense update rule on the TP side's own inputs: `run(tp_params)` copies each TP parameter
+    and its gradient (before the TP optimizer steps) and steps `make_optimizer` on the copies."""
 
     def __init__(self, tp_params: dict[str, nn.Parameter], make_optimizer) -> None:
         self.params = {n: nn.Parameter(p.detach().clone()) for n, p in tp_params.items()}
@@ -98,33 +104,58 @@ class Replay:
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         """The replay's optimizer state of `name` (tensors only), e.g. exp_avg, exp_avg_sq, step."""
-        return {k: v for k, v in self.opt.state.get(self.params[name], {}).items() if isinstance(v, torch.Tensor)}
+        return {
+            k: v
+            for k, v in self.opt.state.get(self.params[name], {}).items()
+            if isinstance(v, torch.Tensor)
+        }
 
 
 class AdaptiveSlack:
-    """`apply` returns the tensors with every element that this step's update difference explains set
-    to the reference value (both sides start every step from the dense weights: nothing accumulates)."""
+    """`apply` returns the tensors with every element that this step's update difference explains
+    set to the reference value (both sides start every step from the dense weights:
+    nothing accumulates)."""
 
-    def __init__(self, dense_opt: torch.optim.Optimizer, replay: Replay,
-                 truth_opt: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self,
+        dense_opt: torch.optim.Optimizer,
+        replay: Replay,
+        truth_opt: torch.optim.Optimizer | None,
+    ) -> None:
         self.dense_opt, self.replay, self.truth_opt = dense_opt, replay, truth_opt
 
-    def apply(self, name: str, placement, rank: int, world: int, tp_name: str, p, truth_p, tp_val, truth_val):
-        """(tp_val, truth_val) relaxed by the update differences their moments explain; the TP side's
-        moments are the replay's (dense rule on the TP side's own grads)."""
+    def apply(
+        self,
+        name: str,
+        placement,
+        rank: int,
+        world: int,
+        tp_name: str,
+        p,
+        truth_p,
+        tp_val,
+        truth_val,
+    ):
+        """(tp_val, truth_val) relaxed by the update differences their moments explain; the TP
+        side's moments are the replay's (dense rule on the TP side's own grads)."""
         hyper = next(g for g in self.dense_opt.param_groups if any(q is p for q in g["params"]))
         u_dense = adam_direction(self.dense_opt.state.get(p, {}), hyper)
         if u_dense is None:
             return tp_val, truth_val
         u_tp = adam_direction(self.replay.state(tp_name), hyper)
         if u_tp is not None:
-            tp_val = self._relax(hyper, tp_val, placement.shard(p.detach(), rank, world), u_tp,
-                                 placement.shard(u_dense, rank, world))
+            tp_val = self._relax(
+                hyper,
+                tp_val,
+                placement.shard(p.detach(), rank, world),
+                u_tp,
+                placement.shard(u_dense, rank, world),
+            )
         return tp_val, self.relax_truth(p, truth_p, truth_val)
 
     def relax_truth(self, p, truth_p, truth_val):
-        """`truth_val` (the float64 truth's parameter after the step) relaxed toward the dense one by the
-        update difference the two sides' moments explain."""
+        """`truth_val` (the float64 truth's parameter after the step) relaxed toward the dense one
+        by the update difference the two sides' moments explain."""
         if truth_val is None or truth_p is None or truth_p is p or self.truth_opt is None:
             return truth_val
         hyper = next(g for g in self.dense_opt.param_groups if any(q is p for q in g["params"]))

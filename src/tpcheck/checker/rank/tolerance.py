@@ -5,12 +5,13 @@ Three kinds of comparison, each recorded with the bound it used and why:
 * exact: bitwise equality. Used where no arithmetic separates the two tensors: TP weights loaded
   from the dense ones (pure indexing), copies of a replicated tensor on different ranks (the result
   of one all-reduce, or the same computation on the same inputs), and the TP optimizer's update and
-  state against the dense rule replayed on the TP side's own weights and grads (checker/rank/optimizer.py).
+  state against the dense rule replayed on the TP side's own weights and grads
+  (checker/rank/optimizer.py).
 
 * calibrated: the TP tensor against the dense model's tensor in the same dtype, with a bound tied to
-  the dense model's own error against a float64 ground truth (the dense model in float64, rank 0 only).
-  Every step starts both sides and the truth from the same weights (checker/rank/engine.py), so that error is
-  the rounding of this step's arithmetic:
+  the dense model's own error against a float64 ground truth (the dense model in float64, rank 0
+  only). Every step starts both sides and the truth from the same weights (checker/rank/engine.py),
+  so that error is the rounding of this step's arithmetic:
 
       max |TP - dense| <= MAX_FACTOR * max |dense - truth| + FLOOR_ULPS * eps * max |truth|
 
@@ -19,25 +20,27 @@ Three kinds of comparison, each recorded with the bound it used and why:
   as they carry the dense model's own rounding. So |TP - truth| is of the order of |dense - truth|,
   and |TP - dense| <= |TP - truth| + |dense - truth|. How large the first term can get is measured,
   not guessed: over 2,000 random correct cases of every block, dtype, world size 1-8, SP on/off and
-  1-3 micro-batches (benchmarks/bounds.py), (|TP - dense| - floor) / |dense - truth| stayed below 5.9
-  on tensors of 64 elements or more, with no trend in the world size (each extra rank adds roundings
-  of smaller partial sums). MAX_FACTOR = 8 leaves 1.4x room; widening it further costs bfloat16
-  detectability. Below SMALL_NUMEL = 64 elements (norm weights, biases, the loss) the max is a ratio
-  of a handful of rounding errors, a heavy-tailed statistic (measured up to 6.1 over 16 elements):
-  SMALL_FACTOR = 16. The floor covers tensors the dense model happens to compute exactly (a scalar
-  loss, an embedding lookup, an element whose AdamW update difference was explained away): 1 ulp of
-  the tensor's scale, 8 under SMALL_NUMEL elements. What this bound can
+  1-3 micro-batches (benchmarks/bounds.py), (|TP - dense| - floor) / |dense - truth| stayed below
+  5.9 on tensors of 64 elements or more, with no trend in the world size (each extra rank adds
+  roundings of smaller partial sums). MAX_FACTOR = 8 leaves 1.4x room; widening it further costs
+  bfloat16 detectability. Below SMALL_NUMEL = 64 elements (norm weights, biases, the loss) the max
+  is a ratio of a handful of rounding errors, a heavy-tailed statistic (measured up to 6.1 over 16
+  elements): SMALL_FACTOR = 16. The floor covers tensors the dense model happens to compute exactly
+  (a scalar loss, an embedding lookup, an element whose AdamW update difference was explained away):
+  1 ulp of the tensor's scale, 8 under SMALL_NUMEL elements. What this bound can
   see, per dtype and world size, is the detectability table in docs/tolerances.md.
 
 * float64 as the working dtype has no higher-precision truth here, so the bound is
   `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
   relative per operation, a fault is ~1e-1.
 
-After an adaptive optimizer step the post-step weights also get the allowance of checker/rank/optimizer.py
-(the update difference this step's grad difference explains under the dense rule).
+After an adaptive optimizer step the post-step weights also get the allowance of
+checker/rank/optimizer.py (the update difference this step's grad difference explains
+under the dense rule).
 
 docs/tolerances.md has the derivation, the measured numbers and the detectability table.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +56,8 @@ FP64_FLOOR_ULPS = 2**20
 
 
 def factor(world_size: int, numel: int = SMALL_NUMEL) -> float:
-    """The calibrated bound's factor for a tensor of `numel` elements (world-independent: see the module
-    docstring)."""
+    """The calibrated bound's factor for a tensor of `numel` elements (world-independent: see the
+    module docstring)."""
     return MAX_FACTOR if numel >= SMALL_NUMEL else SMALL_FACTOR
 
 
@@ -76,7 +79,9 @@ PENDING = Bound(None, "calibrated", "from rank 0, which holds the float64 ground
 REPLICA = Bound(0.0, "exact", "bitwise: replicas come from one all-reduce or identical computation")
 
 
-def calibrated(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, world_size: int) -> Bound:
+def calibrated(
+    dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, world_size: int
+) -> Bound:
     """The bound for a TP tensor in `dtype` against the float64 `truth` (see module docstring)."""
     scale = absmax(truth)
     if dtype == torch.float64:
@@ -86,19 +91,30 @@ def calibrated(dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, wor
     f = factor(world_size, truth.numel())
     ulps = FLOOR_ULPS if truth.numel() >= SMALL_NUMEL else SMALL_FLOOR_ULPS
     floor = ulps * eps(dtype) * scale
-    return Bound(f * err_dense + floor, "calibrated",
-                 f"{f:g} x dense {str(dtype).removeprefix('torch.')} error vs float64 ({err_dense:.3g}) "
-                 f"+ {ulps} ulp(s) of scale {scale:.3g}", ref_error=err_dense, floor=floor)
+    return Bound(
+        f * err_dense + floor,
+        "calibrated",
+        f"{f:g} x dense {str(dtype).removeprefix('torch.')} error vs float64 ({err_dense:.3g}) "
+        f"+ {ulps} ulp(s) of scale {scale:.3g}",
+        ref_error=err_dense,
+        floor=floor,
+    )
 
 
-# The self-test's planted error, relative to the tensor's scale: the largest error the checker claims to
-# flag in every tensor of a run in this working dtype (float32 masters of a 16-bit run included: their
-# differences come from 16-bit grads). A control shifted by this much must fail its check (compare.py).
-CONTROL_RELATIVE = {torch.float64: 1e-8, torch.float32: 1e-3, torch.bfloat16: 1.0, torch.float16: 1.0}
+# The self-test's planted error, relative to the tensor's scale: the largest error the checker
+# claims to flag in every tensor of a run in this working dtype (float32 masters of a 16-bit run
+# included: their differences come from 16-bit grads). A control shifted by this much must fail
+# its check (compare.py).
+CONTROL_RELATIVE = {
+    torch.float64: 1e-8,
+    torch.float32: 1e-3,
+    torch.bfloat16: 1.0,
+    torch.float16: 1.0,
+}
 
 
 def control_shift(dtype: torch.dtype, scale: float) -> float:
-    """How far the self-test moves one element of a tensor whose largest magnitude is `scale`, in a run
-    whose working dtype is `dtype`."""
+    """How far the self-test moves one element of a tensor whose largest magnitude is `scale`, in a
+    run whose working dtype is `dtype`."""
     rel = CONTROL_RELATIVE.get(dtype, CONTROL_RELATIVE[torch.float32])
     return rel * scale if scale > 0 else 1.0

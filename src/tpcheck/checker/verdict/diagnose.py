@@ -1,8 +1,8 @@
 """Diagnosis: what the numbers of the first divergent tensor say about the bug.
 
 Signatures are computed from the tensors every rank sent back (`evidence`: the TP local tensor, the
-plan's shard of the dense reference, and the dense tensor), for the first divergent check in execution
-order. Each signature is a test on numbers, not on the fault's name:
+plan's shard of the dense reference, and the dense tensor), for the first divergent check in
+execution order. Each signature is a test on numbers, not on the fault's name:
 
   partial_sum       replicated tensor; each rank differs, the sum over ranks equals the reference
   scaled_by_world   TP = world x reference            (reduced twice; summed instead of averaged)
@@ -13,24 +13,25 @@ order. Each signature is a test on numbers, not on the fault's name:
   offset            TP - reference is one per-feature vector broadcast over tokens (a bias counted
                     (tp-1) extra times when added before the reduction)
   rank0_shard       every rank holds what rank 0 should hold (shards loaded without the rank offset)
-  permuted          same values, wrong places (fused weight split contiguously, wrong shard/gather dim,
-                    wrong head index)
+  permuted          same values, wrong places (fused weight split contiguously, wrong shard/gather
+                    dim, wrong head index)
   replicas_differ   a replicated tensor differs across ranks
   decay             TP - reference is proportional to the weights (optimizer stage): weight decay or
                     an L2 term applied differently
   not_applied       TP is zero on some ranks where the reference is not (an update, a gradient or a
                     load that never happened there)
   nan_inf           NaN/Inf appears on the TP side while the reference is finite
-  near_bound        every rank within 1e-3 relative of the reference and the error within 2x the bound:
-                    rounding, not a collective bug
-  rng_not_forked    (an RNG check) ranks holding different shards of a mask drew the same mask from the
-                    same generator state: the sharded region's draws were not forked per rank
-  rng_diverged      (an RNG check) replicas drew different masks, or from different states: a replicated
-                    region drew from a rank-seeded generator
-  dropout_mismatch  (an RNG check) the TP side's random draw does not match the dense side's (another
-                    count, kind, probability or shape)
+  near_bound        every rank within 1e-3 relative of the reference and the error within 2x the
+                    bound: rounding, not a collective bug
+  rng_not_forked    (an RNG check) ranks holding different shards of a mask drew the same mask from
+                    the same generator state: the sharded region's draws were not forked per rank
+  rng_diverged      (an RNG check) replicas drew different masks, or from different states: a
+                    replicated region drew from a rank-seeded generator
+  dropout_mismatch  (an RNG check) the TP side's random draw does not match the dense side's
+                    (another count, kind, probability or shape)
   mismatch          none of the above
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,41 +40,69 @@ import numpy as np
 
 from tpcheck.checker.payload import evidence_key
 
-# How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or 16
-# ulps of the working dtype when coarser (bf16). Chosen per diagnosis from the evidence's dtype.
+# How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or
+# 16 ulps of the working dtype when coarser (bf16). Chosen per diagnosis from the evidence's dtype.
 REL_MIN = 1e-3
-NEAR = 2.0  # "near the bound": within this factor of it; a small relative error far over a tight bound is real
+# "near the bound": within this factor of it; a small relative error far over a tight bound is real
+NEAR = 2.0
 
 CAUSES = {
-    "partial_sum": "partial sum: the per-rank values add up to the reference, so an all-reduce is missing "
-                   "(or its result was dropped) before this tensor",
-    "scaled_by_world": "scaled by the world size: reduced twice, or summed where it should be averaged",
-    "scaled_by_1/world": "scaled by 1/world size: divided by tp as if data parallel, or averaged where it "
-                         "should be summed",
-    "scaled_by_micro_batches": "scaled by the number of micro-batches: the micro-batch losses (or grads) "
-                              "were summed where they should be averaged",
+    "partial_sum": (
+        "partial sum: the per-rank values add up to the reference, so an all-reduce is missing "
+        "(or its result was dropped) before this tensor"
+    ),
+    "scaled_by_world": (
+        "scaled by the world size: reduced twice, or summed where it should be averaged"
+    ),
+    "scaled_by_1/world": (
+        "scaled by 1/world size: divided by tp as if data parallel, or averaged where it "
+        "should be summed"
+    ),
+    "scaled_by_micro_batches": (
+        "scaled by the number of micro-batches: the micro-batch losses (or grads) "
+        "were summed where they should be averaged"
+    ),
     "scaled": "scaled by a constant factor",
-    "offset": "offset by a per-feature vector: a bias added before the reduction is counted tp times",
+    "offset": (
+        "offset by a per-feature vector: a bias added before the reduction is counted tp times"
+    ),
     "rank0_shard": "every rank holds rank 0's shard: weights loaded without the rank offset",
-    "permuted": "same values in the wrong places: a layout bug (a fused weight split contiguously, a wrong "
-                "shard or gather dim, a wrong head index)",
-    "replicas_differ": "replicas differ across ranks: a replicated tensor was computed or updated differently "
-                       "on some rank",
+    "permuted": (
+        "same values in the wrong places: a layout bug (a fused weight split contiguously, a wrong "
+        "shard or gather dim, a wrong head index)"
+    ),
+    "replicas_differ": (
+        "replicas differ across ranks: a replicated tensor was computed or updated differently "
+        "on some rank"
+    ),
     "nan_inf": "NaN/Inf appears first here on the TP side while the reference is finite",
-    "decay": "the difference is proportional to the weights: weight decay (or an L2 penalty) applied "
-             "differently from the dense rule (twice, as L2 instead of decoupled, with another coefficient)",
-    "not_applied": "zero on these ranks where the reference is not: the operation (an optimizer update, a "
-                   "gradient, a load) was not applied there",
-    "near_bound": "a rounding-level difference just over the bound (every rank within 1e-3 relative): "
-                  "a tolerance question more likely than a TP bug",
-    "rng_not_forked": "ranks that hold different shards drew the same dropout mask from the same generator state: "
-                      "the sharded region's random draws are not forked per rank (Megatron's "
-                      "get_cuda_rng_tracker().fork(); tpcheck.parallel.RNGTracker), so the shards' masks are copies "
-                      "of one another",
-    "rng_diverged": "replicas drew different dropout masks (or from different generator states): a replicated "
-                    "region drew from a generator seeded by rank, so the replicas drift apart",
-    "dropout_mismatch": "the TP side's random draw does not match the dense side's (another number of draws, kind, "
-                        "probability or shape)",
+    "decay": (
+        "the difference is proportional to the weights: weight decay (or an L2 penalty) applied "
+        "differently from the dense rule (twice, as L2 instead of decoupled, "
+        "with another coefficient)"
+    ),
+    "not_applied": (
+        "zero on these ranks where the reference is not: the operation (an optimizer update, a "
+        "gradient, a load) was not applied there"
+    ),
+    "near_bound": (
+        "a rounding-level difference just over the bound (every rank within 1e-3 relative): "
+        "a tolerance question more likely than a TP bug"
+    ),
+    "rng_not_forked": (
+        "ranks that hold different shards drew the same dropout mask from the same generator "
+        "state: the sharded region's random draws are not forked per rank (Megatron's "
+        "get_cuda_rng_tracker().fork(); tpcheck.parallel.RNGTracker), so the shards' masks are "
+        "copies of one another"
+    ),
+    "rng_diverged": (
+        "replicas drew different dropout masks (or from different generator states): a replicated "
+        "region drew from a generator seeded by rank, so the replicas drift apart"
+    ),
+    "dropout_mismatch": (
+        "the TP side's random draw does not match the dense side's (another number of draws, kind, "
+        "probability or shape)"
+    ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 
@@ -83,43 +112,72 @@ RNG_SIGNATURES = {"differ": "rng_not_forked", "same": "rng_diverged"}
 def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int = 1) -> dict:
     """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict."""
     key = evidence_key(first["stage"], first["step"], first["name"])
-    if first["stage"] == "replicas":  # the replicated tensor's own evidence, under the stage it was compared in
+    # the replicated tensor's own evidence, under the stage it was compared in
+    if first["stage"] == "replicas":
         key = next((k for k in _keys(evidence) if k[1:] == key[1:]), key)
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     if first.get("kind") == "rng":
         return _rng_diagnosis(first, ev)
-    signature, details = ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
-    c = Classifier(rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)),
-                   micro_batches=micro_batches)
+    signature, details = (
+        ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
+    )
+    c = Classifier(
+        rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)),
+        micro_batches=micro_batches,
+    )
     off = first["ranks"][0] if first["ranks"] else 0
     if len(ev) == world:
         signature, details = c.classify(ev, world, evidence, off)
         if first["stage"] == "replicas" and signature in ("near_bound", "mismatch"):
-            signature = "replicas_differ"  # copies of one element on several ranks differ, by however little
+            # copies of one element on several ranks differ, by however little
+            signature = "replicas_differ"
         error, bound = first.get("error"), first.get("bound")
         if signature == "near_bound" and error is not None and bound and error > NEAR * bound:
-            signature, details = "mismatch", {"error_over_bound": error / bound}  # small, but not rounding
+            # small, but not rounding
+            signature, details = "mismatch", {"error_over_bound": error / bound}
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
     location = first["name"].split(":", 1)[-1]
-    return {"signature": signature, "cause": CAUSES[signature], "location": location, "tensor": first["name"],
-            "stage": first["stage"], "step": first["step"], "ranks": first["ranks"], "evidence": details,
-            "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
-                        f"{CAUSES[signature]}"}
+    return {
+        "signature": signature,
+        "cause": CAUSES[signature],
+        "location": location,
+        "tensor": first["name"],
+        "stage": first["stage"],
+        "step": first["step"],
+        "ranks": first["ranks"],
+        "evidence": details,
+        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
+        f"{CAUSES[signature]}",
+    }
 
 
 def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
     """An RNG placement check diverges first: the rule it broke names the signature."""
     info = next((e["rng"] for r, e in sorted(ev.items()) if r in first["ranks"] and "rng" in e), {})
-    signature = "dropout_mismatch" if info.get("problem") or info.get("rule") not in RNG_SIGNATURES \
+    signature = (
+        "dropout_mismatch"
+        if info.get("problem") or info.get("rule") not in RNG_SIGNATURES
         else RNG_SIGNATURES[info["rule"]]
+    )
     details = {"rule": info.get("rule"), "with_ranks": info.get("ranks", [])}
     if info.get("problem"):
         details["problem"] = info["problem"]
     location = first["name"].split(":", 1)[-1]
-    return {"signature": signature, "cause": CAUSES[signature], "location": location, "tensor": first["name"],
-            "stage": first["stage"], "step": first["step"], "ranks": first["ranks"], "evidence": details,
-            "sentence": f"the random masks at {location} (step {first['step']}) diverge first: {CAUSES[signature]}"}
+    return {
+        "signature": signature,
+        "cause": CAUSES[signature],
+        "location": location,
+        "tensor": first["name"],
+        "stage": first["stage"],
+        "step": first["step"],
+        "ranks": first["ranks"],
+        "evidence": details,
+        "sentence": (
+            f"the random masks at {location} (step {first['step']}) diverge first: "
+            f"{CAUSES[signature]}"
+        ),
+    }
 
 
 def _keys(evidence: list[dict]):
@@ -137,17 +195,21 @@ def _close_exact(a: np.ndarray, b: np.ndarray) -> bool:
 
 @dataclass(frozen=True)
 class Classifier:
-    """The signature tests, with `rel`: how close "equal up to rounding" is, relative to a tensor's scale."""
+    """The signature tests, with `rel`: how close "equal
+    up to rounding" is, relative to a tensor's scale."""
 
     rel: float = REL_MIN
     micro_batches: int = 1
 
     def _close(self, a: np.ndarray, b: np.ndarray) -> bool:
-        return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= self.rel * max(_scale(b), 1e-30)
+        return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= self.rel * max(
+            _scale(b), 1e-30
+        )
 
     def _scale_factor(self, tp: np.ndarray, ref: np.ndarray) -> float | None:
-        """c with tp == c * ref, or tp == c * ref + v for one per-feature vector v (a replicated bias
-        that was not scaled, e.g. a row-parallel output reduced twice, then biased); else None."""
+        """c with tp == c * ref, or tp == c * ref + v for one per-feature vector v (a replicated
+        bias that was not scaled, e.g. a row-parallel output reduced twice, then
+        biased); else None."""
         denom = float((ref * ref).sum())
         if denom > 0:
             c = float((tp * ref).sum()) / denom
@@ -164,14 +226,18 @@ class Classifier:
         return None
 
     def _per_feature(self, d: np.ndarray, noise: float = 0.0) -> bool:
-        """d is one nonzero vector over the last dim, broadcast over all other dims (up to `noise`, the
-        absolute rounding of the tensors d was computed from, or `rel` of d's own scale)."""
+        """d is one nonzero vector over the last dim, broadcast over all other dims (up to `noise`,
+        the absolute rounding of the tensors d was computed from, or `rel` of d's own scale)."""
         if d.ndim < 2 or _scale(d) <= noise:
             return False
         rows = d.reshape(-1, d.shape[-1])
-        return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= max(noise, self.rel * _scale(d))
+        return rows.shape[0] > 1 and float(np.abs(rows - rows[0]).max()) <= max(
+            noise, self.rel * _scale(d)
+        )
 
-    def classify(self, ev: dict[int, dict], world: int, evidence: list[dict], off: int = 0) -> tuple[str, dict]:
+    def classify(
+        self, ev: dict[int, dict], world: int, evidence: list[dict], off: int = 0
+    ) -> tuple[str, dict]:
         """Signatures that need every rank's tensor; `off` is a rank where the check failed."""
         tps = [ev[r]["tp"] for r in range(world)]
         refs = [ev[r]["ref"] for r in range(world)]
@@ -185,21 +251,33 @@ class Classifier:
         if replicated and world > 1 and not identical:
             total = np.sum(tps, axis=0)
             if not all(self._close(t, refs[0]) for t in tps):
-                # each partial was rounded at its own scale, which cancellation can make larger than the sum's
+                # each partial was rounded at its own scale, which
+                # cancellation can make larger than the sum's
                 noise = self.rel * max(_scale(t) for t in [*tps, refs[0]])
                 if float(np.abs(total - refs[0]).max(initial=0.0)) <= noise:
-                    return "partial_sum", {"sum_over_ranks_error": float(np.abs(total - refs[0]).max())}
+                    return "partial_sum", {
+                        "sum_over_ranks_error": float(np.abs(total - refs[0]).max())
+                    }
                 bias = self._bias_explaining(total - refs[0], world, evidence, noise)
-                if bias or self._per_feature(total - refs[0], noise):  # a replicated bias added on every rank
-                    return "partial_sum", {"plus": f"(world - 1) x {bias or 'a per-feature vector'} "
-                                                   "(a bias added on each rank)"}
+                # a replicated bias added on every rank
+                if bias or self._per_feature(total - refs[0], noise):
+                    return "partial_sum", {
+                        "plus": f"(world - 1) x {bias or 'a per-feature vector'} "
+                        "(a bias added on each rank)"
+                    }
             errs = [float(np.abs(t - refs[0]).max(initial=0.0)) for t in tps]
             if min(errs) * 10 < max(errs):  # some ranks (nearly) right, others not
-                return "replicas_differ", {"ranks_off": [r for r in range(world) if errs[r] > 10 * min(errs)]}
+                return "replicas_differ", {
+                    "ranks_off": [r for r in range(world) if errs[r] > 10 * min(errs)]
+                }
             sig, details = self.classify_local(ev[off], world)
             return ("replicas_differ", details) if sig == "mismatch" else (sig, details)
-        if world > 1 and not replicated and all(self._close(tps[r], refs[0]) for r in range(world)) \
-                and not self._close(refs[1], refs[0]):
+        if (
+            world > 1
+            and not replicated
+            and all(self._close(tps[r], refs[0]) for r in range(world))
+            and not self._close(refs[1], refs[0])
+        ):
             return "rank0_shard", {}
         sig, details = self.classify_local(ev[off], world)
         if sig == "offset":
@@ -222,9 +300,11 @@ class Classifier:
             return "not_applied", {}
         c = self._scale_factor(tp, ref)
         if c is not None:
-            for name, target, applies in (("scaled_by_world", world, world > 1),
-                                          ("scaled_by_1/world", 1.0 / world, world > 1),
-                                          ("scaled_by_micro_batches", self.micro_batches, self.micro_batches > 1)):
+            for name, target, applies in (
+                ("scaled_by_world", world, world > 1),
+                ("scaled_by_1/world", 1.0 / world, world > 1),
+                ("scaled_by_micro_batches", self.micro_batches, self.micro_batches > 1),
+            ):
                 if applies and abs(c - target) <= 1e-2 * target:
                     return name, {"factor": c}
         if "weights" in e and (k := self._proportional(tp - ref, e["weights"])) is not None:
@@ -232,17 +312,27 @@ class Classifier:
         if c is not None:
             # any two scalars "scale"; and noise moves the fitted c off 1 too: a scale explains the
             # difference only when removing it leaves (almost) nothing
-            if abs(c - 1.0) > 1e-6 and not _close_exact(tp, ref) and tp.size > 1 and self._explains(tp, ref, c):
+            if (
+                abs(c - 1.0) > 1e-6
+                and not _close_exact(tp, ref)
+                and tp.size > 1
+                and self._explains(tp, ref, c)
+            ):
                 return "scaled", {"factor": c}
         d = tp - ref
         if self._per_feature(d):
             return "offset", {"offset_norm": float(np.linalg.norm(d.reshape(-1, d.shape[-1])[0]))}
-        if tp.shape == ref.shape and not self._close(tp, ref) and self._close(np.sort(tp.ravel()), np.sort(ref.ravel())):
+        if (
+            tp.shape == ref.shape
+            and not self._close(tp, ref)
+            and self._close(np.sort(tp.ravel()), np.sort(ref.ravel()))
+        ):
             return "permuted", {}
         return "mismatch", {"relative_error": float(np.abs(d).max()) / max(_scale(ref), 1e-30)}
 
     def _proportional(self, d: np.ndarray, w: np.ndarray) -> float | None:
-        """k with d == k * w up to 10% of d (rounding in the optimizer's arithmetic is coarser than d)."""
+        """k with d == k * w up to 10% of d (rounding in
+        the optimizer's arithmetic is coarser than d)."""
         denom = float((w * w).sum())
         if d.shape != w.shape or denom == 0 or _scale(d) == 0:
             return None
@@ -252,16 +342,22 @@ class Classifier:
     def _explains(self, tp: np.ndarray, ref: np.ndarray, c: float) -> bool:
         """Scaling by c removes at least 90% of the difference (up to one per-feature vector)."""
         rest = tp - c * ref
-        return self._per_feature(rest) or float(np.abs(rest).max()) <= 0.1 * float(np.abs(tp - ref).max())
+        return self._per_feature(rest) or float(np.abs(rest).max()) <= 0.1 * float(
+            np.abs(tp - ref).max()
+        )
 
     def _offset_source(self, ev: dict[int, dict], world: int, evidence: list[dict]) -> dict:
-        """Name the replicated parameter p with offset == (world - 1) * p, if the loaded weights say so."""
+        """Name the replicated parameter p with offset ==
+        (world - 1) * p, if the loaded weights say so."""
         bias = self._bias_explaining(ev[0]["tp"] - ev[0]["ref"], world, evidence)
         return {"offset_is": f"(world - 1) x {bias}"} if bias else {}
 
-    def _bias_explaining(self, d: np.ndarray, world: int, evidence: list[dict], noise: float = 0.0) -> str | None:
-        """The name of a 1-D parameter p (as loaded) with every row of d equal to (world - 1) * p, up to
-        `noise` (the absolute rounding of the tensors d was computed from) or `rel` of p's scale."""
+    def _bias_explaining(
+        self, d: np.ndarray, world: int, evidence: list[dict], noise: float = 0.0
+    ) -> str | None:
+        """The name of a 1-D parameter p (as loaded) with every row of d equal to (world - 1) * p,
+        up to `noise` (the absolute rounding of the tensors d was computed from) or
+        `rel` of p's scale."""
         if world < 2 or d.ndim < 1 or _scale(d) <= noise:
             return None
         rows = d.reshape(-1, d.shape[-1])

@@ -11,6 +11,7 @@ checkpoint, who was computing or silent -- the culprits, named first -- and wher
 of issued collectives first differ (the rank-dependent branch that skipped a collective is usually
 right there).
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,14 @@ from tpcheck.checker.verdict.hangs import hang_details, hang_summary
 from tpcheck.checker.vocabulary import Verdict
 
 # a rank's Status (or "peer", see _kind) -> (priority, verdict); lower priority wins
-STATUS: dict[str, tuple[int, Verdict]] = {"usage": (0, "invalid"), "crash": (1, "error"), "error": (2, "error"),
-                                          "hang": (3, "hang"), "peer": (4, "error"), "aborted": (5, "error")}
+STATUS: dict[str, tuple[int, Verdict]] = {
+    "usage": (0, "invalid"),
+    "crash": (1, "error"),
+    "error": (2, "error"),
+    "hang": (3, "hang"),
+    "peer": (4, "error"),
+    "aborted": (5, "error"),
+}
 PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
 TRACEBACK_LINES = 12
 
@@ -33,8 +40,11 @@ def failure_fields(spec: CaseSpec, payloads: list) -> dict:
     failed = [p for p in payloads if p.status != "ok"]
     primary = min(failed, key=lambda p: (STATUS[_kind(p)][0], p.rank))
     verdict = STATUS[_kind(primary)][1]
-    out = {"verdict": verdict, "problems": [p.problem_json() for p in failed],
-           "as_expected": verdict == "hang" and spec.expected_verdict == "hang"}
+    out = {
+        "verdict": verdict,
+        "problems": [p.problem_json() for p in failed],
+        "as_expected": verdict == "hang" and spec.expected_verdict == "hang",
+    }
     if verdict == "hang":
         out["hang"] = hang_details(payloads)
         out["summary"] = hang_summary(out["hang"])
@@ -55,14 +65,22 @@ _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fun
 
 
 def raised_in(tb: str) -> str | None:
-    """The innermost frame of a traceback in the code under test (not torch's, not tpcheck's, not the
-    standard library's plumbing): 'file.py:LINE in func: source', or None."""
+    """The innermost frame of a traceback in the code under test (not torch's, not tpcheck's, not
+    the standard library's plumbing): 'file.py:LINE in func: source', or None."""
     lines = tb.splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME.match(lines[i])
         if m and frame_kind(m["path"]) == "user":
-            source = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
-            path = m["path"].split("site-packages/", 1)[-1] if "site-packages/" in m["path"] else short_path(m["path"])
+            source = (
+                lines[i + 1].strip()
+                if i + 1 < len(lines) and not _FRAME.match(lines[i + 1])
+                else ""
+            )
+            path = (
+                m["path"].split("site-packages/", 1)[-1]
+                if "site-packages/" in m["path"]
+                else short_path(m["path"])
+            )
             where = f"{path}:{m['line']} in {m['func']}"
             return f"{where}: {source}" if source else where
     return None
@@ -80,4 +98,3 @@ def error_summary(p) -> str:
 
 
 # ---------------------------------------------------------------------------- hangs
-

@@ -1,7 +1,9 @@
 """A hang told rank by rank from the launcher's evidence (pool/heartbeat.py): who waited in which
-collective (op, site, phase, and the file:line that issued it), who waited at the checker's checkpoint,
-who was computing or silent -- the culprits, named first -- and where the ranks' ledgers of issued
-collectives first differ (the rank-dependent branch that skipped a collective is usually right there)."""
+collective (op, site, phase, and the file:line that issued it), who waited at the checker's
+checkpoint, who was computing or silent -- the culprits, named first -- and where the ranks' ledgers
+of issued collectives first differ (the rank-dependent branch that skipped a collective is
+usually right there)."""
+
 from __future__ import annotations
 
 from tpcheck.checker.payload import ledger_diff
@@ -14,17 +16,28 @@ def culprits(evidence: list[dict]) -> tuple[list[int], str]:
     if away and waiting:
         kinds = {e["state"] for e in away}
         if kinds == {"unresponsive"}:
-            return [e["rank"] for e in away], "some rank stopped responding while the others waited for it"
-        return [e["rank"] for e in away], "some rank never reached the collective the others wait in (stuck in compute)"
+            return [
+                e["rank"] for e in away
+            ], "some rank stopped responding while the others waited for it"
+        return [
+            e["rank"] for e in away
+        ], "some rank never reached the collective the others wait in (stuck in compute)"
     if away:
-        return [e["rank"] for e in away], "no rank entered a collective or moved for the whole deadline (stuck in compute)"
+        return [
+            e["rank"] for e in away
+        ], "no rank entered a collective or moved for the whole deadline (stuck in compute)"
     groups: dict[tuple, list[int]] = {}
     for e in waiting:
-        groups.setdefault((e["state"], e.get("call"), e.get("op"), e.get("site"), e.get("checkpoint")), []).append(e["rank"])
+        groups.setdefault(
+            (e["state"], e.get("call"), e.get("op"), e.get("site"), e.get("checkpoint")), []
+        ).append(e["rank"])
     if len(groups) > 1:
         smallest = min(groups.values(), key=len)
         if sum(len(g) == len(smallest) for g in groups.values()) == 1:
-            return smallest, "ranks wait in different places: a collective was issued on some ranks only"
+            return (
+                smallest,
+                "ranks wait in different places: a collective was issued on some ranks only",
+            )
         return [], "ranks wait in different places: a collective was issued on some ranks only"
     return [], "every rank waits in the same place"
 
@@ -39,30 +52,48 @@ def describe(e: dict) -> str:
         return f"rank {r} was computing at {e['at']} (there for {s:g} s, in no collective)"
     if e["state"] == "checkpoint":
         return f"rank {r} waited {s:g} s at the checker's checkpoint after {e['checkpoint']}"
-    if e.get("op") and e.get("site") == "torch.distributed":  # counted by ledger.count_user_collectives
-        return (f"rank {r} waited {s:g} s in {e['phase']} torch.distributed.{e['op']} called at {e['at']} (a "
-                "collective of the code under test, not through tpcheck's TPGroup)")
+    # counted by ledger.count_user_collectives
+    if e.get("op") and e.get("site") == "torch.distributed":
+        return (
+            f"rank {r} waited {s:g} s in {e['phase']} torch.distributed.{e['op']} called at "
+            f"{e['at']} (a collective of the code under test, not through tpcheck's TPGroup)"
+        )
     if e.get("op"):
         return f"rank {r} waited {s:g} s in {e['phase']} {e['op']} at {e['site']!r} ({e['at']})"
-    return (f"rank {r} waited {s:g} s in torch.distributed.{e['call']} called at {e['at']} "
-            "(a collective of the code under test, not through tpcheck's TPGroup)")
+    return (
+        f"rank {r} waited {s:g} s in torch.distributed.{e['call']} called at {e['at']} "
+        "(a collective of the code under test, not through tpcheck's TPGroup)"
+    )
 
 
 def hang_details(payloads: list) -> dict:
-    """Per rank, where it was (the launcher's heartbeat evidence when there is some, else what the rank
-    said itself); the culprits among them; where the ranks' ledgers of collectives first differ."""
+    """Per rank, where it was (the launcher's heartbeat evidence when there is some, else what the
+    rank said itself); the culprits among them; where the ranks' ledgers of
+    collectives first differ."""
     ranks = [_evidence(p) for p in payloads if p.status != "ok"]
     culprit, cause = culprits([e for e in ranks if e["state"] != "unknown"])
-    stuck = [{"rank": e["rank"], **{k: e[k] for k in ("op", "site", "phase") if k in e}}
-             for e in ranks if e["state"] == "collective"]
-    waiting = [{"rank": e["rank"], "checkpoint": e.get("checkpoint"), "message": e.get("message", "")}
-               for e in ranks if e["state"] == "checkpoint"]
+    stuck = [
+        {"rank": e["rank"], **{k: e[k] for k in ("op", "site", "phase") if k in e}}
+        for e in ranks
+        if e["state"] == "collective"
+    ]
+    waiting = [
+        {"rank": e["rank"], "checkpoint": e.get("checkpoint"), "message": e.get("message", "")}
+        for e in ranks
+        if e["state"] == "checkpoint"
+    ]
     ledgers = {p.rank: lines for p in payloads if (lines := p.ledger_lines()) is not None}
     diff = ledger_diff(ledgers) if ledgers else None
     if diff and len(ledgers) < len(payloads):
         diff += f" (no ledger from rank(s) {sorted(set(range(len(payloads))) - set(ledgers))})"
-    return {"ranks": ranks, "culprits": culprit, "cause": cause, "stuck_in_collective": stuck,
-            "waiting_at_checkpoint": waiting, "ledger_diff": diff}
+    return {
+        "ranks": ranks,
+        "culprits": culprit,
+        "cause": cause,
+        "stuck_in_collective": stuck,
+        "waiting_at_checkpoint": waiting,
+        "ledger_diff": diff,
+    }
 
 
 def _evidence(p) -> dict:
@@ -82,16 +113,27 @@ def _evidence(p) -> dict:
 def _line(e: dict) -> str:
     if "seconds" in e:
         return describe(e)
-    if e["state"] == "collective":  # a rank's own report, without the launcher's evidence (torchrun)
-        return (f"rank {e['rank']} stuck in {e['phase']} {e['op']} at {e['site']!r} until the timeout" if e.get("op")
-                else f"rank {e['rank']} stuck in a collective until the timeout")
+    # a rank's own report, without the launcher's evidence (torchrun)
+    if e["state"] == "collective":
+        return (
+            f"rank {e['rank']} stuck in {e['phase']} {e['op']} at {e['site']!r} until the timeout"
+            if e.get("op")
+            else f"rank {e['rank']} stuck in a collective until the timeout"
+        )
     if e["state"] == "checkpoint":
-        return f"rank {e['rank']} waiting at the checker's checkpoint after {e.get('checkpoint') or 'a checkpoint'}"
+        return (
+            f"rank {e['rank']} waiting at the checker's checkpoint after "
+            f"{e.get('checkpoint') or 'a checkpoint'}"
+        )
     return e.get("message") or f"rank {e['rank']}: no evidence"
 
 
 def hang_summary(h: dict) -> str:
-    mismatch = [w["message"] for w in h["waiting_at_checkpoint"] if w["message"].startswith("collective mismatch")]
+    mismatch = [
+        w["message"]
+        for w in h["waiting_at_checkpoint"]
+        if w["message"].startswith("collective mismatch")
+    ]
     if mismatch and not h["stuck_in_collective"] and not h["culprits"]:
         return f"hang risk: {mismatch[0]}; a collective was issued on some ranks only"
     by_rank = {e["rank"]: e for e in h["ranks"]}

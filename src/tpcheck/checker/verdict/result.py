@@ -1,16 +1,17 @@
 """Typed results, from a rank to the report: a `RankPayload` per rank and case, merged into one
-`CaseResult` with a verdict, its checks `Check` records to the end; `CaseResult.to_json()` is what the
-report and the Python API see, made at their edge (api.py, the CLI, the pytest plugin), and
+`CaseResult` with a verdict, its checks `Check` records to the end; `CaseResult.to_json()` is what
+the report and the Python API see, made at their edge (api.py, the CLI, the pytest plugin), and
 `CaseResult.from_json` reads a report's case back (`tpcheck report`, the tests).
 
 Verdicts: "equivalent" (every check on every rank passed), "not equivalent" (some check failed),
 "hang" (a collective wait timed out: some ranks issued a collective the others did not),
 "error" (a rank raised or died), "invalid" (the input was wrong: a usage error).
 
-Expectation: a case with an injected fault is expected to be "not equivalent" (or a hang, for a fault
-whose signature is one: `CaseSpec.expected`), any other case "equivalent". `as_expected` says whether
-it was; the process exit code follows from it (`exit_code`).
+Expectation: a case with an injected fault is expected to be "not equivalent" (or a hang, for a
+fault whose signature is one: `CaseSpec.expected`), any other case "equivalent". `as_expected` says
+whether it was; the process exit code follows from it (`exit_code`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,7 +31,8 @@ from tpcheck.errors import ExitCode
 
 @dataclass
 class CaseResult:
-    """One case, merged over its ranks. `to_json()` gives the report's case object (report-schema.md)."""
+    """One case, merged over its ranks. `to_json()` gives
+    the report's case object (report-schema.md)."""
 
     spec: CaseSpec
     run: RunSettings  # the settings the ranks ran (the spec's when no rank built the case)
@@ -56,10 +58,18 @@ class CaseResult:
         return "equivalent" if self.spec.expected_verdict == "equivalent" else "not equivalent"
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "spec": spec_json(self.spec, self.run), "world_size": self.spec.world_size,
-               "dtype": self.run.dtype, "expected": self.expected, "seconds": self.seconds,
-               "verdict": self.verdict, "as_expected": self.as_expected, "summary": self.summary,
-               "first_divergence": self.first_divergence}
+        out = {
+            "name": self.name,
+            "spec": spec_json(self.spec, self.run),
+            "world_size": self.spec.world_size,
+            "dtype": self.run.dtype,
+            "expected": self.expected,
+            "seconds": self.seconds,
+            "verdict": self.verdict,
+            "as_expected": self.as_expected,
+            "summary": self.summary,
+            "first_divergence": self.first_divergence,
+        }
         if self.checks is not None:
             out["checks"] = [check_json(c) for c in self.checks]
         for key in ("ledger", "diagnosis", "problems", "hang", "inferred_plan"):
@@ -72,20 +82,47 @@ class CaseResult:
 
     @classmethod
     def from_json(cls, case: dict) -> CaseResult:
-        """A report's case object read back (`to_json`'s inverse, for `tpcheck report` and the tests).
-        Keys a report may carry besides (an HF sweep's `checks_omitted`) are not kept."""
+        """A report's case object read back (`to_json`'s inverse, for `tpcheck report` and the
+        tests). Keys a report may carry besides (an HF sweep's `checks_omitted`) are not kept."""
         spec_fields = {f.name for f in dataclasses.fields(CaseSpec)} - {"run"}
         given = case["spec"]
-        run = RunSettings(**{k: given[k] for k in (f.name for f in dataclasses.fields(RunSettings)) if k in given})
-        spec = CaseSpec(run=run, **{k: _frozen(v) for k, v in given.items() if k in spec_fields and k != "overrides"},
-                        overrides=tuple((k, _frozen(v)) for k, v in (given.get("overrides") or {}).items()))
+        run = RunSettings(
+            **{k: given[k] for k in (f.name for f in dataclasses.fields(RunSettings)) if k in given}
+        )
+        spec = CaseSpec(
+            run=run,
+            **{k: _frozen(v) for k, v in given.items() if k in spec_fields and k != "overrides"},
+            overrides=tuple((k, _frozen(v)) for k, v in (given.get("overrides") or {}).items()),
+        )
         check_fields = {f.name for f in dataclasses.fields(Check)}
-        checks = None if "checks" not in case else [Check(**{k: v for k, v in c.items() if k in check_fields})
-                                                    for c in case["checks"]]
-        return cls(spec=spec, run=run, verdict=case["verdict"], as_expected=case["as_expected"],
-                   summary=case["summary"], seconds=case["seconds"], checks=checks,
-                   **{k: case.get(k) for k in ("ledger", "self_test", "first_divergence", "diagnosis", "problems",
-                                               "hang", "inferred_plan")})
+        checks = (
+            None
+            if "checks" not in case
+            else [
+                Check(**{k: v for k, v in c.items() if k in check_fields}) for c in case["checks"]
+            ]
+        )
+        return cls(
+            spec=spec,
+            run=run,
+            verdict=case["verdict"],
+            as_expected=case["as_expected"],
+            summary=case["summary"],
+            seconds=case["seconds"],
+            checks=checks,
+            **{
+                k: case.get(k)
+                for k in (
+                    "ledger",
+                    "self_test",
+                    "first_divergence",
+                    "diagnosis",
+                    "problems",
+                    "hang",
+                    "inferred_plan",
+                )
+            },
+        )
 
 
 def _frozen(value):
@@ -103,8 +140,25 @@ def check_json(check: Check) -> dict:
     return out
 
 
-SPEC_KEYS = ("block", "preset", "world_size", "dtype", "steps", "optimizer", "lr", "micro_batches", "sequence_parallel",
-             "fault", "seed", "overrides", "capture", "master_weights", "label", "expected", "device")
+SPEC_KEYS = (
+    "block",
+    "preset",
+    "world_size",
+    "dtype",
+    "steps",
+    "optimizer",
+    "lr",
+    "micro_batches",
+    "sequence_parallel",
+    "fault",
+    "seed",
+    "overrides",
+    "capture",
+    "master_weights",
+    "label",
+    "expected",
+    "device",
+)
 
 
 def spec_json(spec: CaseSpec, run: RunSettings) -> dict:
@@ -114,44 +168,67 @@ def spec_json(spec: CaseSpec, run: RunSettings) -> dict:
 
 
 def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
-    """One CaseResult from every rank's payload: bounds filled in, every check judged here (one rule,
-    `judge`), the controls (the self-test) held to having failed, then the verdict."""
+    """One CaseResult from every rank's payload: bounds filled in, every check judged here (one
+    rule, `judge`), the controls (the self-test) held to having failed, then the verdict."""
     seconds = max((p.seconds for p in payloads), default=0.0)
     run = next((p.run for p in payloads if p.run is not None), spec.settings)
     if any(p.status != "ok" for p in payloads):  # a hang, a crash or bad input: see failures.py
         return CaseResult(spec=spec, run=run, seconds=seconds, **failure_fields(spec, payloads))
-    every = [copy.copy(c) for p in payloads for c in p.checks]  # the ranks' records stay as they came
-    unbounded = _fill_bounds(every)
-    if unbounded:
-        c = unbounded[0]
-        return CaseResult(spec=spec, run=run, verdict="error", as_expected=False, seconds=seconds,
-                          summary=f"the checker failed: no bound from rank 0 for {c.name} ({c.stage}, step "
-                                  f"{c.step}) on rank {c.rank}, {len(unbounded)} check(s) in all; no verdict can "
-                                  "be trusted (a bug in tpcheck: please report it with this case)")
+    every = [copy.copy(c) for p in payloads for c in p.checks]  # the ranks' records stay as sent
+    if unbounded := _fill_bounds(every):
+        return _no_bound(spec, run, seconds, unbounded)
     for c in every:
         c.passed = judge(c)
     checks = [c for c in every if not c.control]
-    controls = [c for c in every if c.control]
-    failed = sorted((c for c in checks if not c.passed), key=lambda c: (c.seq, c.stage == "replicas", c.rank))
+    failed = sorted(
+        (c for c in checks if not c.passed), key=lambda c: (c.seq, c.stage == "replicas", c.rank)
+    )
     entries = [asdict(e) for p in payloads for e in p.ledger]
-    ledger = check_ledger(entries, payloads[0].expected_collectives, spec.world_size, run.steps, run.micro_batches)
-    verdict: Verdict = "not equivalent" if failed else "equivalent"
-    result = CaseResult(spec=spec, run=run, verdict=verdict, as_expected=False, summary="",
-                        seconds=seconds, checks=checks, ledger=ledger,
-                        self_test=self_test(checks, controls, [p.evidence for p in payloads]),
-                        inferred_plan=payloads[0].inferred_plan)
-    result.as_expected = verdict == result.expected
+    evidence = [p.evidence for p in payloads]
+    result = CaseResult(
+        spec=spec,
+        run=run,
+        verdict="not equivalent" if failed else "equivalent",
+        as_expected=False,
+        summary="",
+        seconds=seconds,
+        checks=checks,
+        ledger=check_ledger(
+            entries, payloads[0].expected_collectives, spec.world_size, run.steps, run.micro_batches
+        ),
+        self_test=self_test(checks, [c for c in every if c.control], evidence),
+        inferred_plan=payloads[0].inferred_plan,
+    )
+    result.as_expected = result.verdict == result.expected
     if result.self_test["failures"]:
         result.verdict, result.as_expected = "error", False
-        result.summary = (f"the checker failed its control: {result.self_test['failures'][0]}; no verdict can be "
-                          "trusted (a bug in tpcheck: please report it with this case)")
+        result.summary = (
+            f"the checker failed its control: {result.self_test['failures'][0]}; no verdict can be "
+            "trusted (a bug in tpcheck: please report it with this case)"
+        )
         return result
     if failed:
         result.first_divergence = _first(failed)
-        result.diagnosis = diagnose(result.first_divergence, [p.evidence for p in payloads], spec.world_size,
-                                    run.micro_batches)
+        result.diagnosis = diagnose(
+            result.first_divergence, evidence, spec.world_size, run.micro_batches
+        )
     result.summary = _summary(result, failed)
     return result
+
+
+def _no_bound(spec: CaseSpec, run: RunSettings, seconds: float, unbounded: list[Check]):
+    """A case whose checks on some rank got no bound from rank 0: the checker failed, no verdict."""
+    c = unbounded[0]
+    return CaseResult(
+        spec=spec,
+        run=run,
+        verdict="error",
+        as_expected=False,
+        seconds=seconds,
+        summary=f"the checker failed: no bound from rank 0 for {c.name} ({c.stage}, step "
+        f"{c.step}) on rank {c.rank}, {len(unbounded)} check(s) in all; no verdict can "
+        "be trusted (a bug in tpcheck: please report it with this case)",
+    )
 
 
 def judge(check: Check) -> bool:
@@ -160,40 +237,59 @@ def judge(check: Check) -> bool:
 
 
 def self_test(checks: list[Check], controls: list[Check], evidence: list[dict]) -> dict:
-    """The controls must all have been flagged, every rank must have one at every stage and step where it
-    has checks, and each non-replica control's evidence must show the planted error.
+    """The controls must all have been flagged, every rank must have one at every stage and step
+    where it has checks, and each non-replica control's evidence must show the planted error.
 
     A calibrated control is skipped (counted, named) where the dense model's own error is already
-    over 1/(2 x tolerance.SMALL_FACTOR) of the planted one: an ill-conditioned tensor (e.g. an RMSNorm
-    of a near-zero input in 16 bits) whose bound is honestly too wide for the planted error; a checker
-    whose bounds are too wide everywhere still fails every other control."""
+    over 1/(2 x tolerance.SMALL_FACTOR) of the planted one: an ill-conditioned tensor (e.g. an
+    RMSNorm of a near-zero input in 16 bits) whose bound is honestly too wide for the planted error;
+    a checker whose bounds are too wide everywhere still fails every other control."""
     failures, skipped = [], []
     for c in controls:
         where = f"{c.name} ({c.stage}, step {c.step}, rank {c.rank})"
-        if c.kind == "calibrated" and c.ref_error is not None and c.ref_error * 2 * tolerance.SMALL_FACTOR > c.error:
+        if (
+            c.kind == "calibrated"
+            and c.ref_error is not None
+            and c.ref_error * 2 * tolerance.SMALL_FACTOR > c.error
+        ):
             skipped.append(where)
             continue
         if c.passed:
-            failures.append(f"a planted error of {c.error:.3g} in {where} was not flagged (bound {c.bound:.3g})")
+            failures.append(
+                f"a planted error of {c.error:.3g} in {where} was not flagged (bound {c.bound:.3g})"
+            )
         elif c.stage != "replicas":
             kept = evidence[c.rank].get(evidence_key(c.stage, c.step, c.name))
-            shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0)) if kept is not None else None
-            if shown is None or not abs(shown - c.error) <= 1e-3 * c.error:  # float64 vs maxdiff's dtype
-                failures.append(f"the evidence of {where} does not show its planted error "
-                                f"({'missing' if shown is None else f'{shown:.3g}'} instead of {c.error:.3g})")
+            shown = (
+                float(abs(kept["tp"] - kept["ref"]).max(initial=0.0)) if kept is not None else None
+            )
+            # float64 vs maxdiff's dtype
+            if shown is None or not abs(shown - c.error) <= 1e-3 * c.error:
+                failures.append(
+                    f"the evidence of {where} does not show its planted error "
+                    f"({'missing' if shown is None else f'{shown:.3g}'} instead of {c.error:.3g})"
+                )
     have = {(c.rank, c.stage, c.step) for c in controls}
-    failures += [f"no control on rank {r} for the {s} checks of step {t}"
-                 for r, s, t in sorted({(c.rank, c.stage, c.step) for c in checks} - have)]
-    return {"controls": len(controls), "flagged": sum(not c.passed for c in controls), "failures": failures,
-            "skipped": skipped}
+    failures += [
+        f"no control on rank {r} for the {s} checks of step {t}"
+        for r, s, t in sorted({(c.rank, c.stage, c.step) for c in checks} - have)
+    ]
+    return {
+        "controls": len(controls),
+        "flagged": sum(not c.passed for c in controls),
+        "failures": failures,
+        "skipped": skipped,
+    }
 
 
 def _fill_bounds(checks: list[Check]) -> list[Check]:
     """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor: the same
     (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch), a
-    calibrated one (never an exact check rank 0 made of the same name: AppliedOnRank's zero gradient).
-    Keyed by tensor, not by position, so a rank that compares fewer tensors (AppliedOnRank) still matches.
-    Returns the checks left without a bound (none, unless the checker is broken)."""
+    calibrated one (never an exact check rank 0 made of the same name: AppliedOnRank's zero
+    gradient). Keyed by tensor, not by position, so a rank that compares fewer tensors
+    (AppliedOnRank) still matches. Returns the checks left without a bound (none, unless the
+    checker is broken)."""
+
     def keyed(rank_checks):
         seen: dict[tuple, int] = {}
         for c in rank_checks:
@@ -214,17 +310,35 @@ def _fill_bounds(checks: list[Check]) -> list[Check]:
                 if ref is None or ref.bound is None or ref.kind == "exact":
                     missing.append(c)
                     continue
-                c.bound, c.reason, c.kind, c.ref_error, c.floor = ref.bound, ref.reason, ref.kind, ref.ref_error, \
-                    ref.floor
+                c.bound, c.reason, c.kind, c.ref_error, c.floor = (
+                    ref.bound,
+                    ref.reason,
+                    ref.kind,
+                    ref.ref_error,
+                    ref.floor,
+                )
     return missing
 
 
 def _first(failed: list[Check]) -> dict:
     first = failed[0]
-    ranks = sorted({c.rank for c in failed if c.name == first.name and c.step == first.step
-                    and c.stage == first.stage})
-    out = {"stage": first.stage, "step": first.step, "name": first.name, "ranks": ranks,
-           "error": first.error, "bound": first.bound, "kind": first.kind, "reason": first.reason}
+    ranks = sorted(
+        {
+            c.rank
+            for c in failed
+            if c.name == first.name and c.step == first.step and c.stage == first.stage
+        }
+    )
+    out = {
+        "stage": first.stage,
+        "step": first.step,
+        "name": first.name,
+        "ranks": ranks,
+        "error": first.error,
+        "bound": first.bound,
+        "kind": first.kind,
+        "reason": first.reason,
+    }
     if first.raw_error is not None:
         out["raw_error"] = first.raw_error
     return out
@@ -235,15 +349,17 @@ def _summary(result: CaseResult, failed: list[Check]) -> str:
         return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
     f, d = result.first_divergence, result.diagnosis
     loaded_by = f" (as loaded by {failed[0].loaded_by})" if failed[0].loaded_by else ""
-    return (f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
-            f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
-            f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{loaded_by}")
+    return (
+        f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
+        f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
+        f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{loaded_by}"
+    )
 
 
 def exit_code(results: Sequence[dict]) -> int:
-    """The one exit-code rule: 2 if any case was invalid (bad input: the user's to fix first), else 3 if
-    any errored (a rank raised or died, or the checker failed its control), else 1 if any case did not
-    go as expected, else 0."""
+    """The one exit-code rule: 2 if any case was invalid (bad input: the user's to fix first), else
+    3 if any errored (a rank raised or died, or the checker failed its control), else 1 if any case
+    did not go as expected, else 0."""
     if any(r["verdict"] == "invalid" for r in results):
         return ExitCode.USAGE
     if any(r["verdict"] == "error" for r in results):

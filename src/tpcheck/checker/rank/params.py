@@ -1,0 +1,158 @@
+"""The parameter stages of a step, on this rank: every parameter's gradient (`grads`) and, after
+the optimizer step, what each optimizer stepped (`optimizer`: the module's parameters, or the
+float32 masters under master weights), each against the dense side's through the plan; and the TP
+optimizer's own state and update against the replay of the dense rule on the TP side's inputs,
+bitwise.
+
+A parameter applied on one rank only (`AppliedOnRank`) is compared there alone, zero elsewhere
+(applied_on.py); after an adaptive step the optimizer's allowance (`AdaptiveSlack`) takes out of the
+difference what the replay's moments explain.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tpcheck.checker.rank.applied_on import ALONE, not_applied_here, owner_bound
+from tpcheck.errors import UsageError
+
+if TYPE_CHECKING:
+    from tpcheck.checker.rank.engine import Engine
+
+
+def compare_params(
+    e: Engine, step: int, stage: str, dense_params: dict, tp_params: dict, get
+) -> None:
+    """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against
+    the dense side's; after the step these are what the optimizers stepped (float32 masters
+    under master weights, compared with float32's bound)."""
+    plan = e.plan
+    truth_params = dict(e.truth.named_parameters()) if e.truth is not None else {}
+    for name, p in dense_params.items():
+        tp_val, dense_val = get(tp_params[plan.tp_name(name)]), get(p)
+        truth_p = truth_params.get(name)
+        truth_val = get(truth_p) if truth_params else None
+        owner = plan.params[name].applied_on
+        sent = None
+        if owner not in (None, 0) and dense_val is not None and e.truth is not e.dense:
+            sent = owner_bound(
+                e.cmp,
+                e.rendezvous,
+                e.slack,
+                step,
+                stage,
+                name,
+                owner,
+                p,
+                truth_p,
+                dense_val,
+                truth_val,
+            )
+        if owner is not None and owner != e.group.rank:
+            not_applied_here(e.cmp, e.dtype, step, stage, name, tp_val, dense_val, owner)
+        elif tp_val is None or dense_val is None:
+            if (tp_val is None) != (dense_val is None):
+                _refuse_one_sided_grad(e, name, tp_val is None)
+        else:
+            _compare_one(
+                e, step, stage, name, p, truth_p, tp_val.detach(), dense_val, truth_val, sent
+            )
+
+
+def _compare_one(e: Engine, step, stage, name, p, truth_p, tp_val, dense_val, truth_val, sent):
+    """One parameter's value on this rank against the dense one (and, after an adaptive step, what
+    the allowance leaves of the difference: `raw` keeps the whole of it)."""
+    plan, group = e.plan, e.group
+    truth_val = truth_val.detach() if truth_val is not None else None
+    raw = tp_val
+    owner = plan.params[name].applied_on
+    placement = ALONE if owner is not None and stage != "weights" else plan.params[name]
+    if stage == "optimizer" and e.slack is not None:
+        tp_val, truth_val = e.slack.apply(
+            name,
+            plan.params[name],
+            group.rank,
+            group.world_size,
+            plan.tp_name(name),
+            p,
+            truth_p,
+            tp_val,
+            truth_val,
+        )
+    label = "grad" if stage == "grads" else "param"
+    e.cmp.compare(
+        stage,
+        step,
+        f"{label}:{name}",
+        tp_val,
+        dense_val.detach(),
+        truth_val,
+        placement,
+        dtype=dense_val.dtype,
+        bound=sent,
+        raw=raw if tp_val is not raw else None,
+    )
+
+
+def _refuse_one_sided_grad(e: Engine, name: str, missing_on_tp: bool) -> None:
+    """A parameter with a gradient on one side only: refused, naming the side that lacks it
+    (and, for a replicated one missing on the TP side, the AppliedOnRank placement
+    that may be meant)."""
+    if missing_on_tp:
+        hint = (
+            "; if the TP module applies it on one rank only (a row-parallel bias added before "
+            "the all-reduce), place it AppliedOnRank(r) in the plan, r the rank that applies it"
+            if e.plan.params[name].replicated
+            else "; is it used in the TP forward?"
+        )
+        raise UsageError(
+            f"parameter {name!r} got no gradient on rank {e.group.rank} of the TP side, "
+            f"but does on the dense side{hint}"
+        )
+    raise UsageError(
+        f"parameter {name!r} got a gradient on rank {e.group.rank} of the TP side but none "
+        "on the dense side: is it used in the dense forward?"
+    )
+
+
+def compare_replay(e: Engine, step: int, tp_params: dict) -> None:
+    """The TP optimizer's state and update against the replay's, bitwise, parameter by
+    parameter: the state first (a wrong moment is the cause, a wrong update its effect), tensors
+    before the step count. State the TP optimizer lacks counts as zeros (nothing
+    was accumulated)."""
+    plan = e.plan
+    for name in (n for n, _ in e.dense.named_parameters()):
+        tp_name = plan.tp_name(name)
+        p = tp_params[tp_name]
+        if p.grad is None:
+            continue
+        placement = plan.params[name]
+        own = e.opt_tp.state.get(p, {})
+        for key, ref in sorted(e.replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
+            mine = own.get(key)
+            if mine is None:
+                mine = torch.zeros_like(ref)
+            elif not isinstance(mine, torch.Tensor) or mine.shape != ref.shape:
+                mine = torch.full_like(ref, float("nan"))  # misshapen state: never equal
+            e.cmp.compare_local(
+                "optimizer",
+                step,
+                f"state:{name}.{key}",
+                mine.detach(),
+                ref,
+                placement,
+                f"bitwise: the TP optimizer's {key} against the replay's",
+                weights=e.replay.before[tp_name],
+            )
+        e.cmp.compare_local(
+            "optimizer",
+            step,
+            f"update:{name}",
+            p.detach() - e.replay.before[tp_name],
+            e.replay.update(tp_name),
+            placement,
+            "bitwise: the dense update rule replayed on this rank's TP weights and grads",
+            weights=e.replay.params[tp_name].detach(),
+        )
