@@ -16,15 +16,16 @@ from tpcheck.resolve import launcher as pool_launcher
 from robust_helpers import skip_on_ranks
 
 RUNTIME = os.path.join(os.path.dirname(__file__), "case_files", "runtime.py")
+QUERIES = os.path.join(os.path.dirname(__file__), "case_files", "queries.py")
 
 
-def _line(marker: str) -> int:
-    with open(RUNTIME) as f:
+def _line(marker: str, path: str = RUNTIME) -> int:
+    with open(path) as f:
         return next(i for i, line in enumerate(f, 1) if marker in line)
 
 
-def _run_file(name: str, timeout_s: float = 2) -> dict:
-    spec = file_spec(f"{RUNTIME}:{name}", 2)
+def _run_file(name: str, timeout_s: float = 2, path: str = RUNTIME) -> dict:
+    spec = file_spec(f"{path}:{name}", 2)
     (result,) = check([spec], timeout_s=timeout_s)
     return result
 
@@ -157,6 +158,22 @@ def test_users_own_collective_on_one_rank_is_named_at_its_line():
         "collectives issued (rank 0: 1, rank 1: 0) first differ at #1: "
         "rank 0: forward all_reduce at 'torch.distributed'; rank 1: nothing"
     )
+
+
+def test_rank_spinning_on_a_query_is_computing_not_waiting_in_a_collective():
+    """`dist.get_rank()` in a loop on rank 1 is compute, at its line: rank 1 holds rank 0 (waiting
+    in its all-reduce) up, and is never said to wait in torch.distributed.get_rank."""
+    result = _run_file("query_spin", path=QUERIES)
+    h = result["hang"]
+    assert result["verdict"] == "hang" and h["culprits"] == [1], result["summary"]
+    by_rank = {e["rank"]: e for e in h["ranks"]}
+    spin = by_rank[1]
+    assert spin["state"] == "compute" and spin["at"].endswith(
+        f"queries.py:{_line('# QUERY SPIN', QUERIES)} in forward"
+    ), spin
+    assert by_rank[0]["state"] == "collective" and by_rank[0]["call"] == "all_reduce"
+    assert "rank 1 was computing at" in result["summary"]
+    assert "get_rank" not in result["summary"]
 
 
 def test_sigint_to_one_rank_inside_a_case_is_reported_as_such():

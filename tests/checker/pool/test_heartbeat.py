@@ -137,3 +137,33 @@ def test_spot_of_tells_a_users_collective_from_compute_and_places_it_at_the_call
 def _spot_line() -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if "return scope[fn]()" in line)
+
+
+def test_spot_of_a_query_is_compute_at_the_line_that_asked():
+    """dist.get_rank() (and the other queries) wait for no rank: not a collective."""
+    c10d = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
+    inner = _frames_from(c10d, "def get_rank():\n    return sys._getframe()\n", "get_rank")
+    spot = spot_of(inner, tapped=None, checkpoint=None)
+    assert spot.state == "compute" and spot.call is None, spot
+    assert spot.at.endswith(f"test_heartbeat.py:{_spot_line()} in _frames_from"), spot.at
+
+
+def test_spot_of_torchs_logging_wrapper_is_the_collective_it_wraps():
+    """A rank sampled in c10d_logger's `wrapper` (before calling the collective, or logging its
+    failure) is in that collective: named by the function the wrapper closes over."""
+    logger = os.path.join(os.path.dirname(torch.__file__), "distributed", "c10d_logger.py")
+    src = (
+        "def _exception_logger(func):\n"
+        "    def wrapper():\n"
+        "        func\n"
+        "        return sys._getframe()\n"
+        "    return wrapper\n"
+        "def all_reduce():\n"
+        "    pass\n"
+        "def sampled():\n"
+        "    return _exception_logger(all_reduce)()\n"
+    )
+    inner = _frames_from(logger, src, "sampled")
+    spot = spot_of(inner, tapped=None, checkpoint=None)
+    assert spot.state == "collective" and spot.call == "all_reduce", spot
+    assert spot.at.endswith(f"test_heartbeat.py:{_spot_line()} in _frames_from"), spot.at

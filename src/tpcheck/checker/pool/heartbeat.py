@@ -1,11 +1,18 @@
 """Where each rank is, as evidence: heartbeats up, blame down.
 
 Every rank's heartbeat thread samples its main thread's Python stack a few times a second and sends
-the parent a `Beat`: what the rank is doing ("collective" -- inside a torch.distributed call, tapped
-by tpcheck or the user's own; "checkpoint" -- waiting at the checker's store rendezvous; "compute"
--- anything else), where (the innermost frame that is not torch's or Python's own: the user's
-file:line, or tpcheck's), for how long it has been in that spot, and the collectives it issued since
-the last beat. A stopped process (SIGSTOP, a debugger) sends nothing, which is evidence too.
+the parent a `Beat`: what the rank is doing ("collective" -- inside a torch.distributed collective,
+tapped by tpcheck or the user's own; "checkpoint" -- waiting at the checker's store rendezvous;
+"compute" -- anything else, a query such as `dist.get_rank()` included), where (the innermost frame
+that is not torch's or Python's own: the user's file:line, or tpcheck's), for how long it has been
+in that spot, and the collectives it issued since the last beat. A stopped process (SIGSTOP, a
+debugger) sends nothing, which is evidence too.
+
+A sample lands at any instant, so a collective is told from the whole call in progress, not from
+its innermost frame: torch's wrappers (c10d_logger's `wrapper`) and tpcheck's (the ledger's
+`counted`) are the call they wrap, the collective's own helpers (`_check_single_tensor`, the
+`get_rank` its logging calls) are part of it, and a tapped collective that raised (a timeout) is
+still the rank's spot while the failure unwinds through the checker (`BeatMaker`).
 
 When a rank's collective or checkpoint times out, the parent (`Watch`) does not wait for the others'
 own timeouts: it reads their latest beats and names the culprit at once -- a rank computing, or
@@ -21,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from tpcheck.checker.rank.ledger import USER_COLLECTIVES
 from tpcheck.checker.usercode import frame_kind, short_path
 
 BEAT_S = 0.25  # a rank's heartbeat period
@@ -34,6 +42,43 @@ _COLLECTIVE_FILES = (
     os.path.join("torch", "distributed", "_functional_collectives.py"),
     os.path.join("torch", "distributed", "c10d_logger.py"),
 )
+# functions that wrap a torch.distributed function held in their closure variable `func`
+_WRAPPERS = {
+    (os.path.join("torch", "distributed", "c10d_logger.py"), "wrapper"),
+    (os.path.join("tpcheck", "checker", "rank", "ledger.py"), "counted"),
+}
+# The torch.distributed functions that wait for other ranks: the collectives the ledger counts, the
+# ones TPGroup calls (`all_gather_single`, `reduce_scatter_single` since torch 2.13), the functional
+# collectives' and the group-making ones (a store barrier). Anything else (get_rank,
+# get_world_size, is_initialized, get_backend, ...) is a query: a rank in one is computing.
+COLLECTIVES = frozenset(USER_COLLECTIVES) | {
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_coalesced",
+    "all_reduce_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "reduce_scatter_tensor_autograd",
+    "all_to_all_single_autograd",
+    "all_reduce_inplace",
+    "all_gather_inplace",
+    "reduce_scatter_tensor_inplace",
+    "permute_tensor",
+    "wait_tensor",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "batch_isend_irecv",
+    "monitored_barrier",
+    "init_process_group",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "split_group",
+}
 _SYNC_FILE = os.path.join("tpcheck", "checker", "sync.py")
 # tpcheck's collective plumbing: a collective issued through a TPGroup is placed at its caller
 _PLUMBING = tuple(
@@ -83,34 +128,51 @@ def _where(f: tuple[str, int, str]) -> str:
     return f"{short_path(f[0])}:{f[1]} in {f[2]}"
 
 
-def spot_of(frame, tapped: tuple | None, checkpoint: str | None) -> Spot:
+def _called(frame) -> str | None:
+    """The torch.distributed function `frame` runs, None for a frame of no such function. A
+    wrapper's frame is the function it wraps, at every instant: about to call it, inside it, or
+    logging its failure (c10d_logger's `wrapper` closes over `func`; so does the ledger's
+    `counted`)."""
+    path, name = frame.f_code.co_filename, frame.f_code.co_name
+    if any(path.endswith(file) and name == fn for file, fn in _WRAPPERS):
+        return getattr(frame.f_locals.get("func"), "__name__", None)
+    return name if path.endswith(_COLLECTIVE_FILES) else None
+
+
+def _collective(frames: list) -> tuple[str | None, int]:
+    """The collective in progress on the stack (`frames`, innermost first) and the index of the
+    frames outside it: the outermost torch.distributed function that is a collective -- the one the
+    rank's code called; its helpers, the queries it makes (its logging's `get_rank`) and what
+    tpcheck's wrapper calls (the current tap) are part of it. (None, 0) when no collective is in
+    progress (a query, or no torch.distributed)."""
+    calls = [i for i, f in enumerate(frames) if _called(f) in COLLECTIVES]
+    return (_called(frames[calls[-1]]), calls[-1] + 1) if calls else (None, 0)
+
+
+def spot_of(frame, tapped: tuple | None, checkpoint: str | None, held: Spot | None = None) -> Spot:
     """Classify the main thread's stack (`frame`: its innermost frame, or None). `tapped` is the
-    collective the checker's tap is inside, `checkpoint` the rendezvous waited at, if any."""
+    collective the checker's tap is inside, `checkpoint` the rendezvous waited at, if any; `held`
+    the spot at which the stack last showed `tapped` (BeatMaker's): a stack that has left it while
+    `tapped` is still set is unwinding its failure (a timeout) and is still there."""
     frames = []
     while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frames.append(frame)
         frame = frame.f_back
-    mine = [f for f in frames if not _is_library(f[0])]
-    stack = [_where(f) for f in mine[:STACK_FRAMES]]
-    placed = [f for f in mine if not f[0].endswith(_PLUMBING)] or mine or frames
-    at = _where(placed[0]) if placed else "?"
-    in_c10d = next((i for i, f in enumerate(frames) if f[0].endswith(_COLLECTIVE_FILES)), None)
-    if checkpoint is not None and any(f[0].endswith(_SYNC_FILE) for f in frames):
+    rows = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in frames]
+    mine = [i for i, f in enumerate(rows) if not _is_library(f[0])]
+    stack = [_where(rows[i]) for i in mine[:STACK_FRAMES]]
+    call, outside = _collective(frames)
+    # the line the rank is at: its own innermost (outside the collective in progress), past
+    # tpcheck's collective plumbing
+    own = [i for i in mine if i >= outside] or mine
+    placed = next((i for i in own if not rows[i][0].endswith(_PLUMBING)), own[0] if own else 0)
+    at = _where(rows[placed]) if rows else "?"
+    if checkpoint is not None and any(f[0].endswith(_SYNC_FILE) for f in rows):
         return Spot("checkpoint", at, None, stack)
-    if in_c10d is not None:
-        # the caller of the outermost c10d frame of that run: the line that issued the collective
-        first = in_c10d
-        while first + 1 < len(frames) and frames[first + 1][0].endswith(_COLLECTIVE_FILES):
-            first += 1
-        callers = [
-            f for f in frames[first + 1 :] if not _is_library(f[0]) and not f[0].endswith(_PLUMBING)
-        ]
-        call = next(
-            (f[2] for f in frames[in_c10d : first + 1] if f[2] != "wrapper"), frames[in_c10d][2]
-        )
-        return Spot("collective", _where(callers[0]) if callers else at, call, stack)
+    if call is not None:
+        return Spot("collective", at, call, stack)
     if tapped is not None:
-        return Spot("collective", at, tapped[0], stack)
+        return held if held is not None else Spot("collective", at, tapped[0], stack)
     return Spot("compute", at, None, stack)
 
 
@@ -122,15 +184,21 @@ class BeatMaker:
         self._tap = None
         self._sent = 0
         self._key, self._since = None, time.monotonic()
+        # (the tapped collective, the spot the stack last showed it at)
+        self._held: tuple[tuple, Spot] | None = None
 
     def beat(self, case: int, tap, rendezvous, frame) -> Beat:
         if tap is not self._tap:
-            self._tap, self._sent = tap, 0
+            self._tap, self._sent, self._held = tap, 0, None
         new = list(tap.ledger[self._sent :]) if tap is not None else []
         self._sent += len(new)
         tapped = getattr(tap, "inside", None)
         checkpoint = getattr(rendezvous, "waiting_at", None)
-        spot = spot_of(frame, tapped, checkpoint)
+        # the tap's label object is made afresh for each collective: `is` tells this one's
+        held = self._held[1] if self._held is not None and self._held[0] is tapped else None
+        spot = spot_of(frame, tapped, checkpoint, held)
+        if tapped is not None and spot.state == "collective" and spot is not held:
+            self._held = (tapped, spot)
         label = (
             checkpoint
             if spot.state == "checkpoint"

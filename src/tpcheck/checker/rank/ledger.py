@@ -126,7 +126,6 @@ def count_user_collectives(current_tap: Callable[[], CollectiveTap | None]) -> N
     the functions of torch.distributed and its distributed_c10d module); tpcheck's own collectives,
     made inside the tap, are not counted twice. The site is always "torch.distributed": ranks may
     legitimately issue one collective from different lines."""
-    import torch
     import torch.distributed as dist
 
     c10d = sys.modules["torch.distributed.distributed_c10d"]
@@ -134,20 +133,26 @@ def count_user_collectives(current_tap: Callable[[], CollectiveTap | None]) -> N
         original = getattr(c10d, name, None)
         if original is None or getattr(original, "_tpcheck_counted", False):
             continue
-
-        def counted(*args, __original=original, __name=name, **kwargs):
-            tap = current_tap()
-            if tap is not None and tap.inside is None and tap.phase is not None:
-                first = args[0] if args else None
-                nbytes = (
-                    first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
-                )
-                tap.note(__name, USER_SITE, tap.phase, nbytes)
-                return tap.performing((__name, USER_SITE, tap.phase), __original, *args, **kwargs)
-            return __original(*args, **kwargs)
-
-        functools.update_wrapper(counted, original)
-        counted._tpcheck_counted = True
+        counted = _counted(original, name, current_tap)
         setattr(c10d, name, counted)
         if getattr(dist, name, None) is original:
             setattr(dist, name, counted)
+
+
+def _counted(func, name: str, current_tap: Callable[[], CollectiveTap | None]):
+    """`func` (torch.distributed's `name`) counted in the current tap's ledger. The wrapped function
+    is the closure variable `func`, as in torch's own c10d_logger wrappers: the heartbeat reads it
+    from a frame of `counted` (pool/heartbeat.py), so a rank sampled here is in that collective."""
+
+    def counted(*args, **kwargs):
+        tap = current_tap()
+        if tap is not None and tap.inside is None and tap.phase is not None:
+            first = args[0] if args else None
+            nbytes = first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
+            tap.note(name, USER_SITE, tap.phase, nbytes)
+            return tap.performing((name, USER_SITE, tap.phase), func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    functools.update_wrapper(counted, func)
+    counted._tpcheck_counted = True
+    return counted
