@@ -13,9 +13,18 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The seed-compatible JSON (stdout) goes to reports/demo-seed.json, so that the summary (stderr) is
+# what the screen ends with; then how to run the README's next commands. Exits with tpcheck's code.
+DEMO_RUN := $(VENV)/bin/tpcheck run --mode all --world-size 2 --json reports/demo.json \
+	--html reports/demo.html > reports/demo-seed.json
+
 demo: $(STAMP)
 	mkdir -p reports  # tpcheck writes into existing directories only
-	$(VENV)/bin/tpcheck run --mode all --world-size 2 --json reports/demo.json --html reports/demo.html
+	@echo '$(DEMO_RUN)'; code=0; $(DEMO_RUN) || code=$$?; \
+	echo "seed-compatible JSON: reports/demo-seed.json"; \
+	echo "next: '. $(VENV)/bin/activate' puts tpcheck on PATH for the README's Use commands" \
+		"(e.g. tpcheck faults); or call $(VENV)/bin/tpcheck"; \
+	exit $$code
 
 # two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures run once)
 PARALLEL := -n 2 --dist loadfile

@@ -62,6 +62,59 @@ def test_plan_missing_parameter_is_an_error():
         )
 
 
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+
+TWO_LINEARS_PLAN = {
+    "fc1.weight": Shard(0),
+    "fc1.bias": Shard(0),
+    "fc2.weight": Shard(1),
+    "fc2.bias": Replicate(),
+}
+
+
+def _message(params: dict, dense: torch.nn.Module) -> str:
+    with pytest.raises(UsageError) as raised:
+        Plan(params=params).check_against(dense, 2)
+    return str(raised.value)
+
+
+def test_a_typo_in_a_plan_key_is_named_with_did_you_mean():
+    """The typo'd key, not only the real parameter it leaves without a placement: the closest name
+    among those unplaced ('fc1.weight', not the already placed 'fc2.weight'), and the fix."""
+    params = dict(TWO_LINEARS_PLAN)
+    params["fc1.weigth"] = params.pop("fc1.weight")
+    message = _message(params, TwoLinears())
+    assert message.startswith(
+        "plan names parameter(s) ['fc1.weigth'] that the dense module does not have (did you mean "
+        "'fc1.weight' for 'fc1.weigth'?); rename each to the dense parameter it places"
+    )
+    assert "the plan has no placement for dense parameter(s) ['fc1.weight']" in message
+    assert "dense parameters are ['fc1.bias', 'fc1.weight', 'fc2.bias', 'fc2.weight']" in message
+
+
+def test_an_unknown_key_with_nothing_unplaced_is_matched_against_every_name():
+    params = {**TWO_LINEARS_PLAN, "fc2.weights": Replicate(), "zzz": Replicate()}
+    message = _message(params, TwoLinears())
+    assert (  # zzz: nothing close
+        "parameter(s) ['fc2.weights', 'zzz'] that the dense module does not have (did you mean "
+        "'fc2.weight' for 'fc2.weights'?);" in message
+    )
+    assert "no placement" not in message
+
+
+def test_a_big_dense_module_is_counted_not_listed():
+    dense = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(30)))
+    params = {n: Replicate() for n, _ in dense.named_parameters()}
+    params["29.wieght"] = params.pop("29.weight")
+    message = _message(params, dense)
+    assert "(did you mean '29.weight' for '29.wieght'?)" in message
+    assert message.endswith("; the dense module has 60 parameters")
+
+
 def test_applied_on_rank_names_a_rank_the_world_has():
     dense = torch.nn.Linear(4, 4)
     Plan(params={"weight": Shard(0), "bias": AppliedOnRank(1)}).check_against(dense, 2)

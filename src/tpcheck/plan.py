@@ -15,6 +15,7 @@ row-parallel dim 1; activations `[seq, batch, hidden]`, sequence parallelism sha
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -311,20 +312,56 @@ class Plan:
         return self.tp_names.get(dense_name, dense_name)
 
     def check_against(self, dense: torch.nn.Module, world: int) -> None:
-        names = {n for n, _ in dense.named_parameters()}
-        missing = sorted(names - set(self.params))
-        extra = sorted(set(self.params) - names)
+        """Raise UsageError unless the plan places exactly the dense module's parameters, each in a
+        way that fits its shape at `world`. A key the dense module does not have is named first,
+        with the closest real names: a typo in a key also leaves the real parameter without a
+        placement, and "no placement for 'fc1.weight'" alone hides the line to fix."""
+        names = [n for n, _ in dense.named_parameters()]
+        missing = sorted(set(names) - set(self.params))
+        extra = sorted(set(self.params) - set(names))
+        if extra:
+            raise UsageError(unknown_params_message(extra, missing, names))
         if missing:
             raise UsageError(
                 f"plan has no placement for dense parameter(s) {missing}; add them to the plan "
                 "(Replicate(), Shard(dim) or Fused(...))"
             )
-        if extra:
-            raise UsageError(
-                f"plan names parameter(s) {extra} that the dense module does not have; "
-                f"dense parameters are {sorted(names)}"
-            )
         for name, p in dense.named_parameters():
             validate(
                 self.params[name], tuple(p.shape), world, f"parameter {name!r} {list(p.shape)}"
             )
+
+
+# the dense parameters an unknown-key message lists in full; a bigger model's are counted
+LISTED_PARAMS = 20
+
+
+def unknown_params_message(extra: list[str], missing: list[str], names: list[str]) -> str:
+    """Plan keys the dense module does not have, each with the dense names closest to it ("did you
+    mean"), the fix, and the dense parameters still without a placement (usually the same typo seen
+    from the other side). The closest names are looked for among those without a placement first:
+    'fc1.weigth' is 'fc1.weight', not the 'fc2.weight' the plan already places."""
+    hints = []
+    for key in extra:
+        if close := closest(key, missing) or closest(key, names):
+            hints.append(f"{' or '.join(map(repr, close))} for {key!r}")
+    message = f"plan names parameter(s) {extra} that the dense module does not have"
+    if hints:
+        message += f" (did you mean {'; '.join(hints)}?)"
+    message += (
+        "; rename each to the dense parameter it places (the name in dense.named_parameters()), "
+        "or remove it"
+    )
+    if missing:
+        message += f"; the plan has no placement for dense parameter(s) {missing}"
+    if len(names) <= LISTED_PARAMS:
+        return f"{message}; dense parameters are {sorted(names)}"
+    return f"{message}; the dense module has {len(names)} parameters"
+
+
+def closest(key: str, names: list[str]) -> list[str]:
+    """The names of `names` closest to `key` (difflib, at most 3), those nearly as close as the best
+    only: 'fc2.weights' suggests 'fc2.weight', not also 'fc1.weight' and 'fc2.bias'."""
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    ratios = [difflib.SequenceMatcher(None, key, name).ratio() for name in close]
+    return [name for name, r in zip(close, ratios) if r >= ratios[0] - 0.05]

@@ -213,3 +213,30 @@ def test_callables_returning_the_wrong_type_are_invalid_naming_them(tmp_path, ca
     for name, (_, words) in RETURNS.items():
         assert words.format(file=paths[name], line=line) in err, (name, err)
     assert "Traceback" not in err and err.count("invalid:") == len(RETURNS)
+
+
+def test_a_typo_in_a_plan_key_is_invalid_naming_it_and_the_real_name(tmp_path, capsys):
+    """`Plan(params={'fc1.weigth': ...})`: the case is invalid and its summary names the unknown
+    key, the parameter it was meant for ("did you mean") and the fix, not only the real parameter
+    left without a placement."""
+    typo = _write(
+        tmp_path,
+        "plan_typo",
+        "params = dict(PLAN.params)\nparams['fc1.weigth'] = params.pop('fc1.weight')\n"
+        "case = dataclasses.replace(own_module.correct, plan=Plan(params=params))",
+    )
+    report = tmp_path / "r.json"
+    code = main(["verify", str(typo), "--world-size", "2", "--json", str(report)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    import json
+
+    (case,) = json.loads(report.read_text())["cases"]
+    assert case["verdict"] == "invalid"
+    summary = " ".join(case["summary"].split())
+    assert (
+        "plan names parameter(s) ['fc1.weigth'] that the dense module does not have (did you mean "
+        "'fc1.weight' for 'fc1.weigth'?); rename each to the dense parameter it places" in summary
+    ), summary
+    assert "no placement for dense parameter(s) ['fc1.weight']" in summary
+    assert "did you mean 'fc1.weight' for 'fc1.weigth'?" in err and "Traceback" not in err

@@ -133,8 +133,8 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, sig):
         text=True,
         timeout=WAIT_S,
     )
-    # the partial report is valid
-    assert shown.returncode == 0 and "1 of 1 case(s) as expected" in shown.stderr
+    # the partial report is valid, and as a gate it exits with the interrupted run's code
+    assert shown.returncode == 128 + sig and "1 of 1 case(s) as expected" in shown.stderr
     assert (
         f"interrupted by {sig.name} after 1 of 2 case(s)" in (tmp_path / "report.html").read_text()
     )

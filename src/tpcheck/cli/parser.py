@@ -31,7 +31,10 @@ COMMANDS = {
         "write a commented case file to start from (it verifies as written)",
     ),
     "faults": ("tpcheck.cli.faults", "list the fault catalogue"),
-    "report": ("tpcheck.cli.report", "print the summary of a JSON report and render it as HTML"),
+    "report": (
+        "tpcheck.cli.report",
+        "print the summary of a JSON report, render it as HTML; exits with its verdict (a CI gate)",
+    ),
     "torchrun": (
         "tpcheck.cli.torchrun",
         "run a tpcheck command under torchrun's launcher, its "
