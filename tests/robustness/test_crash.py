@@ -63,3 +63,33 @@ def test_single_crashing_case_exits_3_and_prints_the_traceback(register_block, c
         and 'raise RuntimeError("boom on rank 1")' in err
     )
     assert children() == before
+
+
+def test_a_rank_the_collective_library_aborts_is_explained_rank_by_rank(capfd, children):
+    """gloo aborts (SIGABRT) a rank whose all-reduce meets one of another size: here rank 0 issues a
+    debug all-reduce of 1024 elements alone, then every rank one of its own. The result names each
+    rank's line and collective -- the dead rank's from the stacks its faulthandler dumped -- and the
+    cause; no faulthandler dump ("Fatal Python error") reaches the parent's output."""
+    from tpcheck.checker.usercode import file_spec
+
+    before = children()
+    path = os.path.join(os.path.dirname(__file__), "case_files", "runtime.py")
+    (result,) = check([file_spec(f"{path}:mismatched", 2)], timeout_s=10)
+    lines = open(path).read().splitlines()
+    extra = next(i for i, s in enumerate(lines, 1) if "# EXTRA" in s)
+    every = next(i for i, s in enumerate(lines, 1) if "# EVERY RANK" in s)
+    assert result["verdict"] == "error", result["summary"]
+    crash = result["crash"]
+    died = [r for r in crash["ranks"] if r["status"] == "crash"]
+    assert (
+        died and "SIGABRT" in result["summary"] and "collective library aborted" in crash["cause"]
+    )
+    doing = {r["rank"]: r["doing"] for r in crash["ranks"]}
+    assert f"runtime.py:{extra} in forward" in doing[0] and "4096 bytes" in doing[0], doing
+    for r in died:
+        assert "torch.distributed.all_reduce called at" in r["doing"], r
+        assert f"runtime.py:{every} in forward" in r["doing"] or f":{extra} " in r["doing"], r
+    (dead,) = [p for p in result["problems"] if p["status"] == "crash"]
+    assert dead["where"]["state"] == "collective" and dead["where"]["call"] == "all_reduce"
+    assert "Fatal Python error" not in capfd.readouterr().err
+    assert children() == before

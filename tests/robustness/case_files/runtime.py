@@ -1,6 +1,7 @@
 """Case files that misbehave at run time, on some ranks: they spin, stop, sleep, issue a collective
-alone, interrupt themselves, or spawn processes. The module is a replicated linear layer, so the
-correct case (`ok`) is equivalent and every other outcome comes from the misbehaviour."""
+alone or one of another size, interrupt themselves, or spawn processes. The module is a replicated
+linear layer, so the correct case (`ok`) is equivalent and every other outcome comes from the
+misbehaviour."""
 
 import os
 import signal
@@ -42,6 +43,10 @@ class TP(Dense):
             os.kill(os.getpid(), signal.SIGINT)
         if self.how == "sleeps":
             time.sleep(600)
+        if self.how == "mismatched":  # a debug all-reduce on rank 0 only, then one on every rank
+            if self.rank == 0:
+                dist.all_reduce(torch.ones(1024), group=self.pg)  # EXTRA
+            dist.all_reduce(x.detach().clone(), group=self.pg)  # EVERY RANK
         return self.fc(x)
 
 
@@ -81,4 +86,5 @@ stop = _case("stop")
 one_sided = _case("one_sided")
 sigint = _case("sigint")
 sleeps = _case("sleeps")
+mismatched = _case("mismatched")  # gloo aborts a rank: the sizes of the first all-reduce differ
 spawns = _case("spawns", spawning_tp)

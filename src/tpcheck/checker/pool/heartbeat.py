@@ -24,6 +24,7 @@ well (every rank spinning); world 1, which has no collective, gets `WORLD1_FACTO
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -158,6 +159,11 @@ def spot_of(frame, tapped: tuple | None, checkpoint: str | None, held: Spot | No
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
+    return _spot(frames, tapped, checkpoint, held)
+
+
+def _spot(frames: list, tapped: tuple | None, checkpoint: str | None, held: Spot | None) -> Spot:
+    """`spot_of` on a stack as a list of frames (or `_Dumped` ones), innermost first."""
     rows = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in frames]
     mine = [i for i, f in enumerate(rows) if not _is_library(f[0])]
     stack = [_where(rows[i]) for i in mine[:STACK_FRAMES]]
@@ -174,6 +180,43 @@ def spot_of(frame, tapped: tuple | None, checkpoint: str | None, held: Spot | No
     if tapped is not None:
         return held if held is not None else Spot("collective", at, tapped[0], stack)
     return Spot("compute", at, None, stack)
+
+
+@dataclass(frozen=True)
+class _Code:
+    co_filename: str
+    co_name: str
+
+
+@dataclass(frozen=True)
+class _Dumped:
+    """A frame as faulthandler dumped it: file, line and function, no locals."""
+
+    f_code: _Code
+    f_lineno: int
+    f_locals: dict = field(default_factory=dict)
+
+
+_DUMPED_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_ENTRY = (os.path.join("checker", "pool", "spawn.py"), "_entry")
+
+
+def spot_of_dump(text: str) -> Spot | None:
+    """Where a rank's main thread was when its process was killed (a collective library's abort),
+    from the stacks faulthandler dumped then (each rank dumps into a file of its pool:
+    `spawn.fault_path`); the main thread is the one running the rank's entry. None without one."""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+        frames = [
+            _Dumped(_Code(m["path"], m["func"]), int(m["line"]))
+            for m in map(_DUMPED_FRAME.match, block.splitlines())
+            if m
+        ]
+        if any(
+            f.f_code.co_filename.endswith(_ENTRY[0]) and f.f_code.co_name == _ENTRY[1]
+            for f in frames
+        ):
+            return _spot(frames, None, None, None)
+    return None
 
 
 class BeatMaker:

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from tpcheck.checker.case import CaseSpec, Resolver
 from tpcheck.checker.devices import backend, check_device, rank_device
 from tpcheck.checker.payload import RankPayload
-from tpcheck.checker.pool.heartbeat import Beat, Watch
-from tpcheck.checker.pool.spawn import TEMP_DIRS, Ranks, recv_plain, send_plain
+from tpcheck.checker.pool.heartbeat import Beat, Watch, spot_of_dump
+from tpcheck.checker.pool.spawn import TEMP_DIRS, Ranks, fault_path, recv_plain, send_plain
 from tpcheck.checker.pool.worker import Build, RankState, pool_rank
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.checker.verdict.hangs import describe
@@ -158,12 +158,16 @@ class RankPool:
             if r in got:
                 if got[r].status == "hang":
                     got[r].where = e
+                elif got[r].status == "crash":  # died: where its stacks or last beat say it was
+                    got[r].where = self._died_at(r) or e
+                    got[r].ledger, got[r].has_ledger = list(watch.ledgers[r]), r in watch.beats
                 continue
             if failed:
                 got[r] = RankPayload(
                     status="aborted",
                     rank=r,
-                    has_ledger=False,
+                    ledger=list(watch.ledgers[r]),
+                    has_ledger=r in watch.beats,
                     where=e,
                     message=f"rank {r} was stopped: still running after rank(s) {failed} failed; "
                     f"{describe(e)}",
@@ -181,6 +185,19 @@ class RankPool:
                 ledger=list(watch.ledgers[r]),
                 has_ledger=r in watch.beats,
             )
+
+    def _died_at(self, r: int) -> dict | None:
+        """Where rank r's main thread was when it was killed, from the stacks its faulthandler
+        dumped (an abort by the collective library), as heartbeat evidence; None without a dump."""
+        try:
+            with open(fault_path(self.ranks.store_path, r)) as f:
+                spot = spot_of_dump(f.read())
+        except OSError:
+            return None
+        if spot is None:
+            return None
+        e = {"rank": r, "state": spot.state, "at": spot.at, "stack": spot.stack, "dumped": True}
+        return {**e, "call": spot.call} if spot.call else e
 
     def close(self) -> None:
         if self.healthy:

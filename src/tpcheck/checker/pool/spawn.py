@@ -16,6 +16,7 @@ so nothing is left in flight when a rank exits.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -169,11 +170,25 @@ def _cpus() -> tuple[int, int]:
 THREADS_WHILE_OTHERS_WAIT = 1
 
 
+_FAULT_FILE = None  # in a rank: where faulthandler writes if the process is killed
+
+
+def fault_path(store_path: str, rank: int) -> str:
+    """The file a rank's faulthandler writes its stacks into, beside its pool's store."""
+    return os.path.join(os.path.dirname(store_path), f"fault-{rank}")
+
+
 def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, threads) -> None:
     os.setpgid(0, 0)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the parent's handlers are not the rank's
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, _sigint)
+    # a rank that a collective library aborts (SIGABRT) dumps its threads' stacks into a file of the
+    # pool, where the launcher reads where it died (heartbeat.spot_of_dump) -- not into the parent's
+    # output, as a parent's own faulthandler (pytest enables one) would have it
+    global _FAULT_FILE
+    _FAULT_FILE = open(fault_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(_FAULT_FILE, all_threads=True)
     die_with_parent(parent_pid)
     global THREADS_WHILE_OTHERS_WAIT
     # rank_threads and threads_while_others_wait, decided in the parent

@@ -47,6 +47,7 @@ class CaseResult:
     diagnosis: dict | None = None
     problems: list[dict] | None = None
     hang: dict | None = None
+    crash: dict | None = None
     inferred_plan: str | None = None
 
     @property
@@ -72,7 +73,7 @@ class CaseResult:
         }
         if self.checks is not None:
             out["checks"] = [check_json(c) for c in self.checks]
-        for key in ("ledger", "diagnosis", "problems", "hang", "inferred_plan"):
+        for key in ("ledger", "diagnosis", "problems", "hang", "crash", "inferred_plan"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.checks is not None:
@@ -119,6 +120,7 @@ class CaseResult:
                     "diagnosis",
                     "problems",
                     "hang",
+                    "crash",
                     "inferred_plan",
                 )
             },
