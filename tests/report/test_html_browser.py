@@ -1,8 +1,10 @@
 """The HTML report in a real headless browser (Debian's chromium; CI installs it in .ci/run):
 it renders to a non-blank page, shows the verdicts, and raises no errors."""
 
+import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,12 +59,13 @@ def with_probe(page: str, path: Path) -> str:
     return path.as_uri()
 
 
-def dump_dom(tmp_path: Path, url: str) -> subprocess.CompletedProcess:
+def dump_dom(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
     return chromium(
         tmp_path,
         "--enable-logging=stderr",
         "--v=0",
         "--virtual-time-budget=5000",
+        *args,
         "--dump-dom",
         url,
     )
@@ -105,3 +108,81 @@ def test_probe_catches_errors(tmp_path):
     assert 'data-images="1/0"' in proc.stdout
     assert "image not decoded: broken" in proc.stdout and "undefinedFunction" in proc.stdout
     assert "Uncaught ReferenceError" in proc.stderr  # and chromium's log shows it too
+
+
+# Injected with PROBE: after load, at the window's width, every table, image and <pre> in a case's
+# card (or on the page) must end inside that card, or sit in a wrapper that scrolls sideways (then
+# the wrapper must); every table's first row must have as many headers as its widest row has cells.
+LAYOUT = """<script>
+window.addEventListener('load',function(){var bad=[],scrolled=0;
+function scrolls(e){var o=getComputedStyle(e).overflowX;return o==='auto'||o==='scroll';}
+var els=document.querySelectorAll('table,img,pre');
+for(var i=0;i<els.length;i++){var el=els[i];if(el.id==='probe'||el.id==='layout')continue;
+ var card=el.closest('section.case')||document.body,box=el;
+ for(var a=el.parentElement;a&&a!==card;a=a.parentElement){if(scrolls(a)){box=a;break;}}
+ if(box!==el&&el.scrollWidth>box.clientWidth)scrolled++;
+ var wide=box===el&&!scrolls(el)?el.scrollWidth:box.offsetWidth;
+ var right=box.getBoundingClientRect().right,limit=card.getBoundingClientRect().right;
+ if(wide>card.clientWidth||right>limit+0.5)
+  bad.push('too wide: '+el.tagName+' '+(el.id||el.className||el.alt||'')+' '+wide+'>'+card.clientWidth);}
+var tables=document.querySelectorAll('table');
+for(var t=0;t<tables.length;t++){var rows=tables[t].rows,most=0;
+ for(var r=1;r<rows.length;r++)most=Math.max(most,rows[r].querySelectorAll('td').length);
+ var heads=rows.length?rows[0].querySelectorAll('th'):[];var empty=0;
+ for(var h=0;h<heads.length;h++)if(!heads[h].textContent.trim())empty++;
+ if(heads.length!==most||empty)bad.push('headers: table '+t+' has '+heads.length+' th ('+empty+
+  ' empty) for '+most+' columns');}
+var p=document.createElement('pre');p.id='layout';p.setAttribute('data-scrolled',scrolled);
+p.textContent='layout-problems='+bad.length+(bad.length?': '+bad.join(' | '):'');
+document.body.appendChild(p);});
+</script>"""  # noqa: E501 - the script as the browser reads it
+
+
+def layout_of(tmp_path: Path, page: str, name: str) -> tuple[str, subprocess.CompletedProcess]:
+    """The page at 1280 px with both probes: the layout line and the chromium run."""
+    path = tmp_path / f"{name}.html"
+    path.write_text(page.replace("</head>", PROBE + LAYOUT + "</head>", 1))
+    proc = dump_dom(tmp_path, path.as_uri(), "--window-size=1280,2000")
+    line = re.search(r'<pre id="layout"[^>]*>([^<]*)</pre>', proc.stdout)
+    assert line, proc.stdout[-1500:]
+    return line.group(1), proc
+
+
+def _synthetic_pages() -> dict[str, str]:
+    from tpcheck.report.html import render_html
+
+    from report_helpers import hf_sweep_report, wide_report
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pages = {"wide": render_html(wide_report()), "hf": render_html(hf_sweep_report())}
+    assert not caught, [str(w.message) for w in caught]  # no matplotlib warning either
+    return pages
+
+
+@pytest.mark.parametrize("name", ["seed", "wide", "hf"])
+def test_nothing_is_wider_than_its_card_and_every_column_has_a_header(name, seed_run, tmp_path):
+    page = seed_run.html_path.read_text() if name == "seed" else _synthetic_pages()[name]
+    layout, proc = layout_of(tmp_path, page, name)
+    assert layout == "layout-problems=0", layout
+    assert "errors=0</pre>" in proc.stdout and "Uncaught" not in proc.stderr
+
+
+def test_wide_tables_scroll_inside_their_card(tmp_path):
+    """The probe is not blind: a wide table outside a wrapper is reported, one inside is not."""
+    cells = "".join(f"<td>{'x' * 40}{i}</td>" for i in range(12))
+    heads = "".join(f"<th>c{i}</th>" for i in range(12))
+    table = f"<table><tr>{heads}</tr><tr>{cells}</tr></table>"
+    page = (
+        "<!DOCTYPE html><html><head><title>t</title><style>.wrap{overflow-x:auto}</style></head>"
+        f"<body><section class=case>{table}</section></body></html>"
+    )
+    layout, _ = layout_of(tmp_path, page, "bare")
+    assert layout.startswith("layout-problems=1: too wide: TABLE"), layout
+    wrapped = page.replace(table, f"<div class=wrap>{table}</div>")
+    layout, proc = layout_of(tmp_path, wrapped, "wrapped")
+    assert layout == "layout-problems=0", layout
+    assert 'data-scrolled="1"' in proc.stdout
+    headless = wrapped.replace("<th>c11</th>", "")
+    layout, _ = layout_of(tmp_path, headless, "headless")
+    assert "headers: table 0 has 11 th (0 empty) for 12 columns" in layout, layout

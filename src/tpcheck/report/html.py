@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 
 PHASES = ("forward", "backward", "optimizer")
 MAX_FAILED_ROWS = 25  # failed checks listed per case; the JSON has them all
@@ -30,14 +31,18 @@ KNOWN_CASE_KEYS = {
     "problems",
     "diagnosis",
     "inferred_plan",
+    "checks_omitted",
 }
+NONE = "—"  # a cell with nothing to show (no expectation given, no byte count recorded)
+FINDINGS = re.compile(r"docs/findings/[\w./-]+\.md")
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
  margin:24px auto;max-width:1200px;padding:0 16px;color:#1d1d1f;background:#fff}
 h1{font-size:24px;margin:0 0 4px}h2{font-size:19px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 h3{font-size:16px;margin:18px 0 6px}.muted{color:#666}
-table{border-collapse:collapse;margin:6px 0 12px}
+.wrap{overflow-x:auto;max-width:100%;margin:6px 0 12px}
+table{border-collapse:collapse;margin:0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f4f4f6}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .banner{padding:10px 14px;border-radius:6px;font-weight:600;margin:12px 0}
@@ -46,13 +51,14 @@ th{background:#f4f4f6}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .v-equivalent{background:#d7f0d2;color:#14532d}.v-not-equivalent{background:#fbd5d3;color:#7f1d1d}
 .v-hang{background:#eddcf7;color:#4c1d95}.v-error,.v-invalid{background:#fde68a;color:#713f12}
 .v-skipped{background:#e5e7eb;color:#374151}
-td.off{background:#fbd5d3;font-weight:700}
+td.off{background:#fbd5d3;font-weight:700}td.long{min-width:9em;overflow-wrap:anywhere}td.none{color:#888;text-align:center}
+.note{color:#14532d;font-style:italic}
 .ok{color:#15803d;font-weight:600;white-space:nowrap}
 .unexpected{color:#b91c1c;font-weight:700;white-space:nowrap}
 img{max-width:100%;height:auto;border:1px solid #eee}
 section.case{border:1px solid #e3e3e3;border-radius:6px;padding:4px 14px 10px;margin:14px 0}
 pre{background:#f6f6f8;padding:8px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
-code{font-size:13px}
+code{font-size:13px;overflow-wrap:anywhere}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:6px 0}
 dt{font-weight:600}dd{margin:0}
 """
@@ -62,10 +68,17 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _table(inner: str, attrs: str = "") -> str:
+    """A table in a wrapper that scrolls sideways when the table is wider than its card."""
+    return f"<div class=wrap><table{attrs}>{inner}</table></div>"
+
+
 def render_html(report: dict) -> str:
     """The whole page for a report built by tpcheck.report.schema.build_report."""
     cases = report.get("cases", [])
-    parts = [_header(report), _sweep(report.get("sweep")), _summary_table(cases), _heatmap(cases)]
+    sweep = report.get("sweep")
+    summary = _sweep(sweep, cases) if sweep else _summary_table(cases)  # one summary table
+    parts = [_header(report), summary, _heatmap(cases)]
     parts += [_case_section(i, case) for i, case in enumerate(cases)]
     title = f"tpcheck report: {_banner_text(report)}"
     return (
@@ -106,27 +119,62 @@ def _header(report: dict) -> str:
     )
 
 
-def _sweep(sweep: dict | None) -> str:
-    """`tpcheck hf`'s table: one row per architecture x
-    world size x dtype, skipped ones with their reason."""
-    if not sweep:
-        return ""
-    rows = "".join(
-        f"<tr><td>{esc(r['architecture'])}</td><td class=num>{esc(r['world_size'])}</td>"
-        f"<td>{esc(r['dtype'])}</td><td>{_verdict(r['verdict'])}</td>"
-        f"<td>{esc(r['first_divergence'])}</td><td>{esc(r['signature'])}</td><td "
-        f"class=num>{r['seconds']:.2f}</td><td>{esc(r['reason'])}</td></tr>"
-        for r in sweep["rows"]
-    )
+def _sweep(sweep: dict, cases: list[dict]) -> str:
+    """`tpcheck hf`'s table, the page's one summary table: one row per architecture x world size x
+    dtype (its case linked), skipped ones with their reason; a failing row's reason is its cause,
+    with the docs/findings page when the report names one."""
+    index = {c["name"]: i for i, c in enumerate(cases)}
+    rows = []
+    for r in sweep["rows"]:
+        i = index.get(r.get("case", ""))
+        case = cases[i] if i is not None else None
+        name = esc(r["architecture"])
+        arch = f"<a href='#case-{i}'>{name}</a>" if i is not None else name
+        mark = _mark(case) if case else ""
+        expected = esc(case["expected"]) if case else ""
+        rows.append(
+            f"<tr><td>{arch}</td><td class=num>{esc(r['world_size'])}</td>"
+            f"<td>{esc(r['dtype'])}</td><td>{_verdict(r['verdict'])}{_omitted_note(case)}</td>"
+            f"<td>{expected}</td><td>{mark}</td><td class=long>{esc(r['first_divergence'])}</td>"
+            f"<td class=long>{esc(r['signature'])}</td><td class=num>{r['seconds']:.2f}</td>"
+            f"<td class=long>{_sweep_reason(r, case)}</td></tr>"
+        )
     rules = ", ".join(f"{k} = {v}" for k, v in sweep.get("rules", {}).items()) or "none"
     return (
         f"<h2>HuggingFace transformers {esc(sweep['transformers'])}: the TP plans</h2>"
         f"<p id=sweep-summary>{esc(sweep['summary'])} · plan rules overridden: {esc(rules)}</p>"
-        "<table id=sweep><tr><th>architecture</th><th>TP</th><th>dtype</th><th>verdict</th>"
-        "<th>first divergence</th><th>signature</th><th>seconds</th><th>reason</th></tr>"
-        + rows
-        + "</table>"
+        + _table(
+            "<tr><th>architecture</th><th>TP</th><th>dtype</th><th>verdict</th><th>expected</th>"
+            "<th>as expected</th><th>first divergence</th><th>signature</th><th>seconds</th>"
+            "<th>reason</th></tr>" + "".join(rows),
+            " id=sweep",
+        )
     )
+
+
+def _omitted(case: dict | None) -> int:
+    """How many passing checks `tpcheck hf` left out of this case (0: all stored)."""
+    omitted = (case or {}).get("checks_omitted") or {}
+    return int(omitted.get("passed", 0)) if isinstance(omitted, dict) else 0
+
+
+def _omitted_note(case: dict | None) -> str:
+    n = _omitted(case)
+    if not n or case.get("checks"):
+        return ""
+    title = f"{n} passing checks left out of the report"
+    return f" <span class=note title='{title}'>passed, not stored</span>"
+
+
+def _sweep_reason(row: dict, case: dict | None) -> str:
+    texts = [row.get("reason", ""), row.get("signature", ""), row.get("summary", "")]
+    diagnosis = (case or {}).get("diagnosis") or {}
+    texts += [json.dumps(case, default=str)] if case else []
+    finding = next((m.group(0) for t in texts if t for m in [FINDINGS.search(str(t))] if m), "")
+    reason = row.get("reason") or ""
+    if not reason and row["verdict"] not in ("equivalent", "skipped"):
+        reason = diagnosis.get("cause") or (case or {}).get("summary", "") or row["signature"]
+    return esc(reason) + (f" (see <code>{esc(finding)}</code>)" if finding else "")
 
 
 def _verdict(v: str) -> str:
@@ -146,20 +194,30 @@ def _summary_table(cases: list[dict]) -> str:
         f"<tr><td><a href='#case-{i}'>{esc(c['name'])}</a></td><td "
         f"class=num>{esc(c.get('world_size', ''))}</td><td>{esc(c.get('dtype', ''))}</td>"
         f"<td>{_verdict(c['verdict'])}</td><td>{esc(c['expected'])}</td><td>{_mark(c)}</td>"
-        f"<td>{esc(where_text(c))}</td><td>{esc(signature_text(c))}</td></tr>"
+        f"<td class=long>{esc(where_text(c))}</td><td class=long>{esc(signature_text(c))}</td></tr>"
         for i, c in enumerate(cases)
     )
-    return (
-        "<h2>Summary</h2><table id=summary><tr><th>case</th><th>TP</th><th>dtype</th>"
-        "<th>verdict</th><th>expected</th><th></th><th>first divergence</th><th>signature</th></tr>"
-        + rows
-        + "</table>"
+    return "<h2>Summary</h2>" + _table(
+        "<tr><th>case</th><th>TP</th><th>dtype</th><th>verdict</th><th>expected</th>"
+        "<th>as expected</th><th>first divergence</th><th>signature</th></tr>" + rows,
+        " id=summary",
     )
 
 
 def _heatmap(cases: list[dict]) -> str:
-    if not any(c.get("checks") for c in cases):
-        return ""
+    unstored = [c for c in cases if _omitted(c) and not c.get("checks")]
+    drawn = [c for c in cases if c not in unstored]
+    note = (
+        "<p class=note id=not-stored>Passed, not stored (their passing checks were left out of "
+        "the report, so they have no cells): "
+        + esc(", ".join(c["name"] for c in unstored))
+        + "</p>"
+        if unstored
+        else ""
+    )
+    if not any(c.get("checks") for c in drawn):
+        return ("<h2>Error relative to bound</h2>" + note) if note else ""
+    cases = drawn
     from tpcheck.report import plots
 
     return (
@@ -167,9 +225,10 @@ def _heatmap(cases: list[dict]) -> str:
         "maximum over ranks, steps and stages (loaded weights, optimizer updates, cross-rank "
         "replica agreement). 0 is the bound: green is inside it, red is a failure; the scale is "
         f"capped at ±{plots.CAP:g} decades. Exact (bitwise) checks have bound 0: a match is at the "
-        "floor, any difference at the ceiling. Grey: not checked (the case stopped before).</p>"
+        "floor, any difference at the ceiling. Grey: not checked (the case stopped before). A "
+        "block with many tensors is cut into panels, one under the other, by stage.</p>"
         f"<img id=heatmap alt='heatmap of error over bound per case and tensor' "
-        f"src='{plots.heatmap_png(cases)}'>"
+        f"src='{plots.heatmap_png(cases)}'>" + note
     )
 
 
@@ -183,6 +242,11 @@ def _case_section(i: int, case: dict) -> str:
         f"<p class=muted>expected: {esc(case['expected'])} · spec: "
         f"<code>{esc(_spec_text(case))}</code></p>"
     ]
+    if _omitted(case):
+        parts.append(
+            f"<p class=note>Checks: {_omitted(case)} passed, not stored (left out of the report; "
+            f"{len(case.get('checks', []))} stored).</p>"
+        )
     parts += [
         _diagnosis(case),
         _first_divergence(case),
@@ -252,9 +316,9 @@ def _problems(case: dict) -> str:
         )
     if not rows:
         return ""
-    return (
-        "<h4>Rank problems</h4><table><tr><th>rank</th><th>status</th><th>last collective</th>"
-        "<th>message</th></tr>" + "".join(rows) + "</table>"
+    return "<h4>Rank problems</h4>" + _table(
+        "<tr><th>rank</th><th>status</th><th>last collective</th><th>message</th></tr>"
+        + "".join(rows)
     )
 
 
@@ -294,9 +358,13 @@ def _failed_checks(case: dict) -> str:
         else ""
     )
     return (
-        f"<details><summary>Failed checks ({len(failed)})</summary><table><tr><th>stage</th>"
-        "<th>step</th><th>tensor</th><th>rank</th><th>error</th><th>bound</th><th>kind</th>"
-        "<th>placement</th></tr>" + rows + "</table>" + more + "</details>"
+        f"<details><summary>Failed checks ({len(failed)})</summary>"
+        + _table(
+            "<tr><th>stage</th><th>step</th><th>tensor</th><th>rank</th><th>error</th>"
+            "<th>bound</th><th>kind</th><th>placement</th></tr>" + rows
+        )
+        + more
+        + "</details>"
     )
 
 
@@ -322,9 +390,10 @@ def _rng(case: dict) -> str:
         f"class='num{' off' if s['failed'] else ''}'>{s['failed']}</td></tr>"
         for name, s in sites.items()
     )
-    return (
-        "<h4>Random masks (RNG placement)</h4><table class=rng><tr><th>draw</th><th>mask "
-        "placement</th><th>rule</th><th>checks</th><th>failed</th></tr>" + rows + "</table>"
+    return "<h4>Random masks (RNG placement)</h4>" + _table(
+        "<tr><th>draw</th><th>mask placement</th><th>rule</th><th>checks</th><th>failed</th></tr>"
+        + rows,
+        " class=rng",
     )
 
 
@@ -364,34 +433,71 @@ def ledger_rows(ledger: dict) -> tuple[list[str], list[tuple[str, str]], dict, d
 
 
 def _ledger(case: dict) -> str:
+    """Per phase and op, the collectives each rank issued (over all steps) beside those expected.
+    With an expectation (a built-in block), a count that differs from it is marked; with none (user
+    code: the "collective ledger of user code"), the expected columns say "—" and what is marked is
+    what differs between ranks: a count not the same on every rank, a phase with no collective on
+    some rank. A byte count not recorded says "—"."""
     ledger = case.get("ledger")
     if not isinstance(ledger, dict):
         return ""
     ranks, rows, expected, cells = ledger_rows(ledger)
     if not rows:
         return "<h4>Collective ledger</h4><p class=muted>No collective was issued or expected.</p>"
+    given = bool(ledger.get("expected"))
     head = "".join(f"<th>rank {esc(r)}: count</th><th>rank {esc(r)}: bytes</th>" for r in ranks)
-    body = []
+    body, asymmetric = [], []
     for phase, op in rows:
         want, sites = expected.get((phase, op), (0, []))
+        got = {r: cells.get((phase, op, r), {"count": 0}) for r in ranks}
+        differ = len({g.get("count", 0) for g in got.values()}) > 1
+        if differ:
+            counts = ", ".join(f"rank {r}: {got[r].get('count', 0)}" for r in ranks)
+            asymmetric.append(f"{phase} {op} ({counts})")
         tds = ""
         for r in ranks:
-            got = cells.get((phase, op, r), {"count": 0, "bytes": 0})
-            bad = (
-                " class='num off'"
-                if ledger.get("expected") is not None and got["count"] != want
-                else " class=num"
-            )
-            tds += f"<td{bad}>{got['count']}</td><td class=num>{got['bytes']:,}</td>"
-        body.append(
-            f"<tr><td>{esc(phase)}</td><td>{esc(op)}</td><td class=num>{want}</td>"
-            f"<td>{esc(', '.join(sorted(sites)))}</td>{tds}</tr>"
+            count = got[r].get("count", 0)
+            if given and count != want:
+                cls, title = "num off", f" title='expected {want}'"
+            elif not given and differ:
+                what = "no collective here on this rank" if count == 0 else "ranks differ"
+                cls, title = "num off", f" title='{what}'"
+            else:
+                cls, title = "num", ""
+            tds += f"<td class='{cls}'{title}>{count}</td>{_bytes_cell(got[r], count)}"
+        want_td = f"<td class=num>{want}</td>" if given else f"<td class=none>{NONE}</td>"
+        sites_td = f"<td>{esc(', '.join(sorted(sites)))}</td>" if given else "<td class=none>—</td>"
+        body.append(f"<tr><td>{esc(phase)}</td><td>{esc(op)}</td>{want_td}{sites_td}{tds}</tr>")
+    note = (
+        ""
+        if given
+        else "<p class=muted>No expectation was given for this code's collectives: the table "
+        "shows what each rank issued; a count is marked where the ranks differ.</p>"
+    )
+    if not given and asymmetric:
+        note += (
+            "<p class=ledger-asymmetric><b>Ranks differ:</b> "
+            + esc("; ".join(asymmetric))
+            + " (a collective issued on some ranks only hangs or mismatches)</p>"
         )
     return (
-        "<h4>Collective ledger (all steps)</h4><table class=ledger><tr><th>phase</th><th>op</th>"
-        f"<th>expected</th><th>expected sites</th>{head}</tr>{''.join(body)}</table>"
+        "<h4>Collective ledger (all steps)</h4>"
+        + note
+        + _table(
+            "<tr><th>phase</th><th>op</th><th>expected</th><th>expected sites</th>"
+            f"{head}</tr>{''.join(body)}",
+            " class=ledger",
+        )
         + _ledger_problems(ledger)
     )
+
+
+def _bytes_cell(cell: dict, count: int) -> str:
+    """The bytes a rank moved, or "—" where the ledger recorded none for collectives it issued."""
+    moved = cell.get("bytes")
+    if moved is None or (moved == 0 and count > 0):
+        return f"<td class=none>{NONE}</td>"
+    return f"<td class=num>{moved:,}</td>"
 
 
 def _ledger_problems(ledger: dict) -> str:

@@ -27,6 +27,9 @@ EXACT_EPS = 1e-300  # stands in for a bound of 0 (exact checks): any nonzero err
 CAP = 6.0  # colour range [-CAP, +CAP] decades around the bound
 MAX_ANNOTATED_CELLS = 400  # beyond this the numbers in the cells are unreadable; colours only
 PAGE_WIDTH_IN = 12.0  # the HTML page's content width at 96 dpi
+CELL_IN = 0.42  # a heatmap cell's width: wide enough for its number
+ROW_IN = 0.32  # a heatmap row's height
+MAX_LEGEND = 12  # tensors named in the per-step plot's legend; the others share one grey entry
 PNG_META = {"Software": None}  # no matplotlib version in the bytes: same report, same image
 
 
@@ -40,18 +43,46 @@ def log_ratio(error: float, bound: float) -> float:
     return max(-CAP, min(CAP, math.log10(error / max(bound, EXACT_EPS))))
 
 
+def column_stages(cases: list[dict]) -> dict[str, tuple[int, int, str]]:
+    """Per checked tensor name: (latest stage's order, first seq at that stage, that stage). A name
+    is placed by its latest stage (param:w is loaded at 'weights' and updated at 'optimizer')."""
+    place: dict[str, tuple[int, int, str]] = {}
+    for case in cases:
+        for c in case.get("checks", []):
+            here = (STAGE_ORDER.get(c["stage"], -1), c["seq"], c["stage"])
+            now = place.get(c["name"], (-2, 0, ""))
+            if here[0] > now[0] or (here[0] == now[0] and here[1] < now[1]):
+                place[c["name"]] = here
+    return place
+
+
 def tensor_columns(cases: list[dict]) -> list[str]:
     """Checked tensor names in the order data flows: output, loss, input grads, param grads, params.
     A name is placed by its latest stage (param:w is loaded at 'weights' and
     updated at 'optimizer')."""
-    place: dict[str, tuple[int, int]] = {}  # name -> (latest stage, first seq at that stage)
-    for case in cases:
-        for c in case.get("checks", []):
-            here = (STAGE_ORDER.get(c["stage"], -1), c["seq"])
-            now = place.get(c["name"], (-2, 0))
-            if here[0] > now[0] or (here[0] == now[0] and here[1] < now[1]):
-                place[c["name"]] = here
-    return sorted(place, key=place.__getitem__)
+    place = column_stages(cases)
+    return sorted(place, key=lambda n: place[n][:2])
+
+
+def column_panels(cols: list[str], stages: list[str], per_panel: int) -> list[list[int]]:
+    """The heatmap's columns cut into panels of at most `per_panel`, each stage's columns kept
+    together where they fit (a stage wider than a panel is split): indices into `cols`."""
+    per_panel = max(1, per_panel)
+    groups: list[list[int]] = []
+    for j in range(len(cols)):
+        if groups and stages[groups[-1][-1]] == stages[j]:
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    panels: list[list[int]] = []
+    for group in groups:
+        if panels and len(panels[-1]) + len(group) <= per_panel:
+            panels[-1].extend(group)
+            continue
+        size = -(-len(group) // -(-len(group) // per_panel))  # equal parts, none a stub
+        for k in range(0, len(group), size):
+            panels.append(group[k : k + size])
+    return panels
 
 
 def heatmap_matrix(cases: list[dict]) -> tuple[list[str], list[str], np.ndarray]:
@@ -79,31 +110,49 @@ def bound_cmap() -> ListedColormap:
 
 
 def heatmap_png(cases: list[dict]) -> str:
-    """The case x tensor heatmap as a data URI."""
+    """The case x tensor heatmap as a data URI: wider than the page, its columns are cut into
+    panels stacked one under the other, by stage (forward, loss, backward, grads, optimizer)."""
     rows, cols, m = heatmap_matrix(cases)
-    labels = 0.075 * max(map(len, rows))  # inches of row labels at fontsize 9
-    # fit the page when possible
-    cell = min(0.75, max(0.4, (PAGE_WIDTH_IN - labels - 1.3) / len(cols)))
-    width = labels + 1.3 + cell * len(cols)
-    height = min(40.0, 1.0 + 0.065 * max(map(len, cols)) + 0.42 * len(rows))
-    fig = Figure(figsize=(width, height), dpi=96, layout="constrained")
-    ax = fig.add_subplot()
-    image = ax.imshow(
-        np.ma.masked_invalid(m),
-        cmap=bound_cmap(),
-        norm=Normalize(-CAP, CAP),
-        aspect="auto",
-        interpolation="nearest",
-    )
-    ax.set_xticks(range(len(cols)), cols, rotation=40, ha="right", fontsize=9)
-    ax.set_yticks(range(len(rows)), rows, fontsize=9)
-    ax.set_xticks(np.arange(-0.5, len(cols)), minor=True)
-    ax.set_yticks(np.arange(-0.5, len(rows)), minor=True)
-    ax.grid(which="minor", color="white", linewidth=1.5)
-    ax.tick_params(which="minor", length=0)
-    if m.size <= MAX_ANNOTATED_CELLS:
-        _annotate(ax, m)
-    bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.01)
+    place = column_stages(cases)
+    stages = [place[c][2] for c in cols]
+    labels = 0.075 * max(map(len, rows)) + 0.2  # inches of row labels at fontsize 9
+    per_panel = int((PAGE_WIDTH_IN - labels - 1.3) / CELL_IN)
+    panels = column_panels(cols, stages, per_panel)
+    width = labels + 1.3 + CELL_IN * max(map(len, panels))
+    heights = [
+        0.35 + 0.065 * max(len(cols[j]) for j in panel) + max(1.6, ROW_IN * len(rows))
+        for panel in panels
+    ]
+    fig = Figure(figsize=(width, sum(heights) + 0.2), dpi=96, layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
+    annotate = m.size <= MAX_ANNOTATED_CELLS or max(map(len, panels)) * len(rows) <= 200
+    for ax, panel in zip(axes, panels):
+        sub = m[:, panel]
+        image = ax.imshow(
+            np.ma.masked_invalid(sub),
+            cmap=bound_cmap(),
+            norm=Normalize(-CAP, CAP),
+            aspect="auto",
+            interpolation="nearest",
+            extent=(-0.5, len(panel) - 0.5, len(rows) - 0.5, -0.5),
+        )
+        ax.set_xlim(-0.5, max(map(len, panels)) - 0.5)
+        names = [cols[j] for j in panel]
+        ax.set_xticks(range(len(panel)), names, rotation=40, ha="right", fontsize=9)
+        ax.set_yticks(range(len(rows)), rows, fontsize=9)
+        ax.set_xticks(np.arange(-0.5, len(panel)), minor=True)
+        ax.set_yticks(np.arange(-0.5, len(rows)), minor=True)
+        ax.grid(which="minor", color="white", linewidth=1.5)
+        ax.tick_params(which="minor", length=0)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        if len(panels) > 1:
+            seen = list(dict.fromkeys(stages[j] or "other" for j in panel))
+            ax.set_title(" · ".join(seen), fontsize=9, loc="left")
+        if annotate:
+            _annotate(ax, sub)
+    bar = fig.colorbar(image, ax=list(axes), shrink=min(0.9, 4.0 / sum(heights) + 0.3), pad=0.01)
+    bar.set_ticks(np.arange(-CAP, CAP + 1, 2))
     bar.set_label("log10(error / bound)   0 = the bound", fontsize=9)
     return _data_uri(fig)
 
@@ -144,21 +193,48 @@ def step_curves(case: dict) -> dict[str, dict[int, float]]:
     return {n: curves[n] for n in tensor_columns([case]) if n in curves}
 
 
-def curves_png(case: dict) -> str:
-    """error / bound against step, one line per tensor, log scale, the bound drawn at 1."""
+def curve_series(case: dict) -> list[tuple[str, list[int], list[float], bool]]:
+    """The per-step plot's lines: (legend label, steps, error / bound, labelled). The
+    MAX_LEGEND tensors that came closest to (or past) their bound are labelled, each once; the rest
+    are drawn thin and grey under one entry, so the legend stays short and every text is unique."""
     curves = step_curves(case)
-    fig = Figure(figsize=(8.5, 3.6), dpi=96, layout="constrained")
+    order = sorted(curves, key=lambda n: -max(curves[n].values()))
+    top = set(order[:MAX_LEGEND]) if len(order) > MAX_LEGEND + 1 else set(order)
+    series = []
+    for name, per_step in curves.items():
+        steps = sorted(per_step)
+        series.append((name, steps, [per_step[s] for s in steps], name in top))
+    return series
+
+
+def curves_figure(case: dict) -> Figure:
+    """error / bound against step, one line per tensor, log scale, the bound drawn at 1."""
+    series = curve_series(case)
+    fig = Figure(figsize=(11.0, 3.8), dpi=96, layout="constrained")
     ax = fig.add_subplot()
     styles = ["-", "--", ":", "-."]
-    for k, (name, per_step) in enumerate(curves.items()):
-        steps = sorted(per_step)
+    rest = [s for s in series if not s[3]]
+    inside = all(v <= 1.0 for s in rest for v in s[2])
+    rest_label = f"{len(rest)} other tensor(s)" + (", all inside the bound" if inside else "")
+    for k, (_, steps, values, _) in enumerate(rest):
         ax.plot(
             steps,
-            [per_step[s] for s in steps],
+            values,
+            color="#b8b8b8",
+            linewidth=0.8,
+            zorder=1,
+            label=rest_label if k == 0 else "_nolegend_",
+        )
+    labelled = [s for s in series if s[3]]
+    for k, (name, steps, values, _) in enumerate(labelled):
+        ax.plot(
+            steps,
+            values,
             styles[(k // 10) % 4],
             marker="o",
             markersize=3,
             linewidth=1.2,
+            zorder=2,
             label=name,
         )
     ax.axhline(1.0, color="black", linewidth=1, label="bound")
@@ -167,13 +243,15 @@ def curves_png(case: dict) -> str:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("error / bound (max over ranks)")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(
-        fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), ncols=1 + len(curves) // 16
-    )
-    return _data_uri(fig)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), ncols=1)
+    return fig
+
+
+def curves_png(case: dict) -> str:
+    return _data_uri(curves_figure(case))
 
 
 def _data_uri(fig: Figure) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata=PNG_META)
+    fig.savefig(buf, format="png", metadata=PNG_META, bbox_inches="tight", pad_inches=0.08)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
