@@ -18,16 +18,18 @@ def run_specs(
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> list[CaseResult]:
     """Case results in the order of `specs` (empty on torchrun ranks other than 0). Each spec is
-    first prepared by the launcher's resolver (a fault's own settings). `on_result`
-    is called as each case
-    finishes: what the caller keeps if the run is interrupted."""
+    first prepared by the launcher's resolver (a fault's own settings). With `on_result`, each
+    result is handed to it as its case finishes (what the caller keeps if the run is interrupted)
+    and none is kept here: a sweep of thousands of cases holds one copy of them, the caller's."""
     results = []
     for spec in specs:
         spec = launcher.resolver.prepare(spec)
         payloads = launcher.run(spec)
         if payloads is None:
             continue
-        results.append(merge(spec, payloads))
+        result = merge(spec, payloads)
         if on_result is not None:
-            on_result(results[-1])
+            on_result(result)  # the caller keeps what it needs of it (the report's case)
+        else:
+            results.append(result)
     return results
