@@ -47,6 +47,7 @@ from tpcheck.checker.verdict.hangs import describe
 from tpcheck.errors import UsageError
 
 DEFAULT_TIMEOUT_S = 20.0
+MAX_LIVE_RANKS = 16  # rank processes a Launcher keeps alive at once, over all its pools
 # The bounds of a timeout (seconds any collective may wait), their one definition: the Launcher
 # refuses a timeout outside them, and `tpcheck --timeout` does before any rank starts. Below 1 s a
 # correct implementation is reported as a false hang; an hour is far past any real collective.
@@ -252,16 +253,26 @@ class Launcher:
         except UsageError as e:
             return [RankPayload(status="usage", rank=0, message=str(e))]
         key = (spec.world_size, spec.device)
-        pool = self.pools.get(key)
+        pool = self.pools.pop(key, None)  # re-inserted last: the pools stay in order of last use
         if pool is None:
-            pool = self.pools[key] = RankPool(
+            self._make_room(spec.world_size)
+            pool = RankPool(
                 spec.world_size, self.resolver.build, self.timeout_s, self.stall_s, spec.device
             )
+        self.pools[key] = pool
         payloads = pool.run(spec)
         if not pool.healthy:
             pool.close()
             del self.pools[key]
         return payloads
+
+    def _make_room(self, world: int) -> None:
+        """Close the least recently used pools while a pool of `world` ranks would put more than
+        MAX_LIVE_RANKS ranks alive: each rank's memory grows with the cases it has run (~1 MB a
+        case), and a sweep over world sizes 1..8 kept 36 ranks alive, more than the machine's memory
+        held (their false "hangs" were ranks stalled on paging)."""
+        while self.pools and sum(p.world for p in self.pools.values()) + world > MAX_LIVE_RANKS:
+            self.pools.pop(next(iter(self.pools))).close()
 
     def close(self) -> None:
         for pool in self.pools.values():
