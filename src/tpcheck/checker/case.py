@@ -92,7 +92,12 @@ class RunSettings:
     (grads upcast to float32, float32 optimizer state), and the modules get the masters rounded back
     after each step. False: pure 16-bit parameters and optimizer state (updates below half an ulp of
     a weight round away on both sides, so the post-step check sees much less; see
-    docs/tolerances.md). No effect in float32/float64."""
+    docs/tolerances.md). No effect in float32/float64.
+
+    clip_grad_norm: global gradient-norm clipping as trained (None: none). The dense side clips with
+    `torch.nn.utils.clip_grad_norm_` before its optimizer step; the TP side with the case's
+    `tp_clip_grad_norm` (yours) or tpcheck's TP-aware default; their total norms are compared
+    (`clip:grad_norm`, checker/rank/training.py)."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -102,6 +107,7 @@ class RunSettings:
     seed: int = 31
     capture: bool = True
     master_weights: bool = True
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -136,6 +142,17 @@ class RunSettings:
             )
         if not isinstance(self.master_weights, bool):
             raise UsageError(f"master_weights {self.master_weights!r} must be True or False")
+        clip = self.clip_grad_norm
+        if clip is not None and not (
+            isinstance(clip, (int, float))
+            and not isinstance(clip, bool)
+            and math.isfinite(clip)
+            and clip > 0
+        ):
+            raise UsageError(
+                f"clip_grad_norm {clip!r} must be a finite number > 0 (the largest total gradient "
+                "norm, as torch.nn.utils.clip_grad_norm_ takes it), or None for no clipping"
+            )
 
     @property
     def uses_masters(self) -> bool:
@@ -217,6 +234,24 @@ class Case:
     no_grad_forward: also run each step's first micro-batch without autograd (torch.no_grad) on both
         sides and compare that output ("output:no_grad"): for TP code that takes another path when
         no gradient is needed (HuggingFace's local-matmul inference path).
+    dense_optimizer(named_params) -> torch.optim.Optimizer: the update rule both sides are held to,
+        over `[(name, parameter), ...]` (torch optimizers take named parameters; a rule with no
+        weight decay on biases builds its groups from the names); None: `run`'s optimizer and lr.
+        It steps the dense model, the float64 truth and the replay of the rule on the TP side's
+        inputs, so it must be an element-wise torch optimizer (SGD, Adam, AdamW, ...).
+    tp_optimizer(tp_module, group) -> your TP optimizer: anything with `step()` (and `zero_grad()`),
+        e.g. a wrapper that keeps float32 master copies and steps an inner torch optimizer
+        (Megatron's Float16OptimizerWithFloat16Params, apex, DeepSpeed) or one over a flat buffer.
+        tpcheck finds the state through it where it can (checker/rank/training.py); None: tpcheck
+        steps the TP module with `dense_optimizer`'s rule (float32 masters under
+        `run.master_weights`). Your optimizer owns its masters: tpcheck makes none on the TP side.
+    tp_clip_grad_norm(tp_module, max_norm, group) -> total norm: your TP gradient clipping, run
+        before the TP optimizer steps when `run.clip_grad_norm` is set; None: tpcheck's TP-aware
+        clipping (each sharded element counted once over the ranks, each replicated one once).
+    setup(group): run on every rank before the TP module is built (state your TP code keeps in
+        module globals or environment variables: a parallel-state initializer, say). tpcheck
+        builds, on every rank, the dense model (float32, then a copy in the working dtype), the
+        float64 truth (rank 0), then `setup(group)`, then `build_tp(group, dtype)`.
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
@@ -237,6 +272,10 @@ class Case:
     activations: dict[str, Placement] = field(default_factory=dict)
     dropout: dict[str, Placement] = field(default_factory=dict)
     no_grad_forward: bool = False
+    dense_optimizer: Callable[[list], torch.optim.Optimizer] | None = None
+    tp_optimizer: Callable[[nn.Module, TPGroup], object] | None = None
+    tp_clip_grad_norm: Callable[[nn.Module, float, TPGroup], object] | None = None
+    setup: Callable[[TPGroup], None] | None = None
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
 
@@ -264,6 +303,13 @@ class Case:
                 for label, p in self.dropout.items()
             },
         )
+        for hook in ("dense_optimizer", "tp_optimizer", "tp_clip_grad_norm", "setup"):
+            value = getattr(self, hook)
+            if value is not None and not callable(value):
+                raise UsageError(
+                    f"Case {self.name!r}: {hook} must be a function (see docs/case-files.md), not "
+                    f"{type(value).__name__} {value!r}"
+                )
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
             if name == "plan" and self.plan is None:
                 continue
@@ -272,6 +318,14 @@ class Case:
                     f"Case {self.name!r}: {name} must be a tpcheck {cls.__name__}, not "
                     f"{type(getattr(self, name)).__name__}"
                 )
+
+    def make_rule(self, settings: RunSettings, named_params) -> torch.optim.Optimizer:
+        """The update rule over `named_params` ((name, parameter) pairs): `dense_optimizer`, else
+        the run settings' optimizer."""
+        named = list(named_params)
+        if self.dense_optimizer is None:
+            return settings.make_optimizer([p for _, p in named])
+        return self.dense_optimizer(named)
 
     def grad_input_names(self, inputs: dict) -> tuple[str, ...]:
         """The forward inputs whose gradients are checked, for a batch's `inputs`."""

@@ -88,6 +88,7 @@ class RankPayload:
     inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
     run: RunSettings | None = None  # the settings the rank ran (None: it never built the case)
+    notes: list[str] = field(default_factory=list)  # what the rank could not check, and why
 
     def problem_json(self) -> dict:
         return {

@@ -34,7 +34,19 @@ from tpcheck.errors import UsageError
 HF_PREFIX = "hf:"
 # what a caller may set of a user case's own run settings: every RunSettings field, nothing else
 OVERRIDABLE = RUN_FIELDS
-USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "load_tp", "loss", "tp_loss")
+USER_CALLABLES = (
+    "build_dense",
+    "build_tp",
+    "make_batch",
+    "init",
+    "load_tp",
+    "loss",
+    "tp_loss",
+    "dense_optimizer",
+    "tp_optimizer",
+    "tp_clip_grad_norm",
+    "setup",
+)
 
 _REGISTERED: dict[str, Case] = {}
 _MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)
@@ -393,6 +405,21 @@ def _tensor(out, *args) -> str | None:
             "torch.no_grad() or a new tensor in the loss), so no gradient could be checked"
         )
     return None
+
+
+def require_graph(out, side: str, model) -> None:
+    """Before the loss, with autograd on: the `side` module's output must carry a graph (a grad_fn);
+    else a UsageError saying which side's forward cut it, and how."""
+    import torch
+
+    if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and not out.requires_grad:
+        raise UsageError(
+            f"the {side} module's output has no grad_fn: its forward ({defined_at(model.forward)}) "
+            "ran without autograd (torch.no_grad() or torch.inference_mode() inside it, every "
+            "parameter with requires_grad=False, or an output detached), so no gradient can be "
+            "checked; for inference-only code check the forward alone (RunSettings(train=False), "
+            "--forward-only)"
+        )
 
 
 # what each user callable must return (docs/case-files.md);

@@ -17,6 +17,7 @@ from tpcheck.faults import injectors as inj
 
 MLP_BLOCKS = ("mlp", "layer", "lm")
 DROPOUT = (("dropout", 0.1), ("attention_dropout", 0.1))  # the config of a block with dropout
+CLIP_NORM = 0.05  # below the blocks' gradient norms: the clipping acts, on the twin too
 ALL_BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy")
 
 
@@ -39,6 +40,8 @@ class Fault:
     # a gradient-accumulation bug shows with 2 or more micro-batches only
     min_micro_batches: int = 1
     micro_batches: int | None = None  # the fault runs with this many (None: the spec's own)
+    # the run clips gradients at this total norm (a clipping bug), its correct twin too
+    clip_grad_norm: float | None = None
     # False: in 16 bits the bug acts on float32 master
     # weights only (pure 16-bit parameters round it away)
     pure_16bit: bool = True
@@ -72,8 +75,11 @@ class Fault:
         missing = tuple(o for o in self.overrides if o[0] not in given)
         expected = "hang" if self.expected_signature == "hang" else spec.expected
         micro = spec.settings.micro_batches if self.micro_batches is None else self.micro_batches
+        run = {"micro_batches": micro}
+        if self.clip_grad_norm is not None:
+            run["clip_grad_norm"] = self.clip_grad_norm
         return dataclasses.replace(
-            spec.with_run(micro_batches=micro),
+            spec.with_run(**run),
             fault=self.name,
             sequence_parallel=sp,
             overrides=spec.overrides + missing,
@@ -392,6 +398,27 @@ def _entries() -> list[Fault]:
             overrides=DROPOUT,
             sequence_parallel=False,
         ),
+        Fault(
+            "clip_local_norm",
+            "Gradient clipping takes the norm of each rank's own shards "
+            "(torch.nn.utils.clip_grad_norm_ on the TP module): each rank clips by its own factor.",
+            "the TP side's gradient clipping",
+            "optimizer",
+            "clip_local_norm",
+            i.clip_with(i.clip_local_norm),
+            clip_grad_norm=CLIP_NORM,
+        ),
+        Fault(
+            "clip_replicated_counted",
+            "Gradient clipping sums every parameter's squared norm over the ranks: the "
+            "replicated ones (norm gains, the row-parallel bias) count tp times.",
+            "the TP side's gradient clipping",
+            "optimizer",
+            "clip_replicated_counted",
+            i.clip_with(i.clip_all_summed),
+            clip_grad_norm=CLIP_NORM,
+            dtypes=("float32", "float64"),
+        ),  # 16 bits: the replicas' share of the norm is under the 8-ulp floor of a scalar's bound
         Fault(
             "collective_on_some_ranks",
             "A collective is issued on some ranks only (a rank-dependent branch): "

@@ -529,3 +529,34 @@ def rng_diverged(case: Case, spec: CaseSpec) -> Case:
                     setattr(module, name, ParallelDropout(child.p, tracker))
 
     return injected(case, tamper=tamper)
+
+
+# ---------------------------------------------------------------- clipping bugs (tp_clip_grad_norm)
+
+
+def clip_with(clip):
+    """The TP side clips its gradients with `clip(tp_module, max_norm, group)`."""
+    return lambda case, spec: dataclasses.replace(case, tp_clip_grad_norm=clip)
+
+
+def _scale_grads(module, total, max_norm):
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def clip_local_norm(module, max_norm, group):
+    """torch's clipping on the TP module: the norm of this rank's shards (and replicas) only."""
+    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+
+def clip_all_summed(module, max_norm, group):
+    """Every parameter's squared norm summed over the ranks, the replicated ones world times."""
+    sq = torch.zeros((), device=group.device)
+    for p in module.parameters():
+        if p.grad is not None:
+            sq = sq + p.grad.float().pow(2).sum()
+    sq = group.collective("all_reduce", sq, site="clip", phase="optimizer")
+    return _scale_grads(module, sq.sqrt(), max_norm)

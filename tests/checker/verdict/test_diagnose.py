@@ -305,6 +305,8 @@ def test_record_fields():
         "rng_not_forked",
         "rng_diverged",
         "dropout_mismatch",
+        "clip_local_norm",
+        "clip_replicated_counted",
     }
 
 
@@ -481,3 +483,53 @@ def test_small_but_far_over_the_bound_is_not_near_bound():
     far = dict(near, bound=5e-6 * scale / 7)
     d = diagnose(far, ev, world)
     assert d["signature"] == "mismatch" and d["evidence"]["error_over_bound"] > 6
+
+
+def _clip_evidence(tp_norms, correct=10.0, local=(6.0, 5.0), replicated_world=13.0):
+    """A clip:grad_norm check's evidence on each rank: the TP norm and the squared norms a TP
+    clipping could have summed (checker/rank/training.py)."""
+    key = ("optimizer", 1, "clip:grad_norm")
+    return [
+        {
+            key: {
+                "tp": np.array([t]),
+                "ref": np.array([correct**0.5]),
+                "dense": np.array([correct**0.5]),
+                "placement": "replicate",
+                "eps": 1.2e-7,
+                "clip": {
+                    "correct": correct,
+                    "local": local[r],
+                    "replicated_world": replicated_world,
+                    "world": 2,
+                },
+            }
+        }
+        for r, t in enumerate(tp_norms)
+    ]
+
+
+@pytest.mark.parametrize(
+    "tp_norms,signature",
+    [
+        ((6.0**0.5, 5.0**0.5), "clip_local_norm"),
+        ((13.0**0.5, 13.0**0.5), "clip_replicated_counted"),
+        ((3.0, 3.0), "scaled"),  # neither: the classifier's own reading of two scalars
+    ],
+)
+def test_a_clip_check_is_named_by_the_norms_it_matches(tp_norms, signature):
+    first = {"stage": "optimizer", "step": 1, "name": "clip:grad_norm", "ranks": [0, 1]}
+    d = diagnose(first, _clip_evidence(tp_norms), 2)
+    if signature.startswith("clip_"):
+        assert d["signature"] == signature
+    else:
+        assert not d["signature"].startswith("clip_")
+
+
+def test_a_bitwise_check_just_off_is_a_mismatch_not_near_the_bound():
+    ref = rng(5).standard_normal(SHAPE)
+    key = ("optimizer", 1, "update:w")
+    ev = evidence([ref * (1 + 1e-6)] * 2, [ref] * 2, "replicate", key=key)
+    first = {"stage": "optimizer", "step": 1, "name": "update:w", "ranks": [0, 1]}
+    assert diagnose({**first, "error": 1e-6, "bound": 0.0}, ev, 2)["signature"] == "mismatch"
+    assert diagnose({**first, "error": 1e-6, "bound": 1e-6}, ev, 2)["signature"] == "near_bound"

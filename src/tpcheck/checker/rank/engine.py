@@ -39,17 +39,24 @@ from torch import nn
 
 from tpcheck.checker.case import Case
 from tpcheck.checker.payload import Check, RankPayload
-from tpcheck.checker.rank import capture, evidence
+from tpcheck.checker.rank import capture, evidence, training
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
-from tpcheck.checker.rank.loading import cast, check_names, leaf, load_from_dense, map_tensors
+from tpcheck.checker.rank.loading import (
+    cast,
+    check_names,
+    leaf,
+    load_from_dense,
+    map_tensors,
+    restore_parameters,
+)
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.checker.rank.params import compare_params, compare_replay
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.sync import Rendezvous
-from tpcheck.checker.usercode import defined_at
+from tpcheck.checker.usercode import defined_at, require_graph
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
@@ -186,6 +193,8 @@ class Engine:
         self.dtype = case.run.torch_dtype
         self.device = group.device
         self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype)
+        # what a user's optimizer keeps out of sight: "state"/"update" -> parameter names
+        self.unobserved: dict[str, dict] = {}
         try:
             self._build()
         except Exception as e:  # noqa: BLE001 - tell the other ranks before they issue a collective
@@ -220,6 +229,8 @@ class Engine:
             case.plan.check_against(self.dense, group.world_size)
         if case.inject.intercept is not None:
             self.tap.interceptor = case.inject.intercept(group)
+        if case.setup is not None:
+            case.setup(group)
         self.tp = case.build_tp(group, self.dtype)
         self._load_tp(master, case.plan, case.inject.load_plan)  # from the float32 master
         self.tp.to(self.device)
@@ -228,31 +239,34 @@ class Engine:
         self._build_optimizers()
 
     def _build_optimizers(self) -> None:
-        """What each optimizer steps (the modules' own parameters, or their float32 masters), the
-        three optimizers, the replay of the dense rule on the TP side's inputs, and the allowance
-        after adaptive steps (checker/rank/optimizer.py)."""
-        case, group = self.case, self.group
-        self.dense_master, self.tp_master = (
-            Masters.of(self.dense, self.settings),
-            Masters.of(self.tp, self.settings),
-        )
-        self.opt_dense = self.settings.make_optimizer(self.dense_master.parameters())
-        if case.inject.tp_optimizer is not None:
-            self.opt_tp = case.inject.tp_optimizer(
-                self.tp_master.owner, group, self.settings.make_optimizer
-            )
+        """What each optimizer steps (the modules' own parameters, or their float32 masters; the
+        user's TP optimizer, seen through it: training.py), the three optimizers over the case's
+        rule, the replay of the rule on the TP side's inputs, and the allowance after adaptive
+        steps (checker/rank/optimizer.py)."""
+        case, group, rule = self.case, self.group, self._rule
+        self.dense_master = Masters.of(self.dense, self.settings)
+        self.opt_dense = rule(self.dense_master.named_parameters())
+        if case.tp_optimizer is not None:
+            self.opt_tp = case.tp_optimizer(self.tp, group)
+            self.tp_master = training.UserOptimizer(self.tp, self.opt_tp)
+            training.check_masters(self.tp_master, self.dense_master, self.settings)
         else:
-            self.opt_tp = self.settings.make_optimizer(self.tp_master.parameters())
+            self.tp_master = Masters.of(self.tp, self.settings)
+            self.opt_tp = (
+                case.inject.tp_optimizer(self.tp_master.owner, group, self.settings.make_optimizer)
+                if case.inject.tp_optimizer is not None
+                else rule(self.tp_master.named_parameters())
+            )
         has_truth = self.truth is not None and self.truth is not self.dense
-        self.opt_truth = (
-            self.settings.make_optimizer(self.truth.parameters()) if has_truth else None
-        )
-        self.replay = Replay(self.tp_master.params, self.settings.make_optimizer)
+        self.opt_truth = rule(self.truth.named_parameters()) if has_truth else None
+        self.replay = Replay(self.tp_master.params, rule)
+        adaptive = "betas" in self.opt_dense.defaults
         self.slack = (
-            AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth)
-            if self.settings.optimizer != "sgd"
-            else None
+            AdaptiveSlack(self.opt_dense, self.replay, self.opt_truth) if adaptive else None
         )
+
+    def _rule(self, named_params) -> torch.optim.Optimizer:
+        return self.case.make_rule(self.settings, named_params)
 
     def _load_tp(self, dense: nn.Module, plan: Plan | None, load_plan: Plan | None = None) -> None:
         """The TP module's weights from the dense ones: the user's own `load_tp` when the case has
@@ -316,7 +330,7 @@ class Engine:
 
     def _step(self, step: int) -> None:
         for opt in self._optimizers():
-            opt.zero_grad(set_to_none=True)
+            training.zero_grad(opt)
         # under master weights the optimizers hold the masters
         for model in (self.dense, self.tp, self.truth):
             if model is not None:
@@ -346,21 +360,27 @@ class Engine:
             lambda p: p.grad,
         )
         self.cmp.flush_replicas()
+        training.clip_grads(self, step)
         self.dense_master.take_grads()
         self.tp_master.take_grads()
-        # the dense rule on the TP side's own weights and grads
-        self.replay.run(self.tp_master.params)
+        # the dense rule on the TP side's own weights and grads (as the user's optimizer was handed
+        # them: after its step)
+        if not self.tp_master.replay_after_step:
+            self.replay.run(*self.tp_master.replay_inputs())
         self._truth_from_dense(self.dense_master.params.items(), self.opt_dense)
         for opt in self._optimizers():
             with self.tap.tp_phase("optimizer") if opt is self.opt_tp else contextlib.nullcontext():
                 opt.step()
+        if self.tp_master.replay_after_step:
+            self.replay.run(*self.tp_master.replay_inputs())
         self.dense_master.write_back()
         self.tp_master.write_back()
         self.sync(f"optimizer step {step}")
-        compare_replay(self, step, self.tp_master.params)
+        compare_replay(self, step)
         compare_params(
             self, step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p
         )
+        self.tp_master.check_copy_back(self, step)
         self.cmp.flush_replicas()
 
     def _forward_backward(self, step: int, micro: int, batch) -> None:
@@ -386,6 +406,7 @@ class Engine:
             cmp.compare(
                 "forward", step, "output", out_tp.detach(), out_d, out_t, case.output_placement
             )
+            require_graph(out_tp, "TP", self.tp)
             target_local = map_tensors(
                 lambda t: case.target_placement.shard(
                     cast(t, self.dtype), group.rank, group.world_size
@@ -454,6 +475,7 @@ class Engine:
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         with masks:
             out = _one_tensor(model(**kw), model, "dense")
+        require_graph(out, "dense", model)
         # as the model produced it: a loss may work in place on its input
         produced = capture.snapshot(out)
         loss = (
@@ -505,9 +527,12 @@ class Engine:
         lost: the previous step's update was compared with the dense rule element by element (the
         replay) and the weights with the dense ones; the TP optimizer's state and anything the TP
         module keeps besides its parameters (caches, buffers) are not touched."""
+        kept = dict(self.tp.named_parameters())
         self._load_tp(self.dense, self.plan)
+        restore_parameters(self.tp, kept)
         if self.tp_master.masters:
-            load_from_dense(self.tp_master, self.dense_master, self.plan, self.group)
+            source = self.dense_master if self.dense_master.masters else self.dense
+            training.restart_masters(self.tp_master, source, self.plan, self.group)
 
     def _truth_from_dense(
         self, dense_params, dense_opt: torch.optim.Optimizer | None = None
@@ -606,8 +631,9 @@ def run_case_on_rank(
         rank=group.rank,
         checks=checks,
         evidence=sent,
-        expected_collectives=case.expected_collectives,
+        expected_collectives=training.expected_collectives(case),
         inferred_plan=engine.discovery.as_code(),
+        notes=training.notes(engine.unobserved),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,
     )

@@ -60,6 +60,12 @@ class Evidence:
         if weights is not None:
             kept["weights"] = weights.detach().clone()
 
+    def annotate(self, key: Key, what: str, info: dict) -> None:
+        """Numbers the diagnosis of a kept check needs beside its tensors (a clip check's squared
+        norms), under `what`; nothing when the check's tensors were not kept."""
+        if key in self.kept:
+            self.kept[key][what] = info
+
     def keep_rng(self, step: int, name: str, error: int, placement: str, info: dict) -> None:
         """An RNG check's record: the count of ranks breaking the rule, and `info` (the rule, those
         ranks, a mismatch with the dense side's draw), which the diagnosis names."""

@@ -30,6 +30,28 @@ def load_from_dense(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup)
             tp_params[tp_name].copy_(local)
 
 
+def restore_parameters(module: nn.Module, kept: dict[str, nn.Parameter]) -> None:
+    """After a loader that replaced parameters (`load_state_dict(..., assign=True)`, `to_empty` then
+    a load, a new `nn.Parameter` assigned): the values it loaded copied into the parameters the
+    optimizers, the replay and the masters hold (`kept`, by name), and those put back in the
+    module, so that every step checks the parameters that are trained."""
+    with torch.no_grad():
+        for name, now in list(module.named_parameters()):
+            old = kept.get(name)
+            if old is None or now is old:
+                continue
+            if now.shape != old.shape:
+                raise UsageError(
+                    f"your load_tp replaced parameter {name!r} of shape {list(old.shape)} by "
+                    f"one of shape {list(now.shape)} after the first step: a loader must give each "
+                    "parameter the same shape every time it loads"
+                )
+            old.copy_(now.detach().to(old.device))
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            owner._parameters[attr] = old
+
+
 def check_names(tp: nn.Module, dense: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
     """The TP module's parameters by name, each the image
     of one dense parameter under `plan.tp_name`."""

@@ -37,7 +37,11 @@ from torch import nn
 
 
 class Masters:
-    """The parameters one side's optimizer steps, by name: the module's own, or float32 masters."""
+    """The parameters one side's optimizer steps, by name: the module's own, or float32 masters.
+    (The user's own TP optimizer is seen through the same few methods: checker/rank/training.py's
+    `UserOptimizer`.)"""
+
+    replay_after_step = False  # the replay's inputs are these parameters as they are before it
 
     def __init__(self, module: nn.Module, masters: bool) -> None:
         self.module, self.masters = module, masters
@@ -79,23 +83,40 @@ class Masters:
                 for n, m in self.params.items():
                     self._own[n].copy_(m)
 
+    def replay_inputs(self) -> tuple[dict, dict]:
+        """What the replay of the dense rule starts from: these parameters and their grads."""
+        return self.params, {n: p.grad for n, p in self.params.items()}
+
+    def state_of(self, name: str, opt: torch.optim.Optimizer) -> dict:
+        """`opt`'s state of parameter `name` (what it lacks is empty: nothing accumulated)."""
+        return opt.state.get(self.params[name], {})
+
+    def update_observable(self) -> bool:
+        return True
+
+    def check_copy_back(self, e, step: int) -> None:
+        """Nothing: the masters are rounded into the module by `write_back`, here."""
+
 
 class Replay:
-    """The dense update rule on the TP side's own inputs: `run(tp_params)` copies each TP parameter
-    and its gradient (before the TP optimizer steps) and steps `make_optimizer` on the copies."""
+    """The dense update rule on the TP side's own inputs: `run(values, grads)` copies each TP
+    parameter and its gradient as the TP optimizer was handed them and steps `make_rule` (over
+    (name, parameter) pairs) on the copies."""
 
-    def __init__(self, tp_params: dict[str, nn.Parameter], make_optimizer) -> None:
+    def __init__(self, tp_params: dict[str, torch.Tensor], make_rule) -> None:
         self.params = {n: nn.Parameter(p.detach().clone()) for n, p in tp_params.items()}
         self.before: dict[str, torch.Tensor] = {}
-        self.opt = make_optimizer(list(self.params.values()))
+        self.grads: dict[str, torch.Tensor | None] = {}
+        self.opt = make_rule(list(self.params.items()))
 
-    def run(self, tp_params: dict[str, nn.Parameter]) -> None:
+    def run(self, values: dict[str, torch.Tensor], grads: dict) -> None:
         with torch.no_grad():
-            for name, p in tp_params.items():
-                r = self.params[name]
-                r.copy_(p.detach())
-                r.grad = None if p.grad is None else p.grad.detach().clone()
-                self.before[name] = p.detach().clone()
+            for name, value in values.items():
+                r, g = self.params[name], grads.get(name)
+                r.copy_(value.detach())
+                r.grad = None if g is None else g.detach().clone()
+                self.grads[name] = r.grad
+                self.before[name] = value.detach().clone()
         self.opt.step()
 
     def update(self, name: str) -> torch.Tensor:

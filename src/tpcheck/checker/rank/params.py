@@ -100,6 +100,16 @@ def _refuse_one_sided_grad(e: Engine, name: str, missing_on_tp: bool) -> None:
     """A parameter with a gradient on one side only: refused, naming the side that lacks it
     (and, for a replicated one missing on the TP side, the AppliedOnRank placement
     that may be meant)."""
+    side_params = dict((e.tp if missing_on_tp else e.dense).named_parameters())
+    pname = e.plan.tp_name(name) if missing_on_tp else name
+    if pname in side_params and not side_params[pname].requires_grad:
+        side = f"rank {e.group.rank} of the TP side" if missing_on_tp else "the dense side"
+        other = "the dense side" if missing_on_tp else "the TP side"
+        raise UsageError(
+            f"parameter {pname!r} has requires_grad=False on {side} (frozen), while {other} "
+            "trains it: freeze it on both sides or on neither; for inference-only TP code, "
+            "check the forward alone (RunSettings(train=False), --forward-only)"
+        )
     if missing_on_tp:
         hint = (
             "; if the TP module applies it on one rank only (a row-parallel bias added before "
@@ -117,42 +127,53 @@ def _refuse_one_sided_grad(e: Engine, name: str, missing_on_tp: bool) -> None:
     )
 
 
-def compare_replay(e: Engine, step: int, tp_params: dict) -> None:
+def compare_replay(e: Engine, step: int) -> None:
     """The TP optimizer's state and update against the replay's, bitwise, parameter by
     parameter: the state first (a wrong moment is the cause, a wrong update its effect), tensors
-    before the step count. State the TP optimizer lacks counts as zeros (nothing
-    was accumulated)."""
-    plan = e.plan
+    before the step count. State the TP optimizer lacks counts as zeros (nothing was accumulated);
+    state a user's optimizer keeps where tpcheck cannot map it is "not observable" (a note, never
+    zeros), and so is its update where its hidden masters cannot be known (training.py)."""
+    plan, stepped = e.plan, e.tp_master
     for name in (n for n, _ in e.dense.named_parameters()):
         tp_name = plan.tp_name(name)
-        p = tp_params[tp_name]
-        if p.grad is None:
+        if e.replay.grads.get(tp_name) is None:
             continue
         placement = plan.params[name]
-        own = e.opt_tp.state.get(p, {})
-        for key, ref in sorted(e.replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
-            mine = own.get(key)
-            if mine is None:
-                mine = torch.zeros_like(ref)
-            elif not isinstance(mine, torch.Tensor) or mine.shape != ref.shape:
-                mine = torch.full_like(ref, float("nan"))  # misshapen state: never equal
-            e.cmp.compare_local(
-                "optimizer",
-                step,
-                f"state:{name}.{key}",
-                mine.detach(),
-                ref,
-                placement,
-                f"bitwise: the TP optimizer's {key} against the replay's",
-                weights=e.replay.before[tp_name],
-            )
+        own = stepped.state_of(tp_name, e.opt_tp)
+        if own is None:
+            if e.replay.state(tp_name):  # state the rule keeps, and the optimizer hides
+                e.unobserved.setdefault("state", {})[tp_name] = None
+        else:
+            _compare_state(e, step, name, tp_name, own, placement)
+        if not stepped.update_observable():
+            e.unobserved.setdefault("update", {})[tp_name] = None
+            continue
         e.cmp.compare_local(
             "optimizer",
             step,
             f"update:{name}",
-            p.detach() - e.replay.before[tp_name],
+            stepped.params[tp_name].detach() - e.replay.before[tp_name],
             e.replay.update(tp_name),
             placement,
             "bitwise: the dense update rule replayed on this rank's TP weights and grads",
             weights=e.replay.params[tp_name].detach(),
+        )
+
+
+def _compare_state(e: Engine, step: int, name: str, tp_name: str, own: dict, placement) -> None:
+    for key, ref in sorted(e.replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
+        mine = own.get(key)
+        if mine is None:
+            mine = torch.zeros_like(ref)
+        elif not isinstance(mine, torch.Tensor) or mine.shape != ref.shape:
+            mine = torch.full_like(ref, float("nan"))  # misshapen state: never equal
+        e.cmp.compare_local(
+            "optimizer",
+            step,
+            f"state:{name}.{key}",
+            mine.detach(),
+            ref,
+            placement,
+            f"bitwise: the TP optimizer's {key} against the replay's",
+            weights=e.replay.before[tp_name],
         )

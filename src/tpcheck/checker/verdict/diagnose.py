@@ -29,6 +29,12 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     replicated region drew from a rank-seeded generator
   dropout_mismatch  (an RNG check) the TP side's random draw does not match the dense side's
                     (another count, kind, probability or shape)
+  clip_local_norm   (a clip:grad_norm check) the TP total gradient norm squared equals the sum over
+                    this rank's shards and the replicated parameters: the squared norms were not
+                    summed over the ranks
+  clip_replicated_counted  (a clip:grad_norm check) the TP norm squared equals the sharded
+                    parameters' plus world x the replicated ones': replicated parameters summed over
+                    the ranks like shards
   mismatch          none of the above
 """
 
@@ -103,6 +109,14 @@ CAUSES = {
         "the TP side's random draw does not match the dense side's (another number of draws, kind, "
         "probability or shape)"
     ),
+    "clip_local_norm": (
+        "the TP gradient norm is the norm of this rank's shards only: the squared norms were not "
+        "summed over the ranks before clipping (an all-reduce missing in the clipping)"
+    ),
+    "clip_replicated_counted": (
+        "replicated parameters are counted once per rank in the TP gradient norm: their squared "
+        "norms were summed over the ranks like the shards' (count them once)"
+    ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 
@@ -118,6 +132,9 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     if first.get("kind") == "rng":
         return _rng_diagnosis(first, ev)
+    if first["name"].startswith("clip:") and (sig := _clip_signature(ev)):
+        signature, details = sig
+        return _diagnosis(first, signature, details)
     signature, details = (
         ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
     )
@@ -132,11 +149,54 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
             # copies of one element on several ranks differ, by however little
             signature = "replicas_differ"
         error, bound = first.get("error"), first.get("bound")
-        if signature == "near_bound" and error is not None and bound and error > NEAR * bound:
+        if signature == "near_bound" and error is not None and bound == 0:
+            # a bitwise check: no rounding separates the two sides
+            signature, details = "mismatch", {"error": error, "bound": "bitwise"}
+        elif signature == "near_bound" and error is not None and bound and error > NEAR * bound:
             # small, but not rounding
             signature, details = "mismatch", {"error_over_bound": error / bound}
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
+    location = first["name"].split(":", 1)[-1]
+    return {
+        "signature": signature,
+        "cause": CAUSES[signature],
+        "location": location,
+        "tensor": first["name"],
+        "stage": first["stage"],
+        "step": first["step"],
+        "ranks": first["ranks"],
+        "evidence": details,
+        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
+        f"{CAUSES[signature]}",
+    }
+
+
+def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:
+    """A clip check's TP norm against the squared norms a TP clipping could have summed (kept by
+    checker/rank/training.py): the one it matches on every rank where it differs, else None."""
+    for name, part in (
+        ("clip_local_norm", "local"),
+        ("clip_replicated_counted", "replicated_world"),
+    ):
+        matched = {}
+        for r, e in ev.items():
+            info = e.get("clip")
+            if info is None:
+                return None
+            tp_sq = float(np.asarray(e["tp"]).reshape(-1)[0]) ** 2
+            if abs(tp_sq - info["correct"]) <= REL_MIN * info["correct"]:
+                continue  # this rank's norm is right
+            if abs(tp_sq - info[part]) > 1e-2 * max(info[part], 1e-30):
+                break
+            matched[r] = tp_sq
+        else:
+            if matched and info["correct"] != info[part]:
+                return name, {"tp_norm_squared": matched, "expected": info["correct"]}
+    return None
+
+
+def _diagnosis(first: dict, signature: str, details: dict) -> dict:
     location = first["name"].split(":", 1)[-1]
     return {
         "signature": signature,

@@ -49,6 +49,7 @@ class CaseResult:
     hang: dict | None = None
     crash: dict | None = None
     inferred_plan: str | None = None
+    notes: list[str] | None = None  # what was not checked, and why (every rank's, once each)
 
     @property
     def name(self) -> str:
@@ -73,7 +74,7 @@ class CaseResult:
         }
         if self.checks is not None:
             out["checks"] = [check_json(c) for c in self.checks]
-        for key in ("ledger", "diagnosis", "problems", "hang", "crash", "inferred_plan"):
+        for key in ("ledger", "diagnosis", "problems", "hang", "crash", "inferred_plan", "notes"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.checks is not None:
@@ -122,6 +123,7 @@ class CaseResult:
                     "hang",
                     "crash",
                     "inferred_plan",
+                    "notes",
                 )
             },
         )
@@ -200,6 +202,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         ),
         self_test=self_test(checks, [c for c in every if c.control], evidence),
         inferred_plan=payloads[0].inferred_plan,
+        notes=list(dict.fromkeys(n for p in payloads for n in p.notes)) or None,
     )
     result.as_expected = result.verdict == result.expected
     if result.self_test["failures"]:

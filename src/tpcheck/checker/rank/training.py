@@ -1,0 +1,423 @@
+"""The user's own training step on the TP side: their optimizer (found through its wrappers) and
+their gradient clipping, each held to the dense rule.
+
+The optimizer. `Case(tp_optimizer=...)` hands the TP module to the user's factory; what comes back
+may be a torch optimizer, or a wrapper that keeps its state elsewhere: float32 master copies of the
+module's weights stepped by an inner torch optimizer and cast back (Megatron's
+Float16OptimizerWithFloat16Params, apex, DeepSpeed), or an inner optimizer over one flat buffer that
+holds every weight. `UserOptimizer` looks for the torch optimizers inside it (the object itself, its
+attributes, a few levels down) and maps what they step to the module's parameters, once, right after
+it is built, when every stepped tensor still equals its parameter: the parameter itself, a tensor of
+the same shape and values (a master copy), or a segment of a flat buffer. Where that works the
+inner optimizer's state is the TP side's state, checked bitwise against the replay of the dense rule
+on the very tensors and gradients the inner optimizer was handed (a step pre-hook copies them), and
+the masters restart from the dense side's at each step like tpcheck's own. Where nothing maps, the
+state is reported "not observable (your optimizer keeps it elsewhere)", never compared as zeros, and
+the update is not held bitwise to the rule (an optimizer that is no torch optimizer may round
+otherwise: a textbook AdamW differs from torch's in 37 of 4,096 elements by 1 ulp); the weights
+after each step are then what is checked, against the dense ones.
+
+Clipping. With `RunSettings(clip_grad_norm=...)` the dense side (and the float64 truth) clip with
+`torch.nn.utils.clip_grad_norm_`; the TP side with the case's `tp_clip_grad_norm` or `clip_tp`
+below. The two total norms are compared (`clip:grad_norm`, stage optimizer), and the numbers the
+diagnosis needs to name a norm of the local shards only, or replicated parameters counted once per
+rank, are kept with its evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tpcheck.checker.payload import evidence_key
+from tpcheck.errors import UsageError
+from tpcheck.plan import Plan, Replicate
+
+if TYPE_CHECKING:
+    from tpcheck.checker.rank.engine import Engine
+
+UNOBSERVABLE = "not observable (your optimizer keeps it elsewhere)"
+CLIP_SITE = "clip"  # the site of the default clipping's all-reduce, in the ledger
+
+
+def find_optimizers(obj, depth: int = 3) -> list[torch.optim.Optimizer]:
+    """The torch optimizers reachable from `obj`: itself, its attributes, and lists, tuples and
+    dicts of them, `depth` levels down; each once, outermost first."""
+    found: list[torch.optim.Optimizer] = []
+    seen: set[int] = set()
+    level = [obj]
+    for _ in range(depth + 1):
+        nxt = []
+        for o in level:
+            if id(o) in seen or isinstance(o, (torch.Tensor, nn.Module, str, bytes, int, float)):
+                continue
+            seen.add(id(o))
+            if isinstance(o, torch.optim.Optimizer):
+                found.append(o)
+            if isinstance(o, dict):
+                nxt.extend(o.values())
+            elif isinstance(o, (list, tuple)):
+                nxt.extend(o)
+            elif hasattr(o, "__dict__") and not isinstance(o, type):
+                nxt.extend(v for k, v in vars(o).items() if k not in ("state", "param_groups"))
+        level = nxt
+    return found
+
+
+class Stepped:
+    """Where one module parameter lives in an inner optimizer: the tensor it steps (`tensor`, the
+    parameter itself, a master copy, or a flat buffer) and the segment of it (`segment`: (offset,
+    numel) in the flat buffer; None: the whole tensor)."""
+
+    def __init__(self, opt, tensor, shape, segment=None) -> None:
+        self.opt, self.tensor, self.shape, self.segment = opt, tensor, shape, segment
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        if self.segment is None:
+            return t
+        offset, n = self.segment
+        return t.reshape(-1)[offset : offset + n].view(self.shape)
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.view(self.tensor.detach())
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        g = self.tensor.grad
+        return None if g is None else self.view(g.detach())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in self.opt.state.get(self.tensor, {}).items():
+            if isinstance(v, torch.Tensor):
+                full = v.dim() and v.numel() == self.tensor.numel()
+                out[k] = self.view(v) if full else v
+        return out
+
+
+def _segment_of(flat: torch.Tensor, p: torch.Tensor, start: int) -> int | None:
+    """The offset of `p`'s values (as float) in the 1-D `flat`, searched from `start` first."""
+    want = p.detach().reshape(-1).to(flat.dtype)
+    n = want.numel()
+    if n == 0 or n > flat.numel():
+        return None
+    hits = torch.nonzero(flat == want[0]).reshape(-1).tolist()
+    for offset in sorted(hits, key=lambda o: (o < start, o)):
+        if offset + n <= flat.numel() and torch.equal(flat[offset : offset + n], want):
+            return offset
+    return None
+
+
+def map_stepped(module: nn.Module, optimizers: list) -> dict[str, Stepped]:
+    """Each module parameter's `Stepped`, where one of `optimizers` steps it: by identity, else by
+    shape and values (a master copy), else as a segment of a flat buffer (in order)."""
+    own = dict(module.named_parameters())
+    found: dict[str, Stepped] = {}
+    tensors = [
+        (opt, t) for opt in optimizers for group in opt.param_groups for t in group["params"]
+    ]
+    by_id = {id(t): (opt, t) for opt, t in tensors}
+    for name, p in own.items():
+        if id(p) in by_id:
+            opt, t = by_id[id(p)]
+            found[name] = Stepped(opt, t, p.shape)
+    left = [(opt, t) for opt, t in tensors if not any(s.tensor is t for s in found.values())]
+    for name, p in own.items():
+        if name in found:
+            continue
+        for opt, t in left:
+            if t.shape == p.shape and torch.equal(t.detach(), p.detach().to(t.dtype)):
+                if not any(s.tensor is t for s in found.values()):
+                    found[name] = Stepped(opt, t, p.shape)
+                    break
+    cursor: dict[int, int] = {}
+    for name, p in own.items():
+        if name in found:
+            continue
+        for opt, t in left:
+            if t.dim() == 1 and t.numel() > p.numel():
+                offset = _segment_of(t.detach(), p, cursor.get(id(t), 0))
+                if offset is not None:
+                    found[name] = Stepped(opt, t, p.shape, (offset, p.numel()))
+                    cursor[id(t)] = offset + p.numel()
+                    break
+    return found
+
+
+class UserOptimizer:
+    """The user's TP optimizer, seen as tpcheck's `Masters` is (checker/rank/optimizer.py): what it
+    steps by parameter name (`params`), whether those are copies of the module's weights
+    (`masters`), the state of each (`state_of`), and the inputs of the replay (`replay_inputs`,
+    taken by a pre-hook as the inner optimizer steps)."""
+
+    replay_after_step = True
+
+    def __init__(self, module: nn.Module, optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+        self._own = dict(module.named_parameters())
+        inner = find_optimizers(optimizer)
+        self.found = map_stepped(module, inner)
+        self.masters = any(s.tensor is not self._own[n] for n, s in self.found.items())
+        self.params = {
+            n: self.found[n].value if n in self.found else p for n, p in self._own.items()
+        }
+        self._taken: tuple[dict, dict] | None = None
+        for opt in inner:
+            opt.register_step_pre_hook(self._take)
+
+    def named_parameters(self):
+        return iter((n, self.found[n].value) for n in self.found)
+
+    def parameters(self):
+        return iter(self.params.values())
+
+    @property
+    def observable(self) -> bool:
+        return bool(self.found)
+
+    @property
+    def owner(self):
+        return self.module
+
+    def _take(self, *_args) -> None:
+        """The inner optimizer is about to step: the tensors it steps and their grads, copied."""
+        values = {n: s.value.clone() for n, s in self.found.items()}
+        grads = {n: None if s.grad is None else s.grad.clone() for n, s in self.found.items()}
+        if self._taken is not None:  # several inner optimizers: one pre-hook each
+            values, grads = {**self._taken[0], **values}, {**self._taken[1], **grads}
+        self._taken = (values, grads)
+
+    def take_grads(self) -> None:
+        """Before the TP step: the module's weights and grads, for an optimizer with nothing found
+        (the replay then runs on those)."""
+        self._taken = None
+        if not self.found:
+            self._taken = (
+                {n: p.detach().clone() for n, p in self._own.items()},
+                {
+                    n: None if p.grad is None else p.grad.detach().clone()
+                    for n, p in self._own.items()
+                },
+            )
+
+    def write_back(self) -> None:
+        """Nothing: the user's optimizer writes its own weights."""
+
+    def replay_inputs(self) -> tuple[dict, dict]:
+        if self._taken is None:
+            raise UsageError(
+                "your tp_optimizer's step() did not step the torch optimizer found inside it "
+                f"({type(self.optimizer).__name__}): tpcheck could not see what it stepped"
+            )
+        return self._taken
+
+    def state_of(self, name: str, opt) -> dict | None:
+        """The state of parameter `name` (tensors), or None: not observable."""
+        s = self.found.get(name)
+        return None if s is None else s.state()
+
+    def update_observable(self) -> bool:
+        """Whether the update can be held bitwise to the replay: only through a torch optimizer
+        found inside (the same kernels). An optimizer that is none (a hand-written AdamW rounds 37
+        of 4,096 elements 1 ulp away from torch's) is held to the dense weights after the step."""
+        return bool(self.found)
+
+    def check_copy_back(self, e: Engine, step: int) -> None:
+        """After the step, each module weight must be its master rounded to the module's dtype
+        (the wrapper's copy back), bitwise."""
+        if not self.masters:
+            return
+        plan = e.plan
+        for name, _ in e.dense.named_parameters():
+            tp_name = plan.tp_name(name)
+            s = self.found.get(tp_name)
+            p = self._own.get(tp_name)
+            if s is None or p is None or s.tensor is p:
+                continue
+            e.cmp.compare_local(
+                "optimizer",
+                step,
+                f"weight:{name}",
+                p.detach(),
+                s.value.to(p.dtype),
+                plan.params[name],
+                "bitwise: your optimizer's master, rounded into the module's weight",
+            )
+
+
+def check_masters(tp_side: UserOptimizer, dense_side, settings) -> None:
+    """A user's optimizer with float32 masters is held to a dense side with masters: refused in a
+    16-bit run without them (pure 16-bit parameters on the dense side), naming the setting."""
+    if tp_side.masters and not dense_side.masters and settings.dtype in ("bfloat16", "float16"):
+        raise UsageError(
+            f"your tp_optimizer ({type(tp_side.optimizer).__name__}) steps float32 master copies "
+            f"of the module's {settings.dtype} weights, but the run has master_weights=False (the "
+            "dense side steps pure 16-bit parameters): run with master_weights=True (the default)"
+        )
+
+
+def restart_masters(masters, source, plan: Plan, group) -> None:
+    """Each step's restart of what one TP optimizer steps apart from the module (float32 masters,
+    tpcheck's or found in the user's optimizer): the plan's shard of the dense side's."""
+    mine = dict(masters.named_parameters())
+    with torch.no_grad():
+        for name, p in source.named_parameters():
+            t = mine.get(plan.tp_name(name))
+            if t is not None:
+                t.copy_(plan.params[name].shard(p.detach(), group.rank, group.world_size))
+
+
+UNREPLAYED = (
+    "not compared bitwise (no torch optimizer found inside yours: its arithmetic may round "
+    "differently from the rule's); the weights after each step are checked against the dense ones"
+)
+
+
+def notes(unobserved: dict[str, dict]) -> list[str]:
+    """The report's notes on what a user's optimizer kept out of sight (`what` -> parameters)."""
+    out = []
+    for what, names in unobserved.items():
+        listed = ", ".join(list(names)[:4]) + (", ..." if len(names) > 4 else "")
+        why = UNOBSERVABLE if what == "state" else UNREPLAYED
+        out.append(f"optimizer {what} of {len(names)} parameter(s) ({listed}): {why}")
+    return out
+
+
+def zero_grad(opt) -> None:
+    """`opt.zero_grad(set_to_none=True)`, or the user's `zero_grad()` when it takes no argument."""
+    fn = getattr(opt, "zero_grad", None)
+    if fn is None:
+        return
+    try:
+        fn(set_to_none=True)
+    except TypeError:
+        fn()
+
+
+# ------------------------------------------------------------------------------ clipping
+
+
+def clip_tp(module: nn.Module, max_norm: float, group, plan: Plan) -> torch.Tensor:
+    """tpcheck's TP-aware `clip_grad_norm_`: the squared norm of every element counted once over
+    the ranks (a sharded parameter's shard on each rank, summed by one all-reduce; a replicated one
+    once; one applied on one rank where its gradient is), then every gradient scaled by
+    `max_norm / (norm + 1e-6)` where that is below 1, as torch's."""
+    grads = _grads_by_dense_name(module, plan)
+    summed = torch.zeros((), dtype=torch.float32, device=group.device)
+    replicated = torch.zeros((), dtype=torch.float32, device=group.device)
+    for name, g in grads.items():
+        sq = g.float().pow(2).sum()
+        placement = plan.params[name]
+        if placement.replicated and placement.applied_on is None:
+            replicated = replicated + sq
+        else:
+            summed = summed + sq
+    if group.world_size > 1:
+        summed = group.collective("all_reduce", summed, site=CLIP_SITE, phase="optimizer")
+    total = (summed + replicated).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads.values():
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def expected_collectives(case) -> tuple | None:
+    """The case's expected collectives, with the default clipping's all-reduce where it runs."""
+    expected = case.expected_collectives
+    if expected is None or case.run.clip_grad_norm is None or case.tp_clip_grad_norm is not None:
+        return expected
+    return (*expected, ("optimizer", "all_reduce", CLIP_SITE))
+
+
+def _grads_by_dense_name(module: nn.Module, plan: Plan) -> dict[str, torch.Tensor]:
+    tp_names = {plan.tp_name(n): n for n in plan.params}
+    return {
+        tp_names[n]: p.grad
+        for n, p in module.named_parameters()
+        if p.grad is not None and n in tp_names
+    }
+
+
+def clip_grads(e: Engine, step: int) -> None:
+    """The step's gradient clipping on every side, and the check of the two total norms
+    (`clip:grad_norm`), with the numbers that name a TP norm of local shards only or of replicated
+    parameters counted once per rank (`clip_diagnosis` in checker/verdict/diagnose.py)."""
+    max_norm = e.settings.clip_grad_norm
+    if max_norm is None:
+        return
+    parts = _norm_parts(e)
+    dense_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in e.dense.parameters() if p.grad is not None], max_norm
+    )
+    truth_norm = dense_norm
+    if e.truth is not None and e.truth is not e.dense:
+        truth_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in e.truth.parameters() if p.grad is not None], max_norm
+        )
+    elif e.truth is None:
+        truth_norm = None
+    clip = e.case.tp_clip_grad_norm
+    with e.tap.tp_phase("optimizer"):
+        if clip is None:
+            tp_norm = clip_tp(e.tp, max_norm, e.group, e.plan)
+        else:
+            tp_norm = clip(e.tp, max_norm, e.group)
+    tp_norm = _as_norm(tp_norm, clip)
+    check = e.cmp.compare(
+        "optimizer",
+        step,
+        "clip:grad_norm",
+        tp_norm.to(dense_norm.dtype).reshape(()),
+        dense_norm.detach().reshape(()),
+        None if truth_norm is None else truth_norm.detach().reshape(()),
+        Replicate(),
+    )
+    e.cmp.evidence.annotate(
+        evidence_key(check.stage, check.step, check.name),
+        "clip",
+        {**parts, "world": e.group.world_size},
+    )
+
+
+def _as_norm(value, clip) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        return value.detach().reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return torch.tensor(float(value))
+    raise UsageError(
+        f"your tp_clip_grad_norm returned {type(value).__name__} {value!r}; expected the total "
+        "gradient norm (a one-element tensor or a number), as torch.nn.utils.clip_grad_norm_ "
+        "returns it"
+    )
+
+
+def _norm_parts(e: Engine) -> dict[str, float]:
+    """From the dense gradients before clipping, the squared norms a TP norm could have summed:
+    `correct` (every element once), `local` (this rank's shards and the replicated parameters:
+    no all-reduce), `replicated_world` (the replicated parameters counted once per rank)."""
+    plan, rank, world = e.plan, e.group.rank, e.group.world_size
+    sharded = replicated = local = 0.0
+    for name, p in e.dense.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach().double()
+        placement = plan.params[name]
+        sq = float(g.pow(2).sum())
+        if placement.applied_on is not None:
+            sharded += sq
+            local += sq if placement.applied_on == rank else 0.0
+        elif placement.replicated:
+            replicated += sq
+            local += sq
+        else:
+            sharded += sq
+            local += float(placement.shard(g, rank, world).pow(2).sum())
+    return {
+        "correct": sharded + replicated,
+        "local": local,
+        "replicated_world": sharded + world * replicated,
+    }
