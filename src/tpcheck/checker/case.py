@@ -79,6 +79,42 @@ def seeded_init(module: nn.Module, g: torch.Generator) -> None:
             p.copy_(value.to(p.dtype))
 
 
+# the names of a forward input holding the position of the first token a call feeds (Meta's
+# llama: `start_pos`, an int; gpt-fast: `input_pos`, the positions) set by `default_decode_inputs`
+POSITION_INPUTS = ("start_pos", "input_pos", "cache_position", "position_ids", "positions")
+MAX_DECODE_STEPS = 256
+
+
+def default_decode_inputs(
+    prompt_inputs: dict[str, torch.Tensor], next_tokens: torch.Tensor, position: int
+) -> dict[str, torch.Tensor]:
+    """The forward inputs of one decode pass (`Case.decode_inputs` when none is given): the prompt's
+    inputs with the first one (the tokens, `[batch, seq]`) replaced by `next_tokens` `[batch, 1]`
+    and each input named in `POSITION_INPUTS` set to `position`, in its own form: a 0-dim tensor
+    stays one (`start_pos`), one with a position per token becomes `[position]` (`[1, position]`
+    for `[batch, seq]` position ids). Every other input is handed on as it is. A prompt with no
+    such input is refused: its model cannot be told where the new token goes."""
+    names = list(prompt_inputs)
+    placed = [n for n in names[1:] if n in POSITION_INPUTS]
+    if not placed:
+        raise UsageError(
+            f"decoding needs the position of the new token, but the forward inputs {names} have "
+            f"none of {list(POSITION_INPUTS)}: give Case(decode_inputs=...) a function "
+            "(prompt_inputs, next_tokens, position) -> the forward kwargs of one decode pass"
+        )
+    out = dict(prompt_inputs)
+    out[names[0]] = next_tokens.to(prompt_inputs[names[0]].dtype)
+    for n in placed:
+        old = prompt_inputs[n]
+        value = torch.tensor(position, dtype=old.dtype, device=old.device)
+        out[n] = (
+            value
+            if old.dim() == 0
+            else value.reshape([1] * old.dim()).expand(*old.shape[:-1], 1).clone()
+        )
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation: the
@@ -92,7 +128,13 @@ class RunSettings:
     (grads upcast to float32, float32 optimizer state), and the modules get the masters rounded back
     after each step. False: pure 16-bit parameters and optimizer state (updates below half an ulp of
     a weight round away on both sides, so the post-step check sees much less; see
-    docs/tolerances.md). No effect in float32/float64."""
+    docs/tolerances.md). No effect in float32/float64.
+
+    train: False checks the forward only (checker/rank/forward_only.py): the loaded weights, then
+    for each step a fresh batch through every side without autograd, every module output, the
+    output and the loss (if the batch has a target) compared; no backward, no optimizer. Chosen
+    by itself, and said in the report, when no TP parameter requires grad (inference code) or the
+    case decodes (`Case.decode_steps`). micro_batches and the optimizer settings do not apply."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -102,6 +144,7 @@ class RunSettings:
     seed: int = 31
     capture: bool = True
     master_weights: bool = True
+    train: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -136,6 +179,10 @@ class RunSettings:
             )
         if not isinstance(self.master_weights, bool):
             raise UsageError(f"master_weights {self.master_weights!r} must be True or False")
+        if not isinstance(self.train, bool):
+            raise UsageError(
+                f"train {self.train!r} must be True or False (False: check the forward only)"
+            )
 
     @property
     def uses_masters(self) -> bool:
@@ -217,6 +264,17 @@ class Case:
     no_grad_forward: also run each step's first micro-batch without autograd (torch.no_grad) on both
         sides and compare that output ("output:no_grad"): for TP code that takes another path when
         no gradient is needed (HuggingFace's local-matmul inference path).
+    decode_steps: incremental decoding through the model's own KV cache (checked forward only,
+        checker/rank/forward_only.py): each step's batch is the prompt (the prefill), then
+        `decode_steps` passes of one new token each, the same tokens for every side (greedy from
+        the dense side's logits, which must be batch-first `[batch, seq, vocab]`), every module
+        output and the logits compared at each ("output:decode2"). Each step starts from the
+        module's buffers (and tensor attributes) as built: tpcheck copies them back, so a cache
+        kept there starts empty. 0: no decoding.
+    decode_inputs(prompt_inputs, next_tokens, position) -> forward kwargs of one decode pass:
+        `next_tokens` `[batch, 1]`, `position` the index of that token in its sequence. None:
+        `default_decode_inputs` (the first input replaced by the new tokens, `start_pos` /
+        `input_pos` set to the position).
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
@@ -237,6 +295,8 @@ class Case:
     activations: dict[str, Placement] = field(default_factory=dict)
     dropout: dict[str, Placement] = field(default_factory=dict)
     no_grad_forward: bool = False
+    decode_steps: int = 0
+    decode_inputs: Callable[[dict, torch.Tensor, int], dict] | None = None
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
 
@@ -264,6 +324,17 @@ class Case:
                 for label, p in self.dropout.items()
             },
         )
+        d = self.decode_steps
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DECODE_STEPS:
+            raise UsageError(
+                f"Case {self.name!r}: decode_steps must be an integer in 0..{MAX_DECODE_STEPS}, "
+                f"got {d!r} (a cache bug shows within a few decode steps)"
+            )
+        if self.decode_inputs is not None and not callable(self.decode_inputs):
+            raise UsageError(
+                f"Case {self.name!r}: decode_inputs must be a function (prompt_inputs, "
+                f"next_tokens, position) -> forward kwargs, not {type(self.decode_inputs).__name__}"
+            )
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
             if name == "plan" and self.plan is None:
                 continue

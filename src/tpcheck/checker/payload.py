@@ -88,6 +88,9 @@ class RankPayload:
     inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
     run: RunSettings | None = None  # the settings the rank ran (None: it never built the case)
+    # a case checked forward only: why, its decode passes per step and the notes for the report
+    # (checker/rank/forward_only.py); None: it trained
+    forward_only: dict | None = None
 
     def problem_json(self) -> dict:
         return {
