@@ -166,7 +166,10 @@ class Transformer(nn.Module):
     def forward(self, tokens, start_pos):  # tokens [b, s] -> logits [b, s, vocab]
         start_pos = int(start_pos)
         s = tokens.shape[1]
-        cos, sin = self.rope_cos[start_pos : start_pos + s], self.rope_sin[start_pos : start_pos + s]
+        cos, sin = (
+            self.rope_cos[start_pos : start_pos + s],
+            self.rope_sin[start_pos : start_pos + s],
+        )
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, start_pos, cos, sin)
@@ -176,7 +179,7 @@ class Transformer(nn.Module):
 def init(model, g):
     """Seeded weights: matrices N(0, 1/fan_in), norm gains 1 + N(0, 0.1^2)."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(noise / math.sqrt(p.shape[-1]) if p.dim() == 2 else 1 + 0.1 * noise)
 
