@@ -21,10 +21,10 @@ EX = REPO / "examples" / "inference_llama.py"
 CASES = ("correct", "batch_mixing_hook", "decode_cache_offset", "batch_mixing_hook_one_sequence")
 
 
-def _run(*names):
+def _run(*names, dtype=None):
     return {
         (r["name"].split("/")[0] + "_").removeprefix("inference_llama_")[:-1] or "correct": r
-        for r in check([file_spec(f"{EX}:{n}", 2) for n in names])
+        for r in check([file_spec(f"{EX}:{n}", 2, dtype=dtype) for n in names])
     }
 
 
@@ -101,6 +101,16 @@ def test_a_batch_mixing_hook_is_caught_in_the_prefill_of_step_1(results):
 
 def test_a_decode_path_cache_bug_is_caught_at_decode_step_2(results):
     _assert_decode_bug_caught(results["decode_cache_offset"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_each_bug_is_caught_at_the_same_place_in_every_dtype(dtype):
+    """The dtypes the catalogue runs, and float64: the correct twin passes, each bug is first seen
+    where it is in float32."""
+    by_case = _run("correct", "batch_mixing_hook", "decode_cache_offset", dtype=dtype)
+    assert by_case["correct"]["verdict"] == "equivalent", by_case["correct"]["summary"]
+    _assert_batch_mixing_caught(by_case["batch_mixing_hook"])
+    _assert_decode_bug_caught(by_case["decode_cache_offset"])
 
 
 def test_the_report_of_a_forward_only_case_is_valid_and_rendered(results):

@@ -208,3 +208,21 @@ def test_the_caches_start_every_step_from_the_module_as_built():
 def test_case_has_the_new_fields():
     fields = {f.name for f in dataclasses.fields(Case)}
     assert {"decode_steps", "decode_inputs"} <= fields
+
+
+def test_the_catalogues_batch_mixing_reduce_is_caught_forward_only_and_needs_a_batch():
+    """The built-in blocks' batch-mixing all-reduce (faults/catalogue.py), checked forward only:
+    caught in the forward of step 1 at the module after the reduction; with one sequence per batch
+    the same bug passes (the two layouts coincide): why a batch of several is the default."""
+    from tpcheck.faults import CATALOGUE
+
+    fault = CATALOGUE["batch_mixing_reduce"]
+    spec = fault.prepare(
+        CaseSpec(block="mlp", preset="tiny", world_size=2, run=RunSettings(steps=2, train=False))
+    )
+    one = dataclasses.replace(spec, overrides=(("batch", 1),), label="one_sequence")
+    bad, blind = check([spec, one])
+    assert bad["verdict"] == "not equivalent" and _first(bad) == ("forward", 1, "act:down")
+    assert bad["diagnosis"]["signature"] == "permuted"
+    assert bad["forward_only"]["reason"] == "train=False (--forward-only)"
+    assert blind["verdict"] == "equivalent", blind["summary"]
