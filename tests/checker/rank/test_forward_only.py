@@ -226,3 +226,37 @@ def test_the_catalogues_batch_mixing_reduce_is_caught_forward_only_and_needs_a_b
     assert bad["diagnosis"]["signature"] == "permuted"
     assert bad["forward_only"]["reason"] == "train=False (--forward-only)"
     assert blind["verdict"] == "equivalent", blind["summary"]
+
+
+class Scale(nn.Module):
+    """No parameter at all: nothing to train (an optimizer refuses an empty parameter list)."""
+
+    def __init__(self, group=None, dtype=None):
+        super().__init__()
+
+    def forward(self, x):
+        return 2 * x
+
+
+def test_a_module_without_parameters_runs_forward_only_and_a_decode_without_positions_is_refused():
+    plain = Case(
+        name="no_params",
+        build_dense=lambda dtype: Scale(),
+        build_tp=lambda group, dtype: Scale(group),
+        plan=MOD.Plan(params={}),
+        make_batch=MOD.make_batch,
+    )
+    trains, decodes = check(
+        [
+            file_spec(register(plain), 2),
+            # own_module's input is hidden states: nothing says where a new token goes
+            _register("decode_no_position", MOD.correct, decode_steps=2),
+        ]
+    )
+    assert trains["verdict"] == "equivalent", trains["summary"]
+    assert trains["forward_only"]["reason"] == NO_GRAD and "output" in {
+        c["name"] for c in trains["checks"]
+    }
+    assert decodes["verdict"] == "invalid"
+    assert "the forward inputs ['x'] have none of" in decodes["summary"]
+    assert "Case(decode_inputs=...)" in decodes["summary"]

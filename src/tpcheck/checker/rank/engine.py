@@ -26,6 +26,10 @@ random draws (rng.py), then the input gradients; then finalize_grads, (with an i
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
 optimizer steps, update and state against the replay, weights.
+
+A case that does not train (`RunSettings(train=False)`, no TP parameter that requires grad, or
+`Case.decode_steps`) builds no optimizer and, after the weights, runs forward_only.py's loop instead
+of these steps: every side's forward without autograd, and the decode passes through its KV cache.
 """
 
 from __future__ import annotations

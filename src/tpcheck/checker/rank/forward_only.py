@@ -42,7 +42,8 @@ ONE_SEQUENCE = (
 
 
 def reason(case: Case, tp: nn.Module) -> str | None:
-    """Why `case` is checked forward only (the report's note), or None: it trains."""
+    """Why `case` is checked forward only (the report's note), or None: it trains. A TP module with
+    no parameter at all has nothing to train either (an optimizer would refuse it)."""
     if not any(p.requires_grad for p in tp.parameters()):
         return NO_GRAD
     if not case.run.train:

@@ -231,9 +231,9 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         return result
     if failed:
         result.first_divergence = _first(failed)
-        result.diagnosis = diagnose(
-            result.first_divergence, evidence, spec.world_size, run.micro_batches
-        )
+        # forward only: one pass per batch, no micro-batch losses to be summed
+        micro = 1 if forward_only is not None else run.micro_batches
+        result.diagnosis = diagnose(result.first_divergence, evidence, spec.world_size, micro)
     result.summary = _summary(result, failed)
     return result
 
