@@ -34,7 +34,16 @@ from tpcheck.errors import UsageError
 HF_PREFIX = "hf:"
 # what a caller may set of a user case's own run settings: every RunSettings field, nothing else
 OVERRIDABLE = RUN_FIELDS
-USER_CALLABLES = ("build_dense", "build_tp", "make_batch", "init", "load_tp", "loss", "tp_loss")
+USER_CALLABLES = (
+    "build_dense",
+    "build_tp",
+    "make_batch",
+    "init",
+    "load_tp",
+    "loss",
+    "tp_loss",
+    "decode_inputs",
+)
 
 _REGISTERED: dict[str, Case] = {}
 _MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)

@@ -260,3 +260,26 @@ def test_a_module_without_parameters_runs_forward_only_and_a_decode_without_posi
     assert decodes["verdict"] == "invalid"
     assert "the forward inputs ['x'] have none of" in decodes["summary"]
     assert "Case(decode_inputs=...)" in decodes["summary"]
+
+
+def _own_decode_inputs(prompt, next_tokens, position):
+    return {"tokens": next_tokens, "start_pos": torch.tensor(position)}
+
+
+def _broken_decode_inputs(prompt, next_tokens, position):
+    raise ValueError("no such position")
+
+
+def test_a_cases_own_decode_inputs_are_used_and_their_errors_name_them():
+    llama = example("inference_llama")
+    own, broken = check(
+        [
+            _register("own_decode", llama.correct, decode_inputs=_own_decode_inputs),
+            _register("broken_decode", llama.correct, decode_inputs=_broken_decode_inputs),
+        ]
+    )
+    assert own["verdict"] == "equivalent", own["summary"]
+    assert "output:decode3" in {c["name"] for c in own["checks"]}
+    assert broken["verdict"] == "invalid"
+    assert "in your decode_inputs (tests/checker/rank/test_forward_only.py:" in broken["summary"]
+    assert "ValueError: no such position" in broken["summary"]

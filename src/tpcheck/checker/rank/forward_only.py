@@ -106,8 +106,8 @@ class ForwardOnly:
 
     def run(self, engine) -> None:
         """Every step: a fresh batch from the buffers as built, the prefill, the decode passes."""
-        models = [m for m in {id(m): m for m in (engine.dense, engine.truth, engine.tp)}.values()]
-        kept = [Buffers(m) for m in models if m is not None]
+        truth = [] if engine.truth is None or engine.truth is engine.dense else [engine.truth]
+        kept = [Buffers(m) for m in [engine.dense, engine.tp, *truth]]
         for step in range(1, engine.settings.steps + 1):
             inputs, target = engine.first_batch if step == 1 else engine._batch()
             for buffers in kept:
@@ -126,7 +126,7 @@ class ForwardOnly:
                 "transposed from a wrapper, or set decode_steps=0)"
             )
         if k == 1:
-            self.prompt_len = logits.shape[1]
+            self.prompt_len = logits.shape[1]  # the prompt starts at position 0
             tokens = next(iter(prompt.values()))
             if ONE_SEQUENCE not in self.notes and (tokens == tokens[:1]).all():
                 self.notes.append(ONE_SEQUENCE)
