@@ -283,3 +283,18 @@ def test_a_cases_own_decode_inputs_are_used_and_their_errors_name_them():
     assert broken["verdict"] == "invalid"
     assert "in your decode_inputs (tests/checker/rank/test_forward_only.py:" in broken["summary"]
     assert "ValueError: no such position" in broken["summary"]
+
+
+def test_every_built_in_block_is_equivalent_forward_only_with_its_forward_collectives():
+    from tpcheck.blocks import BLOCKS
+
+    forward = RunSettings(steps=2, train=False)
+    specs = [
+        CaseSpec(block=b, preset="tiny", world_size=2, sequence_parallel=sp, run=forward)
+        for b in BLOCKS
+        for sp in (False, True)
+    ]
+    for spec, r in zip(specs, check(specs)):
+        assert r["verdict"] == "equivalent", (spec.name, r["summary"])
+        assert not r["ledger"]["problems"], (spec.name, r["ledger"]["problems"])
+        assert not TRAINED & _stages(r) and r["self_test"]["controls"]
