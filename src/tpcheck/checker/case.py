@@ -429,6 +429,8 @@ class CaseSpec:
             parts.append(run.dtype)
             if not run.master_weights and run.dtype in ("bfloat16", "float16"):
                 parts.append("pure")
+            if not run.train:
+                parts.append("forward_only")
         if self.sequence_parallel:
             parts.append("sp")
         if self.fault:

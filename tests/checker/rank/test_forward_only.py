@@ -119,6 +119,7 @@ def test_a_built_in_block_forward_only_expects_only_its_forward_collectives():
     fault = dataclasses.replace(spec, fault="missing_forward_reduce")
     ok, bad = check([spec, fault])
     assert ok["verdict"] == "equivalent", ok["summary"]
+    assert ok["name"] == "mlp/tiny/tp2/float32/forward_only"
     expected = ok["ledger"]["expected"]
     assert expected and {e["phase"] for e in expected} == {"forward"}
     assert all(e["count"] == 2 for e in expected)  # once per step: one forward pass each

@@ -127,8 +127,9 @@ class ForwardOnly:
             )
         if k == 1:
             self.prompt_len = logits.shape[1]  # the prompt starts at position 0
-            tokens = next(iter(prompt.values()))
-            if ONE_SEQUENCE not in self.notes and (tokens == tokens[:1]).all():
+            tokens = next(iter(prompt.values()))  # [batch, seq]
+            one = tokens.dim() == 0 or bool((tokens == tokens[:1]).all())
+            if one and ONE_SEQUENCE not in self.notes:
                 self.notes.append(ONE_SEQUENCE)
         next_tokens = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
         make = engine.case.decode_inputs or default_decode_inputs
