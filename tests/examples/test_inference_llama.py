@@ -6,6 +6,8 @@ beside its correct twin; broken forward-only checkers do not call a buggy case e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tpcheck.api import check
@@ -158,11 +160,25 @@ def _records_zero(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("mutant", [_skips_decode, _records_zero], ids=lambda m: m.__name__)
+def _tolerance_times_1000(monkeypatch):
+    from tpcheck.checker.rank import tolerance
+
+    calibrated = tolerance.calibrated
+
+    def loose(*args, **kwargs):
+        bound = calibrated(*args, **kwargs)
+        return dataclasses.replace(bound, value=bound.value * 1000)
+
+    monkeypatch.setattr(tolerance, "calibrated", loose)
+
+
+@pytest.mark.parametrize(
+    "mutant", [_skips_decode, _records_zero, _tolerance_times_1000], ids=lambda m: m.__name__
+)
 def test_a_broken_forward_only_checker_ends_in_error(monkeypatch, mutant):
     """The manifest (every pass's output on every rank and step) and the controls hold in the
-    forward-only check: a checker that skips the decode passes, or records every error as 0, makes
-    the buggy case "error", never "equivalent"."""
+    forward-only check: a checker that skips the decode passes, records every error as 0 or widens
+    every calibrated bound 1000 times makes the buggy case "error", never "equivalent"."""
     mutant(monkeypatch)
     r = _run("decode_cache_offset")["decode_cache_offset"]
     assert r["verdict"] == "error", r["summary"]
