@@ -94,6 +94,7 @@ RUN_DEFAULTS = {
     "micro_batches": "2",
     "seed": "31",
     "master_weights": "float32 master weights",
+    "train": "train, unless no TP parameter requires grad",
 }
 SHOWN = {
     "run": RUN_DEFAULTS,
@@ -173,6 +174,7 @@ def test_flags_given_are_the_settings_used(command, words):
         "--seed",
         "7",
         "--no-master-weights",
+        "--forward-only",
     )
     defaults = importlib.import_module(f"tpcheck.cli.{command}").DEFAULTS
     assert options.dtypes(args, defaults) == ["bfloat16", "float64"]
@@ -183,6 +185,7 @@ def test_flags_given_are_the_settings_used(command, words):
         "micro_batches": 3,
         "seed": 7,
         "master_weights": False,
+        "train": False,
     }
     assert options.given_settings(args, defaults or {}) == given
     assert options.run_settings(args, "bfloat16", defaults or {}) == RunSettings(

@@ -79,6 +79,42 @@ def seeded_init(module: nn.Module, g: torch.Generator) -> None:
             p.copy_(value.to(p.dtype))
 
 
+# the names of a forward input holding the position of the first token a call feeds (Meta's
+# llama: `start_pos`, an int; gpt-fast: `input_pos`, the positions) set by `default_decode_inputs`
+POSITION_INPUTS = ("start_pos", "input_pos", "cache_position", "position_ids", "positions")
+MAX_DECODE_STEPS = 256
+
+
+def default_decode_inputs(
+    prompt_inputs: dict[str, torch.Tensor], next_tokens: torch.Tensor, position: int
+) -> dict[str, torch.Tensor]:
+    """The forward inputs of one decode pass (`Case.decode_inputs` when none is given): the prompt's
+    inputs with the first one (the tokens, `[batch, seq]`) replaced by `next_tokens` `[batch, 1]`
+    and each input named in `POSITION_INPUTS` set to `position`, in its own form: a 0-dim tensor
+    stays one (`start_pos`), one with a position per token becomes `[position]` (`[1, position]`
+    for `[batch, seq]` position ids). Every other input is handed on as it is. A prompt with no
+    such input is refused: its model cannot be told where the new token goes."""
+    names = list(prompt_inputs)
+    placed = [n for n in names[1:] if n in POSITION_INPUTS]
+    if not placed:
+        raise UsageError(
+            f"decoding needs the position of the new token, but the forward inputs {names} have "
+            f"none of {list(POSITION_INPUTS)}: give Case(decode_inputs=...) a function "
+            "(prompt_inputs, next_tokens, position) -> the forward kwargs of one decode pass"
+        )
+    out = dict(prompt_inputs)
+    out[names[0]] = next_tokens.to(prompt_inputs[names[0]].dtype)
+    for n in placed:
+        old = prompt_inputs[n]
+        value = torch.tensor(position, dtype=old.dtype, device=old.device)
+        out[n] = (
+            value
+            if old.dim() == 0
+            else value.reshape([1] * old.dim()).expand(*old.shape[:-1], 1).clone()
+        )
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """How a case is run: working dtype, optimizer steps, micro-batches (gradient accumulation: the
@@ -97,7 +133,13 @@ class RunSettings:
     clip_grad_norm: global gradient-norm clipping as trained (None: none). The dense side clips with
     `torch.nn.utils.clip_grad_norm_` before its optimizer step; the TP side with the case's
     `tp_clip_grad_norm` (yours) or tpcheck's TP-aware default; their total norms are compared
-    (`clip:grad_norm`, checker/rank/training.py)."""
+    (`clip:grad_norm`, checker/rank/training.py).
+
+    train: False checks the forward only (checker/rank/forward_only.py): the loaded weights, then
+    for each step a fresh batch through every side without autograd, every module output, the
+    output and the loss (if the batch has a target) compared; no backward, no optimizer. Chosen
+    by itself, and said in the report, when no TP parameter requires grad (inference code) or the
+    case decodes (`Case.decode_steps`). micro_batches and the optimizer settings do not apply."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -108,6 +150,7 @@ class RunSettings:
     capture: bool = True
     master_weights: bool = True
     clip_grad_norm: float | None = None
+    train: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -152,6 +195,10 @@ class RunSettings:
             raise UsageError(
                 f"clip_grad_norm {clip!r} must be a finite number > 0 (the largest total gradient "
                 "norm, as torch.nn.utils.clip_grad_norm_ takes it), or None for no clipping"
+            )
+        if not isinstance(self.train, bool):
+            raise UsageError(
+                f"train {self.train!r} must be True or False (False: check the forward only)"
             )
 
     @property
@@ -252,6 +299,17 @@ class Case:
         module globals or environment variables: a parallel-state initializer, say). tpcheck
         builds, on every rank, the dense model (float32, then a copy in the working dtype), the
         float64 truth (rank 0), then `setup(group)`, then `build_tp(group, dtype)`.
+    decode_steps: incremental decoding through the model's own KV cache (checked forward only,
+        checker/rank/forward_only.py): each step's batch is the prompt (the prefill), then
+        `decode_steps` passes of one new token each, the same tokens for every side (greedy from
+        the dense side's logits, which must be batch-first `[batch, seq, vocab]`), every module
+        output and the logits compared at each ("output:decode2"). Each step starts from the
+        module's buffers (and tensor attributes) as built: tpcheck copies them back, so a cache
+        kept there starts empty. 0: no decoding.
+    decode_inputs(prompt_inputs, next_tokens, position) -> forward kwargs of one decode pass:
+        `next_tokens` `[batch, 1]`, `position` the index of that token in its sequence. None:
+        `default_decode_inputs` (the first input replaced by the new tokens, `start_pos` /
+        `input_pos` set to the position).
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
@@ -276,6 +334,8 @@ class Case:
     tp_optimizer: Callable[[nn.Module, TPGroup], object] | None = None
     tp_clip_grad_norm: Callable[[nn.Module, float, TPGroup], object] | None = None
     setup: Callable[[TPGroup], None] | None = None
+    decode_steps: int = 0
+    decode_inputs: Callable[[dict, torch.Tensor, int], dict] | None = None
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
 
@@ -310,6 +370,17 @@ class Case:
                     f"Case {self.name!r}: {hook} must be a function (see docs/case-files.md), not "
                     f"{type(value).__name__} {value!r}"
                 )
+        d = self.decode_steps
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DECODE_STEPS:
+            raise UsageError(
+                f"Case {self.name!r}: decode_steps must be an integer in 0..{MAX_DECODE_STEPS}, "
+                f"got {d!r} (a cache bug shows within a few decode steps)"
+            )
+        if self.decode_inputs is not None and not callable(self.decode_inputs):
+            raise UsageError(
+                f"Case {self.name!r}: decode_inputs must be a function (prompt_inputs, "
+                f"next_tokens, position) -> forward kwargs, not {type(self.decode_inputs).__name__}"
+            )
         for name, cls in (("run", RunSettings), ("inject", Injection), ("plan", Plan)):
             if name == "plan" and self.plan is None:
                 continue
@@ -412,6 +483,8 @@ class CaseSpec:
             parts.append(run.dtype)
             if not run.master_weights and run.dtype in ("bfloat16", "float16"):
                 parts.append("pure")
+            if not run.train:
+                parts.append("forward_only")
         if self.sequence_parallel:
             parts.append("sp")
         if self.fault:

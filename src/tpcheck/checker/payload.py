@@ -89,6 +89,9 @@ class RankPayload:
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
     run: RunSettings | None = None  # the settings the rank ran (None: it never built the case)
     notes: list[str] = field(default_factory=list)  # what the rank could not check, and why
+    # a case checked forward only: why, its decode passes per step and the notes for the report
+    # (checker/rank/forward_only.py); None: it trained
+    forward_only: dict | None = None
 
     def problem_json(self) -> dict:
         return {

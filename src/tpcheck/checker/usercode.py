@@ -46,6 +46,7 @@ USER_CALLABLES = (
     "tp_optimizer",
     "tp_clip_grad_norm",
     "setup",
+    "decode_inputs",
 )
 
 _REGISTERED: dict[str, Case] = {}

@@ -81,6 +81,14 @@ RUN_SETTINGS = (
         {"action": "store_false"},
     ),
     SettingFlag("seed", "--seed", "seed of the weights and batches", {"type": int}),
+    SettingFlag(
+        "train",
+        "--forward-only",
+        "check the forward only: the loaded weights, then every module output, the output and "
+        "the loss of each step's batch; no backward, no optimizer (chosen by itself when no TP "
+        "parameter requires grad)",
+        {"action": "store_false"},
+    ),
 )  # in the order `run` and `verify` listed them (and `run --mode` names the flags it ignores)
 NOT_FLAGS = {"capture"}  # RunSettings fields the command line does not set (see the docstring)
 
@@ -118,6 +126,8 @@ def shown_default(field: str, defaults: Mapping[str, object] | None) -> str:
         return ", ".join(f"{lr:g} for {optimizer}" for optimizer, lr in DEFAULT_LR.items())
     if field == "master_weights":
         return "float32 master weights" if value else "pure 16-bit"
+    if field == "train":
+        return "train, unless no TP parameter requires grad" if value else "forward only"
     return str(value)
 
 

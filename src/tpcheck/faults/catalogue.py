@@ -144,6 +144,18 @@ def _entries() -> list[Fault]:
             sequence_parallel=False,
         ),
         Fault(
+            "batch_mixing_reduce",
+            "The row-parallel all-reduce runs on a batch-first copy of the output and is "
+            "viewed back without the transpose: one sequence passes, a batch of several has "
+            "its sequences mixed.",
+            "forward all-reduce of the down projection on a [batch, seq, hidden] copy, viewed "
+            "back as [seq, batch, hidden]",
+            "forward",
+            "permuted",
+            i.intercept("all_reduce", "down", "forward", i.batch_mixing),
+            sequence_parallel=False,
+        ),
+        Fault(
             "naive_fused_split",
             "A fused [gate; up] (or [q; k; v]) weight is split contiguously instead of per part.",
             "weight loading of fused weights (Shard instead of Fused)",

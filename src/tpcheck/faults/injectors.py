@@ -67,6 +67,14 @@ def on_temporary(x, perform):
     return x
 
 
+def batch_mixing(x, perform):
+    """All-reduce a batch-first copy of [s, b, h] and view the result back as [s, b, h] without
+    transposing: with one sequence the two layouts hold the same order, with several the rows of
+    different sequences trade places (inference code's all-reduce in a forward hook on a buffer
+    reshaped for communication)."""
+    return perform(x.transpose(0, 1).contiguous()).view(x.shape)
+
+
 def gather_wrong_dim(x, perform):
     """All-gather the batch dim of [s/tp, b, h] then
     view it as the sequence: right shape, wrong rows."""

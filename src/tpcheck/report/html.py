@@ -248,6 +248,7 @@ def _case_section(i: int, case: dict) -> str:
             f"{len(case.get('checks', []))} stored).</p>"
         )
     parts += [
+        _forward_only(case),
         _diagnosis(case),
         _first_divergence(case),
         _problems(case),
@@ -260,6 +261,24 @@ def _case_section(i: int, case: dict) -> str:
         "</section>",
     ]
     return "\n".join(p for p in parts if p)
+
+
+def _forward_only(case: dict) -> str:
+    """A case checked forward only: why, its decode passes, its notes, and what was not checked."""
+    fo = case.get("forward_only")
+    if not fo:
+        return ""
+    decode = (
+        f"; each step a prefill and {fo['decode_steps']} decode step(s) through the model's own "
+        "cache (checks named <code>...:decodeK</code>)"
+        if fo["decode_steps"]
+        else ""
+    )
+    notes = "".join(f"<br>Note: {esc(n)}" for n in fo["notes"])
+    return (
+        f"<p class=note>Forward only: {esc(fo['reason'])}{decode}. No backward, gradient or "
+        f"optimizer checks.{notes}</p>"
+    )
 
 
 def _spec_text(case: dict) -> str:

@@ -240,7 +240,10 @@ def curves_figure(case: dict) -> Figure:
     ax.axhline(1.0, color="black", linewidth=1, label="bound")
     ax.set_yscale("log")
     ax.set_ylim(10**-CAP / 2, 10**CAP * 2)
-    ax.set_xlabel("optimizer step")
+    # a forward-only case: each step a fresh batch through the forward, no optimizer
+    ax.set_xlabel(
+        "step (forward only: a fresh batch)" if case.get("forward_only") else "optimizer step"
+    )
     ax.set_ylabel("error / bound (max over ranks)")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), ncols=1)

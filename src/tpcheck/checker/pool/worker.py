@@ -67,7 +67,13 @@ class RankState:
             )
             case = resolve(spec)
             done = run_case_on_rank(case, group, self.rendezvous, spawn.THREADS_WHILE_OTHERS_WAIT)
-            return dataclasses.replace(done, run=case.run)  # what ran, for the report
+            # what ran, for the report (train=False where the case was checked forward only)
+            ran = (
+                case.run
+                if done.forward_only is None
+                else dataclasses.replace(case.run, train=False)
+            )
+            return dataclasses.replace(done, run=ran)
         except UsageError as e:
             return RankPayload(status="usage", rank=self.rank, message=str(e))
         except PeerFailed as e:

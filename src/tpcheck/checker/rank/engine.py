@@ -26,6 +26,10 @@ random draws (rng.py), then the input gradients; then finalize_grads, (with an i
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
 optimizer steps, update and state against the replay, weights.
+
+A case that does not train (`RunSettings(train=False)`, no TP parameter that requires grad, or
+`Case.decode_steps`) builds no optimizer and, after the weights, runs forward_only.py's loop instead
+of these steps: every side's forward without autograd, and the decode passes through its KV cache.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from tpcheck.checker.payload import Check, RankPayload
 from tpcheck.checker.rank import capture, evidence, training
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
+from tpcheck.checker.rank.forward_only import ForwardOnly
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
 from tpcheck.checker.rank.loading import (
     cast,
@@ -54,6 +59,7 @@ from tpcheck.checker.rank.loading import (
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.checker.rank.params import compare_params, compare_replay
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
+from tpcheck.checker.rank.sides import NoGrad, TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.checker.usercode import defined_at, require_graph
@@ -73,108 +79,6 @@ def _in_float64(value):
         if value.is_floating_point() and value.dim()
         else value.clone()
     )
-
-
-def _one_tensor(out, model: nn.Module, side: str) -> torch.Tensor:
-    """A module's forward output, which must be one tensor: the checker compares it and hands it to
-    the loss. Anything else is refused naming the module's forward and what it returned."""
-    if isinstance(out, torch.Tensor):
-        return out
-    what = (
-        f"a {type(out).__name__} of {len(out)}"
-        if isinstance(out, (tuple, list, dict))
-        else type(out).__name__
-    )
-    raise UsageError(
-        f"the {side} module's forward ({defined_at(model.forward)}) returned {what}, not a tensor: "
-        "tpcheck compares one output tensor and hands it to the loss; return that tensor (a model "
-        "that returns a tuple, a dict or a ModelOutput: wrap it in a module whose forward returns "
-        "the output you train on, its logits say)"
-    )
-
-
-@contextlib.contextmanager
-def others_wait(more: int):
-    """Around rank 0's float64 passes: every other rank is then blocked at the TP side's first
-    collective, so rank 0 may compute on their CPUs too (`more` threads, the pool's
-    `threads_while_others_wait`; one thread per rank is otherwise all a rank has). The truth's
-    float64 sums may then be ordered differently, which moves a bound by ~1e-16 of itself; the
-    compared sides never run on more threads than the rank's own."""
-    mine = torch.get_num_threads()
-    if more <= mine:
-        yield
-        return
-    torch.set_num_threads(more)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(mine)
-
-
-class _NoGrad:
-    """Stands for a float64 input on ranks that hold no float64 model."""
-
-    grad = None
-
-
-class _TPActivations:
-    """The capture sink of the TP side's module outputs and gradients in one micro-batch: each
-    compared as it is produced, against the dense side's copy (and the truth's bound or copy). While
-    the activation placements are being inferred (the first micro-batch of a case with no plan
-    written), every tensor is held instead, a copy (a loss may work in place on the logits) with its
-    place in execution order, and compared in `release` once the placements are known."""
-
-    def __init__(
-        self,
-        cmp: Comparator,
-        step: int,
-        rec_d: capture.Recorder,
-        rec_t: capture.Recorder,
-        discovery: Discovery,
-    ) -> None:
-        self.cmp, self.step, self.rec_d, self.rec_t, self.discovery = (
-            cmp,
-            step,
-            rec_d,
-            rec_t,
-            discovery,
-        )
-        self.held: list | None = [] if discovery.acts_pending else None
-
-    def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
-        if self.held is not None:
-            self.held.append((stage, name, t.clone(), self.cmp.next_seq()))
-        else:
-            self._compare(stage, name, t)
-
-    def release(self) -> None:
-        """After the micro-batch: the placements inferred from the held tensors (discover.py), then
-        the held tensors that got one compared, each under the place it was produced in."""
-        if self.held is None:
-            return
-        self.discovery.infer_activations(self.rec_d, self.held)
-        for stage, name, t, seq in self.held:
-            if name in self.discovery.plan.activations:
-                self._compare(stage, name, t, seq)
-
-    def _compare(self, stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
-        d = self.rec_d.take(stage, name)
-        tr = self.rec_t.take(stage, name) if self.rec_t is not self.rec_d else d
-        if d is not None:
-            label = "act" if stage == "forward" else "actgrad"
-            # calibrated as the truth produced it
-            given = {"bound": tr} if isinstance(tr, Bound) else {}
-            self.cmp.compare(
-                stage,
-                self.step,
-                f"{label}:{name}",
-                t,
-                d,
-                None if given else tr,
-                self.discovery.plan.activations[name],
-                seq=seq,
-                **given,
-            )
 
 
 class Engine:
@@ -236,7 +140,9 @@ class Engine:
         self.tp.to(self.device)
         if case.inject.tamper is not None:
             case.inject.tamper(self.tp, group)
-        self._build_optimizers()
+        self.forward_only = ForwardOnly.of(case, self.tp)  # no optimizer: forward_only.py
+        if self.forward_only is None:
+            self._build_optimizers()
 
     def _build_optimizers(self) -> None:
         """What each optimizer steps (the modules' own parameters, or their float32 masters; the
@@ -324,6 +230,9 @@ class Engine:
             )
         self.sync("loading the weights")
         self.cmp.flush_replicas()
+        if self.forward_only is not None:
+            self.forward_only.run(self)
+            return self.cmp.checks
         for step in range(1, self.settings.steps + 1):
             self._step(step)
         return self.cmp.checks
@@ -391,7 +300,7 @@ class Engine:
         rec_d, rec_t, (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = self._reference_passes(
             inputs, target, wanted, book
         )
-        acts = _TPActivations(cmp, step, rec_d, rec_t, self.discovery)
+        acts = TPActivations(cmp, step, rec_d, rec_t, self.discovery)
         handles = (
             capture.attach(self.tp, self.discovery.capture_names(), acts)
             if self.settings.capture
@@ -400,7 +309,7 @@ class Engine:
         kw_tp = self._tp_inputs(inputs, wanted)
         with training_rng(self.device, self.settings.seed, step, micro):
             with self.tap.tp_phase("forward"), self.draws.tp_masks(book, self.tp):
-                out_tp = _one_tensor(self.tp(**kw_tp), self.tp, "TP")
+                out_tp = one_tensor(self.tp(**kw_tp), self.tp, "TP")
             # compared before the loss sees it: a loss may work in place on its input (Megatron's
             # vocab-parallel cross-entropy subtracts the max from the logits)
             cmp.compare(
@@ -450,7 +359,7 @@ class Engine:
         if self.truth is self.dense:
             return rec_d, rec_d, dense, dense
         if self.truth is None:
-            return rec_d, rec_t, dense, ({k: _NoGrad for k in dense[0]}, None, None)
+            return rec_d, rec_t, dense, ({k: NoGrad for k in dense[0]}, None, None)
         with others_wait(self.wait_threads):
             truth = self._reference_pass(
                 self.truth,
@@ -474,7 +383,7 @@ class Engine:
         )
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
         with masks:
-            out = _one_tensor(model(**kw), model, "dense")
+            out = one_tensor(model(**kw), model, "dense")
         require_graph(out, "dense", model)
         # as the model produced it: a loss may work in place on its input
         produced = capture.snapshot(out)
@@ -587,7 +496,7 @@ class Engine:
         book = self.draws.book()
         with torch.no_grad():
             with self.draws.watching(book), self.draws.masks(book.draw, self.dense):
-                out_d = _one_tensor(
+                out_d = one_tensor(
                     self.dense(**{k: cast(v, self.dtype) for k, v in inputs.items()}),
                     self.dense,
                     "dense",
@@ -596,7 +505,7 @@ class Engine:
                 out_t = out_d
             elif self.truth is not None:
                 with self.draws.masks(book.replay, self.truth), others_wait(self.wait_threads):
-                    out_t = _one_tensor(
+                    out_t = one_tensor(
                         self.truth(**{k: cast(v, torch.float64) for k, v in inputs.items()}),
                         self.truth,
                         "dense",
@@ -608,7 +517,7 @@ class Engine:
                 training_rng(self.device, self.settings.seed, step, -1),
                 self.draws.tp_masks(book, self.tp),
             ):
-                out_tp = _one_tensor(self.tp(**self._tp_inputs(inputs)), self.tp, "TP")
+                out_tp = one_tensor(self.tp(**self._tp_inputs(inputs)), self.tp, "TP")
         self.cmp.compare(
             "forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement
         )
@@ -634,6 +543,7 @@ def run_case_on_rank(
         expected_collectives=training.expected_collectives(case),
         inferred_plan=engine.discovery.as_code(),
         notes=training.notes(engine.unobserved),
+        forward_only=engine.forward_only.as_json() if engine.forward_only else None,
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,
     )

@@ -50,6 +50,7 @@ class CaseResult:
     crash: dict | None = None
     inferred_plan: str | None = None
     notes: list[str] | None = None  # what was not checked, and why (every rank's, once each)
+    forward_only: dict | None = None  # checked forward only: why, decode passes, notes
 
     @property
     def name(self) -> str:
@@ -74,7 +75,16 @@ class CaseResult:
         }
         if self.checks is not None:
             out["checks"] = [check_json(c) for c in self.checks]
-        for key in ("ledger", "diagnosis", "problems", "hang", "crash", "inferred_plan", "notes"):
+        for key in (
+            "ledger",
+            "diagnosis",
+            "problems",
+            "hang",
+            "crash",
+            "inferred_plan",
+            "forward_only",
+            "notes",
+        ):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.checks is not None:
@@ -124,6 +134,7 @@ class CaseResult:
                     "crash",
                     "inferred_plan",
                     "notes",
+                    "forward_only",
                 )
             },
         )
@@ -159,6 +170,7 @@ SPEC_KEYS = (
     "overrides",
     "capture",
     "master_weights",
+    "train",
     "label",
     "expected",
     "device",
@@ -189,6 +201,12 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     )
     entries = [asdict(e) for p in payloads for e in p.ledger]
     evidence = [p.evidence for p in payloads]
+    forward_only = payloads[0].forward_only
+    # per step, as the ledger counts micro-batches: the forward passes, no backward or optimizer
+    expected, per_step = payloads[0].expected_collectives, run.micro_batches
+    if forward_only is not None:
+        per_step = 1 + forward_only["decode_steps"]
+        expected = expected and tuple(e for e in expected if e[0] == "forward")
     result = CaseResult(
         spec=spec,
         run=run,
@@ -197,13 +215,16 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         summary="",
         seconds=seconds,
         checks=checks,
-        ledger=check_ledger(
-            entries, payloads[0].expected_collectives, spec.world_size, run.steps, run.micro_batches
-        ),
+        ledger=check_ledger(entries, expected, spec.world_size, run.steps, per_step),
         self_test=self_test(checks, [c for c in every if c.control], evidence),
         inferred_plan=payloads[0].inferred_plan,
         notes=list(dict.fromkeys(n for p in payloads for n in p.notes)) or None,
+        forward_only=forward_only,
     )
+    if forward_only is not None:
+        result.self_test["failures"] += missing_outputs(
+            checks, forward_only, run.steps, len(payloads)
+        )
     result.as_expected = result.verdict == result.expected
     if result.self_test["failures"]:
         result.verdict, result.as_expected = "error", False
@@ -214,9 +235,9 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         return result
     if failed:
         result.first_divergence = _first(failed)
-        result.diagnosis = diagnose(
-            result.first_divergence, evidence, spec.world_size, run.micro_batches
-        )
+        # forward only: one pass per batch, no micro-batch losses to be summed
+        micro = 1 if forward_only is not None else run.micro_batches
+        result.diagnosis = diagnose(result.first_divergence, evidence, spec.world_size, micro)
     result.summary = _summary(result, failed)
     return result
 
@@ -287,6 +308,21 @@ def self_test(checks: list[Check], controls: list[Check], evidence: list[dict]) 
     }
 
 
+def missing_outputs(checks: list[Check], forward_only: dict, steps: int, world: int) -> list[str]:
+    """The manifest of a forward-only check: on every rank, at every step, the output of the prefill
+    and of each decode pass ("output", "output:decode1", ...) must have been compared; each one
+    missing is a failure of the checker (a decode pass skipped would otherwise go unseen)."""
+    have = {(c.rank, c.step, c.name) for c in checks if c.stage == "forward"}
+    names = ["output"] + [f"output:decode{k}" for k in range(1, forward_only["decode_steps"] + 1)]
+    return [
+        f"no check of {name} (forward, step {step}) on rank {rank}"
+        for step in range(1, steps + 1)
+        for name in names
+        for rank in range(world)
+        if (rank, step, name) not in have
+    ]
+
+
 def _fill_bounds(checks: list[Check]) -> list[Check]:
     """Calibrated checks on ranks > 0 take the bound rank 0 computed for the same tensor: the same
     (stage, step, name, control), the same occurrence of it (a name recurs once per micro-batch), a
@@ -349,7 +385,21 @@ def _first(failed: list[Check]) -> dict:
     return out
 
 
+def forward_only_note(forward_only: dict | None) -> str:
+    """The summary's word on a case checked forward only ("" for one that trained)."""
+    if forward_only is None:
+        return ""
+    decode = forward_only["decode_steps"]
+    passes = f", a prefill and {decode} decode step(s) per step" if decode else ""
+    notes = "".join(f"; {n}" for n in forward_only["notes"])
+    return f"; forward only: {forward_only['reason']}{passes}{notes}"
+
+
 def _summary(result: CaseResult, failed: list[Check]) -> str:
+    return _verdict_summary(result, failed) + forward_only_note(result.forward_only)
+
+
+def _verdict_summary(result: CaseResult, failed: list[Check]) -> str:
     if not failed:
         return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
     f, d = result.first_divergence, result.diagnosis

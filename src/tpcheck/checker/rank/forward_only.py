@@ -1,0 +1,229 @@
+"""The forward-only check: TP code that never trains (an inference engine, a generation script) is
+checked on what it computes, with the training check's bounds and controls, but no backward and no
+optimizer.
+
+Chosen by `RunSettings(train=False)` (`--forward-only`), and by itself when no TP parameter requires
+grad or the case decodes (`Case.decode_steps`); the report says which (`ForwardOnly.reason`). After
+the loaded weights (the engine's weights stage, as in training), each step takes a fresh batch and
+runs every side (dense, rank 0's float64 truth, TP) under `torch.no_grad()`: every module output
+(the plan's activations, or inferred for a case with no plan written), the output and, where the
+batch has a target, the loss are compared on every rank, through the same `Comparator` (bounds,
+controls, replicas across ranks) as training. The model may run its own forward under
+`torch.inference_mode()` and hold weights that do not require grad.
+
+Decoding (`Case.decode_steps`): the step's batch is the prompt (the prefill), then each decode pass
+feeds every side the same next tokens, greedy from the dense side's logits (batch-first
+`[batch, seq, vocab]`), through `Case.decode_inputs` (default `default_decode_inputs`), the prompt
+taken to start at position 0. Each side decodes through its own KV cache, kept in the module. Every
+step starts from each module's buffers and tensor attributes as they were built (copied back in
+place; a cache reassigned by the model is replaced by a copy of the one built), so every decoding
+run starts from an empty cache. A decode pass's checks carry its number: `output:decode2`,
+`act:layers.0.attention.wo:decode2`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpcheck.checker.case import Case, default_decode_inputs
+from tpcheck.checker.rank import capture
+from tpcheck.checker.rank.loading import cast, map_tensors
+from tpcheck.checker.rank.rng import training_rng
+from tpcheck.checker.rank.sides import TPActivations, one_tensor, others_wait
+from tpcheck.errors import UsageError
+from tpcheck.plan import Replicate
+
+NO_GRAD = "no TP parameter requires grad"
+ONE_SEQUENCE = (
+    "the batch holds one distinct sequence: a bug that mixes the sequences of a batch cannot show "
+    "(give make_batch several different sequences)"
+)
+
+
+def reason(case: Case, tp: nn.Module) -> str | None:
+    """Why `case` is checked forward only (the report's note), or None: it trains. A TP module with
+    no parameter at all has nothing to train either (an optimizer would refuse it)."""
+    if not any(p.requires_grad for p in tp.parameters()):
+        return NO_GRAD
+    if not case.run.train:
+        return "train=False (--forward-only)"
+    if case.decode_steps:
+        return f"the case decodes (decode_steps={case.decode_steps})"
+    return None
+
+
+def pass_name(k: int) -> str:
+    """The suffix of a pass's check names: "" for the prefill (or a plain forward), ":decodeK"."""
+    return f":decode{k}" if k else ""
+
+
+class Buffers:
+    """A module's buffers and tensor attributes (a cache kept as `self.cache_k = torch.zeros(...)`,
+    Meta's llama) as built, to start every step from them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.kept = []
+        for mod in model.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None:
+                    self.kept.append((mod, name, buf.detach().clone()))
+            for name, value in vars(mod).items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    self.kept.append((mod, name, value.detach().clone()))
+
+    def restore(self) -> None:
+        # under inference mode: a model may have replaced a buffer by an inference tensor
+        with torch.inference_mode():
+            for mod, name, saved in self.kept:
+                now = getattr(mod, name, None)
+                if (
+                    isinstance(now, torch.Tensor)
+                    and now.shape == saved.shape
+                    and now.dtype == saved.dtype
+                ):
+                    now.copy_(saved)
+                else:
+                    setattr(mod, name, saved.clone())
+
+
+class ForwardOnly:
+    """The forward-only run of one case on one rank (after the weights stage), and what the report
+    says of it (`as_json`)."""
+
+    def __init__(self, reason: str, decode_steps: int) -> None:
+        self.reason, self.decode_steps = reason, decode_steps
+        self.notes: list[str] = []
+
+    @classmethod
+    def of(cls, case: Case, tp: nn.Module) -> ForwardOnly | None:
+        """The forward-only run of `case`, or None where it trains (`reason`)."""
+        why = reason(case, tp)
+        return cls(why, case.decode_steps) if why is not None else None
+
+    def as_json(self) -> dict:
+        return {"reason": self.reason, "decode_steps": self.decode_steps, "notes": self.notes}
+
+    def run(self, engine) -> None:
+        """Every step: a fresh batch from the buffers as built, the prefill, the decode passes."""
+        truth = [] if engine.truth is None or engine.truth is engine.dense else [engine.truth]
+        kept = [Buffers(m) for m in [engine.dense, engine.tp, *truth]]
+        for step in range(1, engine.settings.steps + 1):
+            inputs, target = engine.first_batch if step == 1 else engine._batch()
+            for buffers in kept:
+                buffers.restore()
+            logits = self._pass(engine, step, 0, inputs, target)
+            for k in range(1, self.decode_steps + 1):
+                logits = self._pass(engine, step, k, self._decode_inputs(engine, inputs, logits, k))
+            engine.cmp.flush_replicas()
+
+    def _decode_inputs(self, engine, prompt: dict, logits: torch.Tensor, k: int) -> dict:
+        """The forward inputs of decode pass `k`: the greedy next tokens of the dense logits."""
+        if logits.dim() != 3:
+            raise UsageError(
+                f"decoding needs batch-first logits [batch, seq, vocab]; the dense module returned "
+                f"shape {list(logits.shape)} (a model with another layout: return its logits "
+                "transposed from a wrapper, or set decode_steps=0)"
+            )
+        if k == 1:
+            self.prompt_len = logits.shape[1]  # the prompt starts at position 0
+            tokens = next(iter(prompt.values()))  # [batch, seq]
+            one = tokens.dim() == 0 or bool((tokens == tokens[:1]).all())
+            if one and ONE_SEQUENCE not in self.notes:
+                self.notes.append(ONE_SEQUENCE)
+        next_tokens = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+        make = engine.case.decode_inputs or default_decode_inputs
+        out = make(dict(prompt), next_tokens, self.prompt_len + k - 1)
+        if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
+            raise UsageError(
+                f"decode_inputs returned {type(out).__name__}; expected the forward kwargs of one "
+                "decode pass, {name: tensor}"
+            )
+        return out
+
+    def _pass(self, engine, step: int, k: int, inputs: dict, target=None) -> torch.Tensor:
+        """One forward of every side, compared; returns the dense side's output."""
+        case, cmp, suffix = engine.case, engine.cmp, pass_name(k)
+        book = engine.draws.book()
+        rec_d = capture.Recorder()
+        rec_t = capture.Calibrating(rec_d, engine._truth_bound)
+        names = engine.discovery.capture_names() if engine.settings.capture else set()
+        with torch.no_grad():
+            with engine.draws.watching(book):
+                out_d, loss_d = _reference(
+                    engine,
+                    engine.dense,
+                    engine.dtype,
+                    inputs,
+                    target,
+                    rec_d,
+                    names,
+                    engine.draws.masks(book.draw, engine.dense),
+                )
+            if engine.truth is engine.dense:
+                rec_t, out_t, loss_t = rec_d, out_d, loss_d
+            elif engine.truth is None:
+                out_t = loss_t = None
+            else:
+                with others_wait(engine.wait_threads):
+                    out_t, loss_t = _reference(
+                        engine,
+                        engine.truth,
+                        torch.float64,
+                        inputs,
+                        target,
+                        rec_t,
+                        names,
+                        engine.draws.masks(book.replay, engine.truth),
+                    )
+            acts = TPActivations(cmp, step, rec_d, rec_t, engine.discovery, suffix)
+            handles = capture.attach(engine.tp, names, acts)
+            with (
+                training_rng(engine.device, engine.settings.seed, step, k),
+                engine.tap.tp_phase("forward"),
+                engine.draws.tp_masks(book, engine.tp),
+            ):
+                out_tp = one_tensor(engine.tp(**engine._tp_inputs(inputs)), engine.tp, "TP")
+            capture.detach_all(handles)
+            cmp.compare(
+                "forward",
+                step,
+                f"output{suffix}",
+                out_tp.detach(),
+                out_d,
+                out_t,
+                case.output_placement,
+            )
+            if target is not None:
+                self._loss(engine, step, out_tp, target, loss_d, loss_t)
+        where = f"the forward of step {step}" + (f", decode pass {k}" if k else "")
+        engine.sync(where)
+        acts.release()
+        engine.draws.check(step, book, where)
+        return out_d
+
+    def _loss(self, engine, step: int, out_tp, target, loss_d, loss_t) -> None:
+        case, group = engine.case, engine.group
+        target_local = map_tensors(
+            lambda t: case.target_placement.shard(
+                cast(t, engine.dtype), group.rank, group.world_size
+            ),
+            target,
+        )
+        with engine.tap.tp_phase("forward"):
+            loss_tp = case.compute_tp_loss(out_tp, target_local, group)
+        engine.cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
+
+
+def _reference(engine, model, dtype, inputs, target, recorder, names, masks):
+    """A dense side's forward (the working dtype's or the truth's), capturing the module outputs:
+    (its output as produced, its loss or None)."""
+    handles = capture.attach(model, names, recorder)
+    with masks:
+        out = one_tensor(model(**{k: cast(v, dtype) for k, v in inputs.items()}), model, "dense")
+    capture.detach_all(handles)
+    produced = capture.snapshot(out)  # a loss may work in place on its input
+    loss = None
+    if target is not None:
+        loss = engine.case.loss(out, map_tensors(lambda t: cast(t, dtype), target)).detach()
+    return produced, loss
