@@ -305,6 +305,7 @@ def test_record_fields():
         "rng_not_forked",
         "rng_diverged",
         "dropout_mismatch",
+        "held_off_rank",
     }
 
 

@@ -76,16 +76,14 @@ def given_names(
 
 
 def propose(tp: Tensors, dense: Tensors, given: dict[str, str], rank: int, world: int) -> dict:
-    """This rank's matches: {"match": {dense name: [TP name, how]}, "values": {dense name: [TP names
-    whose values fit]}, "left": [TP names matched to nothing by name]}."""
-    match: dict[str, list[str]] = {}
-    for d in dense:
-        if d in given:
-            match[d] = [given[d], "given"]
-    claimed = {t for t, _ in match.values()}
+    """This rank's matches: {"match": {dense name: TP name (given, the same, or the same with
+    wrapper prefixes dropped)}, "values": {dense name: [TP names whose values fit]}, "left": [TP
+    names matched to nothing by name]}."""
+    match = {d: given[d] for d in dense if d in given}
+    claimed = set(match.values())
     for d in dense:
         if d not in match and d in tp and d not in claimed:
-            match[d] = [d, "name"]
+            match[d] = d
             claimed.add(d)
     by_key: dict[str, list[str]] = {}
     for t in tp:
@@ -93,7 +91,7 @@ def propose(tp: Tensors, dense: Tensors, given: dict[str, str], rank: int, world
             by_key.setdefault(strip_wrappers(t), []).append(t)
     for d in dense:
         if d not in match and len(found := by_key.get(strip_wrappers(d), [])) == 1:
-            match[d] = [found[0], "wrapper"]
+            match[d] = found[0]
             claimed.add(found[0])
     left = [t for t in tp if t not in claimed]
     values = {
@@ -113,8 +111,9 @@ def agree(
     world: int,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The TP name of every dense parameter, agreed by every rank: ({dense name: TP name} where they
-    differ, {dense name: TP name} of those matched by values). Raises UsageError, the same on every
-    rank, for a parameter matched to no TP parameter or to several, or a TP parameter left over."""
+    differ, {dense name: TP name} of those matched by values). Raises UsageError on every rank alike
+    (the decision is made from what every rank said) for a parameter matched to no TP parameter or
+    to several, or a TP parameter left over."""
     mine = propose(tp, dense, given, rank, world)
     said = [
         json.loads(t)
@@ -123,7 +122,7 @@ def agree(
     names: dict[str, str] = {}
     by_values: dict[str, str] = {}
     for d in dense:
-        named = {m["match"][d][0] for m in said if d in m["match"]}
+        named = {m["match"][d] for m in said if d in m["match"]}
         if len(named) > 1:
             raise UsageError(
                 f"the ranks match dense parameter {d!r} to different TP parameters "
