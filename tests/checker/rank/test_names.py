@@ -40,6 +40,36 @@ def test_wrapper_prefixes_are_dropped_anywhere_in_the_name():
     ]
 
 
+def test_tp_modules_under_wrappers_or_other_names_stand_for_their_dense_modules():
+    """Module outputs are compared by dense name: a wrapped TP module stands for its dense module
+    (the outermost of a name, whose forward runs once: a checkpoint wrapper runs the module it wraps
+    again in backward), a renamed layer through its matched parameters; a TP module of the dense
+    name as it is keeps it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from tpcheck.checker.rank.names import module_names
+
+    def block(fc1, fc2):
+        m = nn.Module()
+        m.norm, m.fc1, m.fc2 = nn.LayerNorm(4), fc1, fc2
+        return m
+
+    dense = block(nn.Linear(4, 8), nn.Linear(8, 4))
+    tp = nn.Module()
+    tp.module = block(checkpoint_wrapper(nn.Linear(4, 4)), nn.Linear(4, 4))
+    tp.module.up_proj = tp.module.fc1  # the same layer under a second name: not a new module
+    assert module_names(tp, dense, {}) == {
+        "module.norm": "norm",
+        "module.fc1": "fc1",
+        "module.fc2": "fc2",
+    }
+    renamed = block(nn.Linear(4, 4), nn.Linear(4, 4))
+    renamed.down_proj = renamed.fc2
+    del renamed.fc2
+    tp_names = {"fc2.weight": "down_proj.weight", "fc2.bias": "down_proj.bias"}
+    assert module_names(renamed, dense, tp_names) == {"down_proj": "fc2"}
+
+
 def _dense():
     g = torch.Generator().manual_seed(0)
     return {
@@ -148,6 +178,9 @@ def test_renamed_and_wrapped_tp_modules_are_checked_with_no_plan_written():
         "ambiguous_named",
     ):
         assert r[f"{good}/tp2/float32"]["verdict"] == "equivalent", r[f"{good}/tp2/float32"]
+    for good in ("checkpointed", "renamed"):  # module outputs compared under the dense names
+        acts = {c["name"] for c in r[f"{good}/tp2/float32"]["checks"] if c["stage"] == "forward"}
+        assert {"act:norm", "act:fc1", "act:fc2", "act:out_norm"} <= acts, acts
     wrapped = r["checkpointed/tp2/float32"]["inferred_plan"]
     assert "'fc1.weight': 'module.fc1._checkpoint_wrapped_module.weight'," in wrapped
     assert "'fc1.weight': Shard(0)," in wrapped and "matched by values" not in wrapped
@@ -173,14 +206,16 @@ def test_renamed_and_wrapped_tp_modules_are_checked_with_no_plan_written():
     ) in ambiguous["summary"]
     bad = r["renamed_bias_twice/tp2/float32"]
     assert bad["verdict"] == "not equivalent"
-    assert bad["first_divergence"]["name"] == "output"
-    assert bad["first_divergence"]["stage"] == "forward"
+    f = bad["first_divergence"]
+    assert (f["stage"], f["step"], f["name"]) == ("forward", 1, "act:fc2")  # named at its layer
+    assert bad["diagnosis"]["signature"] == "offset"
 
 
 def test_a_wrong_match_of_alike_values_is_never_equivalent(monkeypatch):
     """Checker mutant: the norms, whose loaded values are the same, matched the wrong way round
     (as a matcher that guessed instead of refusing would). Nothing at the weights stage can tell,
-    but the checks downstream use the matched names: the case is not equivalent."""
+    but the checks downstream use the matched names (module outputs, then gradients): the case is
+    not equivalent."""
     names_mod = importlib.import_module("tpcheck.checker.rank.names")
     real = names_mod.agree
 
@@ -197,4 +232,5 @@ def test_a_wrong_match_of_alike_values_is_never_equivalent(monkeypatch):
     result = r["ambiguous_named/tp2/float32"]
     assert result["verdict"] == "not equivalent", result["summary"]
     f = result["first_divergence"]
-    assert (f["stage"], f["step"], f["name"]) == ("grads", 1, "grad:norm.weight")
+    # the outputs of the swapped norms, compared under the dense names, first
+    assert (f["stage"], f["step"], f["name"]) == ("forward", 1, "act:out_norm")

@@ -46,16 +46,22 @@ class Discovery:
         self.inferred = case.plan is None
         # activation placements inferred in the first micro-batch (no plan written, none named)
         self.acts_pending = case.plan is None and not case.activations and case.run.capture
-        self.candidates = activations.candidates(dense, tp) if self.acts_pending else set()
         self.skipped: dict[str, str] = {}  # module outputs not checked, and why
         self.by_values: dict[str, str] = {}  # dense -> TP names matched by values, not by name
+        # TP modules named otherwise than their dense modules (wrappers, renamed layers): their
+        # outputs are captured under the dense names
+        self.tp_modules: dict[str, str] = {}
         self._plan = case.plan
         if case.plan is None:  # no plan written: inferred from what the user's loader put there
             tp_names, self.by_values = self._names(case, tp)
+            self.tp_modules = names.module_names(tp, dense, tp_names)
             plan = infer_plan(tp, dense, rendezvous, group.rank, group.world_size, tp_names)
             plan = dataclasses.replace(plan, activations=dict(case.activations))
             plan.check_against(dense, group.world_size)
             self._plan = plan
+        self.candidates = (
+            activations.candidates(dense, tp, self.tp_modules) if self.acts_pending else set()
+        )
 
     def _names(self, case: Case, tp: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
         """Each dense parameter's TP name, agreed by the ranks (checker/rank/names.py): the user's

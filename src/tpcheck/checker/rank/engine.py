@@ -356,7 +356,7 @@ class Engine:
         )
         acts = _TPActivations(cmp, step, rec_d, rec_t, self.discovery)
         handles = (
-            capture.attach(self.tp, self.discovery.capture_names(), acts)
+            capture.attach(self.tp, self.discovery.capture_names(), acts, self.discovery.tp_modules)
             if self.settings.capture
             else []
         )

@@ -24,7 +24,9 @@ import json
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
+from tpcheck.checker.rank import capture
 from tpcheck.checker.rank.inference import matches
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.errors import UsageError
@@ -134,6 +136,32 @@ def agree(
         names[d] = by_values[d] = _by_values(d, said, tp)
     _refuse_ambiguous_or_left(names, said)
     return {d: t for d, t in names.items() if t != d}, by_values
+
+
+def module_names(tp: nn.Module, dense: nn.Module, tp_names: dict[str, str]) -> dict[str, str]:
+    """{TP module name: dense module name} for the TP modules named otherwise than the dense module
+    they stand for, so that their outputs are captured and compared under the dense names: a
+    wrapper's (`module.fc1` for `fc1`: the outermost TP module of a name once wrapper segments are
+    dropped) and a renamed layer's (`up_proj` for `fc1`: from the matched parameter names). A dense
+    name some TP module has as it is keeps that one."""
+    dense_modules = {n for n, _ in capture.named_modules(dense) if n}
+    tp_modules = [n for n, _ in capture.named_modules(tp) if n]
+    taken = {n for n in tp_modules if n in dense_modules}
+    outermost: dict[str, str] = {}
+    for n in tp_modules:
+        outermost.setdefault(strip_wrappers(n), n)
+    pairs = [(key, key) for key in outermost]  # wrappers: the same name, wrapper segments dropped
+    for d, t in tp_names.items():  # renamed layers: the modules of the renamed parameters
+        pairs.append((strip_wrappers(t.rpartition(".")[0]), d.rpartition(".")[0]))
+    out: dict[str, str] = {}
+    for key, dense_name in pairs:
+        tp_name = outermost.get(key)
+        if tp_name is None or tp_name in out or dense_name in taken:
+            continue
+        if dense_name in dense_modules and tp_name != dense_name:
+            out[tp_name] = dense_name
+            taken.add(dense_name)
+    return out
 
 
 def _by_values(d: str, said: list[dict], tp: Tensors) -> str:
