@@ -13,8 +13,20 @@ from tpcheck.checker.usercode import file_spec
 CASES = Path(__file__).parent / "case_files" / "bias_on_one_rank.py"
 
 
-def _run(names, world):
-    return {r["name"]: r for r in check([file_spec(f"{CASES}:{n}", world) for n in names])}
+def _run(names, world, more=()):
+    specs = [file_spec(f"{CASES}:{n}", world) for n in names] + list(more)
+    return {r["name"]: r for r in check(specs)}
+
+
+def _engine_loads(name, dtype):
+    """The case file's `name` with tpcheck loading the weights through its plan (no load_tp)."""
+    import dataclasses
+
+    from tpcheck.checker.usercode import load_module, register
+
+    case = getattr(load_module(str(CASES)), name)
+    mine = dataclasses.replace(case, name=f"{case.name}_engine_loads", load_tp=None)
+    return file_spec(register(mine), 2, dtype=dtype)
 
 
 def _first(result):
@@ -38,7 +50,12 @@ def test_a_bias_on_one_rank_is_checked_there_and_its_bugs_caught():
         "on_two_ranks",
         "planned_replicate",
     ]
-    r = _run(names, 2)
+    # tpcheck loading the weights through the plan, in bfloat16 (float32 master weights)
+    more = [_engine_loads("on_rank1", "bfloat16"), _engine_loads("on_two_ranks", "bfloat16")]
+    r = _run(names, 2, more)
+    assert r["bias_on_rank1_engine_loads/tp2/bfloat16"]["verdict"] == "equivalent"
+    engine_two = r["bias_on_two_ranks_engine_loads/tp2/bfloat16"]
+    assert _first(engine_two) == ("weights", 0, "param:fc2.bias", [1])
     for good in (
         "bias_on_rank0_no_plan",
         "bias_on_rank0",

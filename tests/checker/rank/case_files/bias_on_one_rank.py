@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         world = dist.get_world_size(group=pg)
         self.pg = pg
         self.weight = nn.Parameter(torch.empty(out_features // world, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features // world, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=dtype))
 
     def forward(self, x):
         return F.linear(_CopyToTP.apply(x, self.pg), self.weight, self.bias)  # [s, b, out/tp]
@@ -88,7 +88,7 @@ class RowParallelLinear(nn.Module):
         self.pg, self.after = pg, after
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world, dtype=dtype))
         if rank in bias_ranks:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype))
         else:
             self.register_parameter("bias", None)
 
