@@ -1,9 +1,8 @@
 """The parameter stages, on this rank: the weights as loaded (`weights`, step 0); in every step,
-every parameter's gradient (`grads`) and, after
-the optimizer step, what each optimizer stepped (`optimizer`: the module's parameters, or the
-float32 masters under master weights), each against the dense side's through the plan; and the TP
-optimizer's own state and update against the replay of the dense rule on the TP side's inputs,
-bitwise.
+every parameter's gradient (`grads`) and, after the optimizer step, what each optimizer stepped
+(`optimizer`: the module's parameters, or the float32 masters under master weights), each against
+the dense side's through the plan; and the TP optimizer's own state and update against the replay
+of the dense rule on the TP side's inputs, bitwise.
 
 A parameter applied on one rank only (`AppliedOnRank`) is compared there alone, zero elsewhere
 (applied_on.py); one held on one rank only (`OnRank`) is compared there, and its absence on the
