@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tpcheck.errors import UsageError
-from tpcheck.plan import AppliedOnRank, Fused, Plan, Replicate, Shard, unshard, validate
+from tpcheck.plan import AppliedOnRank, Fused, OnRank, Plan, Replicate, Shard, unshard, validate
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
@@ -126,6 +126,38 @@ def test_applied_on_rank_names_a_rank_the_world_has():
     for bad in (-1, 0.5, True):
         with pytest.raises(UsageError, match="is a rank number"):
             AppliedOnRank(bad)
+
+
+def test_on_rank_holds_the_whole_tensor_on_one_rank_and_nothing_elsewhere():
+    """OnRank(r): rank r's shard is the dense tensor, every other rank's is empty (its module has no
+    parameter of that name); the shards reassemble the dense tensor, nothing is held twice."""
+    from tpcheck.plan import copies
+
+    x = torch.randn(6, 4)
+    p = OnRank(1)
+    locals_ = [p.shard(x, r, 3) for r in range(3)]
+    assert torch.equal(locals_[1], x) and locals_[0].numel() == locals_[2].numel() == 0
+    assert [p.held_on(r, 3) for r in range(3)] == [False, True, False]
+    assert Replicate().held_on(0, 3) and AppliedOnRank(1).held_on(0, 3)
+    dense, spread = unshard(p, locals_, tuple(x.shape))
+    assert torch.equal(dense.float(), x) and spread == 0.0
+    assert copies(p, tuple(x.shape), 3) is None
+    assert p.applied_on == 1 and not p.replicated and str(p) == "on rank 1 only"
+
+
+def test_on_rank_names_a_rank_the_world_has():
+    import tpcheck
+
+    assert tpcheck.OnRank is OnRank
+    dense = torch.nn.Linear(4, 4)
+    Plan(params={"weight": Shard(1), "bias": OnRank(1)}).check_against(dense, 2)
+    with pytest.raises(
+        UsageError, match=r"'bias' \[4\]: OnRank\(2\) names a rank that world size 2 does not have"
+    ):
+        Plan(params={"weight": Shard(1), "bias": OnRank(2)}).check_against(dense, 2)
+    for bad in (-1, 0.5, True):
+        with pytest.raises(UsageError, match="is a rank number"):
+            OnRank(bad)
 
 
 class DropLastRow(Shard):

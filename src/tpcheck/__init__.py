@@ -5,7 +5,7 @@ from tpcheck.api import check, exit_code
 from tpcheck.checker.case import Case, CaseSpec, Injection, RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
-from tpcheck.plan import AppliedOnRank, Fused, Placement, Plan, Replicate, Shard
+from tpcheck.plan import AppliedOnRank, Fused, OnRank, Placement, Plan, Replicate, Shard
 
 __all__ = [
     "Case",
@@ -22,5 +22,6 @@ __all__ = [
     "Shard",
     "Fused",
     "AppliedOnRank",
+    "OnRank",
     "__version__",
 ]

@@ -52,8 +52,14 @@ class Placement:
     @property
     def applied_on(self) -> int | None:
         """The one rank whose copy the computation uses (its gradient and update live there), when
-        every rank holds the tensor but only one applies it; None for every ordinary placement."""
+        only one rank applies the tensor (AppliedOnRank: every rank holds it; OnRank: only that
+        rank does); None for every ordinary placement."""
         return None
+
+    def held_on(self, rank: int, world: int) -> bool:
+        """Whether `rank` holds a parameter of this name at all. True unless the tensor lives on
+        one rank only (OnRank): the other ranks' modules have no parameter of that name."""
+        return True
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,48 @@ class AppliedOnRank(Placement):
 
     def __str__(self) -> str:
         return f"applied on rank {self.rank}"
+
+
+@dataclass(frozen=True)
+class OnRank(Placement):
+    """The whole tensor lives on rank `rank`, and the other ranks have no parameter of that name:
+    a row-parallel bias created on TP rank 0 only (`self.bias = nn.Parameter(...) if rank == 0 else
+    None`) and added to rank 0's partial sum before the all-reduce. Checked on `rank`, whole: the
+    weights bitwise, the gradient and the optimizer's update against the dense ones (bounded by the
+    float64 reference on rank 0, whose bound is sent to `rank`); on every other rank its absence
+    (a parameter of that name there fails the weights stage). The other ranks' shard is empty."""
+
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise UsageError(
+                f"OnRank({self.rank!r}): the rank that holds the tensor is a rank number "
+                "(0, 1, ...)"
+            )
+
+    def check_divisible(self, shape: tuple[int, ...], world: int, what: str) -> None:
+        if self.rank >= world:
+            raise UsageError(
+                f"{what}: OnRank({self.rank}) names a rank that world size {world} does not "
+                f"have; name a rank below {world}"
+            )
+
+    def shard(self, dense, rank, world):
+        return dense if rank == self.rank else dense.reshape(-1)[:0]
+
+    def may_share(self, world: int) -> bool:
+        return False
+
+    @property
+    def applied_on(self) -> int:
+        return self.rank
+
+    def held_on(self, rank: int, world: int) -> bool:
+        return rank == self.rank
+
+    def __str__(self) -> str:
+        return f"on rank {self.rank} only"
 
 
 @dataclass(frozen=True)
@@ -253,9 +301,10 @@ def validate(placement: Placement, shape: tuple[int, ...], world: int, what: str
 
 
 # Placements whose shards of a shape that passes `check_divisible` hold every element between them:
-# the identity (Replicate, AppliedOnRank) and `chunk` into equal blocks (Shard). `validate` builds
-# index maps for every other placement (Fused, a user's), ~0.1 s per rank for a 1024 x 4096 weight.
-_COVERING = (Replicate, AppliedOnRank, Shard)
+# the identity (Replicate, AppliedOnRank, OnRank's one rank) and `chunk` into equal blocks (Shard).
+# `validate` builds index maps for every other placement (Fused, a user's), ~0.1 s per rank for a
+# 1024 x 4096 weight.
+_COVERING = (Replicate, AppliedOnRank, OnRank, Shard)
 
 
 def as_placement(p, what: str) -> Placement:
@@ -278,8 +327,8 @@ def as_placement(p, what: str) -> Placement:
             )
     raise UsageError(
         f"{what} is {p!r} ({kind.__module__}.{kind.__qualname__}), not a placement; use "
-        "Shard(dim), Replicate() or Fused(...) from tpcheck (torch.distributed.tensor's Shard and "
-        "Replicate are accepted too)"
+        "Shard(dim), Replicate(), Fused(...) or OnRank(r) from tpcheck (torch.distributed.tensor's "
+        "Shard and Replicate are accepted too)"
     )
 
 

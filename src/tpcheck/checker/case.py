@@ -273,6 +273,11 @@ class Case:
     inferred (plan=None);
         a written plan carries its own (`Plan.activations`). Empty with plan=None: inferred from the
         first micro-batch where the layout decides it (checker/rank/activations.py).
+    tp_names: for a case whose plan is inferred (plan=None), the TP parameter name of a dense
+        parameter where they differ: a dict {dense name: TP name}, or a function of the dense name
+        returning the TP name. A written plan carries its own (`Plan.tp_names`). Names that
+        differ by wrapper prefixes only (`module.`, `_orig_mod.`, `_fsdp_wrapped_module.`,
+        `_checkpoint_wrapped_module.`, `tp_wrapped_module.`) need none (checker/rank/names.py).
     dropout: placements of random masks whose part on each rank tpcheck cannot
     tell from the shapes, by
         the draw's label (an `nn.Dropout` module's name, else "module: dropout #n"); see
@@ -328,6 +333,7 @@ class Case:
     grad_inputs: tuple[str, ...] | None = None
     expected_collectives: tuple | None = None
     activations: dict[str, Placement] = field(default_factory=dict)
+    tp_names: dict[str, str] | Callable[[str], str] | None = None
     dropout: dict[str, Placement] = field(default_factory=dict)
     no_grad_forward: bool = False
     dense_optimizer: Callable[[list], torch.optim.Optimizer] | None = None
@@ -350,6 +356,7 @@ class Case:
                 f"Case {self.name!r}: activations are given twice; with a written plan, put them "
                 "in Plan(activations=...)"
             )
+        self._check_tp_names()
         if not isinstance(self.dropout, dict):
             raise UsageError(
                 f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
@@ -397,6 +404,32 @@ class Case:
         if self.dense_optimizer is None:
             return settings.make_optimizer([p for _, p in named])
         return self.dense_optimizer(named)
+
+    def _check_tp_names(self) -> None:
+        """`tp_names`: with plan=None only, a dict of str -> str or a function."""
+        names = self.tp_names
+        if names is None:
+            return
+        if self.plan is not None:
+            raise UsageError(
+                f"Case {self.name!r}: tp_names are given with a written plan; put them in "
+                "Plan(tp_names=...)"
+            )
+        if callable(names):
+            return
+        bad = (
+            type(names).__name__
+            if not isinstance(names, dict)
+            else next(
+                (f"{k!r}: {v!r}" for k, v in names.items() if not (type(k) is type(v) is str)),
+                None,
+            )
+        )
+        if bad is not None:
+            raise UsageError(
+                f"Case {self.name!r}: tp_names must be a dict {{dense name: TP name}} (str to "
+                f"str) or a function of the dense name, not {bad}"
+            )
 
     def grad_input_names(self, inputs: dict) -> tuple[str, ...]:
         """The forward inputs whose gradients are checked, for a batch's `inputs`."""

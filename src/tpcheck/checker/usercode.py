@@ -316,6 +316,8 @@ def guard_user_case(case: Case, path: str | None) -> Case:
     wrapped = {
         f: _guard(getattr(case, f), f, path) for f in USER_CALLABLES if getattr(case, f) is not None
     }
+    if callable(case.tp_names):  # a function of the dense name (a dict is data)
+        wrapped["tp_names"] = _guard(case.tp_names, "tp_names", path)
     if case.inject.tamper is not None:
         inject = dataclasses.replace(case.inject, tamper=_guard(case.inject.tamper, "tamper", path))
         wrapped["inject"] = inject
@@ -423,6 +425,10 @@ def require_graph(out, side: str, model) -> None:
         )
 
 
+def _tp_name(out, *args) -> str | None:
+    return None if isinstance(out, str) else "the TP parameter's name, a str"
+
+
 # what each user callable must return (docs/case-files.md);
 # the problem's words, or None when it fits
 _RETURNS = {
@@ -431,6 +437,7 @@ _RETURNS = {
     "make_batch": _batch,
     "loss": _tensor,
     "tp_loss": _tensor,
+    "tp_names": _tp_name,
 }
 
 

@@ -46,6 +46,23 @@ def test_plan_as_code_round_trips():
     assert rebuilt == plan
 
 
+def test_plan_as_code_round_trips_on_rank_and_tp_names():
+    """A parameter on one rank and renamed TP parameters print as code that rebuilds the plan; the
+    names matched by values are listed as comments."""
+    from tpcheck.plan import OnRank
+
+    plan = Plan(
+        params={"fc.weight": Shard(1), "fc.bias": OnRank(1)},
+        tp_names={"fc.weight": "module.fc.weight", "fc.bias": "proj.bias"},
+    )
+    code = plan_as_code(plan, by_values={"fc.bias": "proj.bias"})
+    assert code.endswith(
+        "\n# matched by values (no TP parameter has the dense name): check these tp_names"
+        "\n#   'fc.bias' -> 'proj.bias'"
+    )
+    assert eval(code, {"Plan": Plan, "Shard": Shard, "OnRank": OnRank}) == plan
+
+
 @pytest.mark.parametrize("world,kv", [(2, 2), (2, 4), (4, 2), (4, 1), (8, 2)])
 def test_uneven_fused_qkv_is_proposed_by_rank_0_and_matched_on_every_rank(world, kv):
     """GQA's fused [q; k; v] with fewer KV heads than query heads, KV heads sharded (kv >= world) or

@@ -307,6 +307,7 @@ def test_record_fields():
         "dropout_mismatch",
         "clip_local_norm",
         "clip_replicated_counted",
+        "held_off_rank",
     }
 
 

@@ -43,10 +43,11 @@ from tpcheck.errors import UsageError
 from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 
 
-def candidates(dense: nn.Module, tp: nn.Module) -> set[str]:
-    """The modules both models have by name (the root
-    excluded: its output is checked as `output`)."""
-    ours = {name for name, _ in capture.named_modules(tp)}
+def candidates(dense: nn.Module, tp: nn.Module, rename: dict[str, str] | None = None) -> set[str]:
+    """The modules both models have by name, TP modules under `rename`'s dense names where given
+    (the root excluded: its output is checked as `output`)."""
+    rename = rename or {}
+    ours = {rename.get(name, name) for name, _ in capture.named_modules(tp)}
     return {name for name, _ in capture.named_modules(dense) if name and name in ours}
 
 

@@ -25,12 +25,20 @@ def named_modules(model: nn.Module):
     return model.capture_modules() if hasattr(model, "capture_modules") else model.named_modules()
 
 
-def attach(model: nn.Module, names: set[str], sink: Sink) -> list:
-    """Hook the modules of `model` named in `names`; returns handles (call .remove() on each)."""
-    handles = []
+def attach(
+    model: nn.Module, names: set[str], sink: Sink, rename: dict[str, str] | None = None
+) -> list:
+    """Hook the modules of `model` named in `names` (a module under its `rename` name where it has
+    one: a TP module named otherwise than its dense module), one module per name, the first in
+    `named_modules` order (a wrapper before the module it wraps, whose forward a checkpoint wrapper
+    runs again in backward); returns handles (call .remove() on each)."""
+    rename = rename or {}
+    handles, hooked = [], set()
     for name, module in named_modules(model):
-        if name in names:
-            handles.append(module.register_forward_hook(_hook(name, sink)))
+        key = rename.get(name, name)
+        if key in names and key not in hooked:
+            hooked.add(key)
+            handles.append(module.register_forward_hook(_hook(key, sink)))
     return handles
 
 

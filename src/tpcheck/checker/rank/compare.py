@@ -144,6 +144,25 @@ class Comparator:
         self._control(check, ref_local, ref_local, bound, placement)
         return check
 
+    def absent(self, name: str, tp_name: str, present: bool, placement: Placement) -> Check:
+        """The weights-stage check of a parameter `placement` holds on another rank only (OnRank):
+        this rank must have no parameter `tp_name`. Its error is 1 when it has one (bound 0), and
+        its evidence says so (the diagnosis names the rank that should hold it)."""
+        owner = placement.applied_on
+        check = self.compare_local(
+            "weights",
+            0,
+            name,
+            torch.tensor([1.0 if present else 0.0]),
+            torch.tensor([0.0]),
+            placement,
+            f"absent: the plan holds {tp_name!r} on rank {owner} only (OnRank({owner})); "
+            f"rank {self.group.rank} has {'a' if present else 'no'} parameter of that name",
+        )
+        if (kept := self.evidence.kept.get((check.stage, check.step, check.name))) is not None:
+            kept["held_on"] = owner
+        return check
+
     def record_rng(
         self,
         step: int,

@@ -3,8 +3,10 @@ case with none written (`Case(plan=None, load_tp=...)`), the plan inferred as th
 
 Three steps, each agreed over the ranks through the store (the engine holds the Case unchanged and
 reads the plan from here, `Discovery.plan`):
-1. before the first step, the parameter placements, from what the user's loader loaded
-   (checker/rank/inference.py);
+1. before the first step, which TP parameter is which dense one (the same name, wrapper prefixes
+   dropped, `Case.tp_names`, or by values: checker/rank/names.py), then the parameter placements,
+   from what the user's loader loaded (checker/rank/inference.py; a parameter one rank alone has
+   is `OnRank(r)`);
 2. in the first micro-batch, the activation placements, from the first micro-batch's output shapes
    and whether each output is the same on every rank (checker/rank/activations.py) -- unless the
    case names them (`Case.activations`);
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpcheck.checker.case import Case
-from tpcheck.checker.rank import activations, capture
+from tpcheck.checker.rank import activations, capture, names
 from tpcheck.checker.rank.inference import infer_plan, plan_as_code
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.sync import Rendezvous
@@ -44,14 +46,33 @@ class Discovery:
         self.inferred = case.plan is None
         # activation placements inferred in the first micro-batch (no plan written, none named)
         self.acts_pending = case.plan is None and not case.activations and case.run.capture
-        self.candidates = activations.candidates(dense, tp) if self.acts_pending else set()
         self.skipped: dict[str, str] = {}  # module outputs not checked, and why
+        self.by_values: dict[str, str] = {}  # dense -> TP names matched by values, not by name
+        # TP modules named otherwise than their dense modules (wrappers, renamed layers): their
+        # outputs are captured under the dense names
+        self.tp_modules: dict[str, str] = {}
         self._plan = case.plan
         if case.plan is None:  # no plan written: inferred from what the user's loader put there
-            plan = infer_plan(tp, dense, rendezvous, group.rank, group.world_size)
+            tp_names, self.by_values = self._names(case, tp)
+            self.tp_modules = names.module_names(tp, dense, tp_names)
+            plan = infer_plan(tp, dense, rendezvous, group.rank, group.world_size, tp_names)
             plan = dataclasses.replace(plan, activations=dict(case.activations))
             plan.check_against(dense, group.world_size)
             self._plan = plan
+        self.candidates = (
+            activations.candidates(dense, tp, self.tp_modules) if self.acts_pending else set()
+        )
+
+    def _names(self, case: Case, tp: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+        """Each dense parameter's TP name, agreed by the ranks (checker/rank/names.py): the user's
+        `Case.tp_names`, the same name, the same name with wrapper prefixes dropped, or by
+        values."""
+        dense_params = {n: p.detach() for n, p in self.dense.named_parameters()}
+        given = names.given_names(case.tp_names, list(dense_params))
+        tp_params = {n: p.detach() for n, p in tp.named_parameters()}
+        return names.agree(
+            tp_params, dense_params, given, self.rendezvous, self.group.rank, self.group.world_size
+        )
 
     @property
     def plan(self) -> Plan:
@@ -145,4 +166,4 @@ class Discovery:
     def as_code(self) -> str | None:
         """The plan of a case with no plan written, as inferred (parameters, then where the
         gradients appear, then the activations), as code; None for a written plan."""
-        return plan_as_code(self._plan, self.skipped) if self.inferred else None
+        return plan_as_code(self._plan, self.skipped, self.by_values) if self.inferred else None

@@ -57,7 +57,7 @@ from tpcheck.checker.rank.loading import (
     restore_parameters,
 )
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
-from tpcheck.checker.rank.params import compare_params, compare_replay
+from tpcheck.checker.rank.params import compare_params, compare_replay, compare_weights
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.sides import NoGrad, TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.tolerance import Bound
@@ -183,7 +183,7 @@ class Engine:
             load_from_dense(self.tp, dense, load_plan or plan, self.group)
             return
         if plan is not None:
-            check_names(self.tp, dense, plan)
+            check_names(self.tp, dense, plan, self.group)
         state = {name: p.detach().float().clone() for name, p in dense.named_parameters()}
         with torch.no_grad():
             self.case.load_tp(self.tp, state, self.group)
@@ -209,25 +209,8 @@ class Engine:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> list[Check]:
-        case, plan = self.case, self.plan
-        tp_params = dict(self.tp.named_parameters())
-        loaded_by = (
-            f"your load_tp ({defined_at(case.load_tp)})" if case.load_tp is not None else None
-        )
-        reason = f"bitwise: the plan's shard, as loaded by {loaded_by}" if loaded_by else None
-        for name, p in self.dense.named_parameters():
-            self.cmp.compare(
-                "weights",
-                0,
-                f"param:{name}",
-                tp_params[plan.tp_name(name)].detach(),
-                p.detach(),
-                p.detach(),
-                plan.params[name],
-                exact=True,
-                reason=reason,
-                loaded_by=loaded_by,
-            )
+        load_tp = self.case.load_tp
+        compare_weights(self, f"your load_tp ({defined_at(load_tp)})" if load_tp else None)
         self.sync("loading the weights")
         self.cmp.flush_replicas()
         if self.forward_only is not None:
@@ -302,7 +285,7 @@ class Engine:
         )
         acts = TPActivations(cmp, step, rec_d, rec_t, self.discovery)
         handles = (
-            capture.attach(self.tp, self.discovery.capture_names(), acts)
+            capture.attach(self.tp, self.discovery.capture_names(), acts, self.discovery.tp_modules)
             if self.settings.capture
             else []
         )

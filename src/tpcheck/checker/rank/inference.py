@@ -24,7 +24,7 @@ from torch import nn
 
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.errors import UsageError
-from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
+from tpcheck.plan import Fused, OnRank, Placement, Plan, Replicate, Shard
 
 
 def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
@@ -124,12 +124,18 @@ def infer_plan(
     tp_names: dict[str, str] | None = None,
 ) -> Plan:
     """The plan every rank agrees on, from the loaded TP module and the dense one (same parameter
-    names, or `tp_names`). Raises UsageError naming the first parameter no placement explains."""
+    names, or `tp_names`: names.py matches them). A parameter only one rank has is `OnRank(r)` when
+    that rank holds the whole tensor. Raises UsageError naming the first parameter no placement
+    explains."""
     tp_names = tp_names or {}
     pairs = _pairs(tp, dense, tp_names)
     tried_all, said = _matches_on_every_rank(pairs, rendezvous, rank, world)
     params: dict[str, Placement] = {}
     for name, p in dense.named_parameters():
+        holders = [r for r, theirs in enumerate(said) if name in theirs]
+        if len(holders) < world:
+            params[name] = _on_one_rank(name, p, holders, said, world, tp_names.get(name, name))
+            continue
         tried = tried_all[name]
         common = set(range(len(tried)))
         for r, theirs in enumerate(said):
@@ -141,19 +147,45 @@ def infer_plan(
 
 
 def _pairs(tp: nn.Module, dense: nn.Module, tp_names: dict[str, str]) -> dict[str, tuple]:
-    """{dense parameter name: (its dense value, the TP module's value of it)}."""
+    """{dense parameter name: (its dense value, the TP module's value of it)}, for the parameters
+    this rank's TP module has (one held on another rank only is left out: `OnRank`)."""
     tp_params = dict(tp.named_parameters())
-    pairs = {}
-    for name, p in dense.named_parameters():
-        tp_name = tp_names.get(name, name)
-        if tp_name not in tp_params:
-            raise UsageError(
-                f"TP module has no parameter {tp_name!r} for dense parameter {name!r}; TP "
-                f"parameters are {sorted(tp_params)} (name them alike, or map them "
-                "with Plan(tp_names=...))"
-            )
-        pairs[name] = (p.detach(), tp_params[tp_name].detach())
-    return pairs
+    return {
+        name: (p.detach(), tp_params[tp_names.get(name, name)].detach())
+        for name, p in dense.named_parameters()
+        if tp_names.get(name, name) in tp_params
+    }
+
+
+def _on_one_rank(
+    name: str, p, holders: list[int], said: list[dict], world: int, tp_name: str
+) -> OnRank:
+    """A parameter the TP module has on some ranks only: `OnRank(r)` when rank r alone has it,
+    whole (Replicate(), always the first candidate, among its matches); else refused, naming the
+    ranks."""
+    what = f"parameter {name!r} {list(p.shape)}" + (f" (TP {tp_name!r})" if tp_name != name else "")
+    if not holders:
+        raise UsageError(
+            f"TP module has no {what} on any rank; name it like the dense one, or give "
+            "Case(tp_names={dense name: TP name})"
+        )
+    others = [r for r in range(world) if r not in holders]
+    if len(holders) > 1:
+        raise UsageError(
+            f"the TP module has {what} on ranks {holders} but not on {others}: a parameter lives "
+            "on every rank (Replicate(), Shard(dim), Fused(...)) or on one (OnRank(r)); create it "
+            "on every rank, or on one"
+        )
+    (r,) = holders
+    if 0 not in said[r][name]["matches"]:
+        hint = said[r][name]["hint"]
+        raise UsageError(
+            f"cannot infer a placement for {what}: only rank {r} has it (OnRank({r})), but its "
+            f"values there are not the whole dense tensor{f' ({hint})' if hint else ''}; check "
+            "what your load_tp puts there, or write the plan (Plan(params={...}), "
+            "docs/case-files.md)"
+        )
+    return OnRank(r)
 
 
 def _matches_on_every_rank(pairs: dict, rendezvous: Rendezvous, rank: int, world: int):
@@ -207,9 +239,12 @@ def _no_placement(name: str, p, r: int, world: int, tried: list, hint: str | Non
     )
 
 
-def plan_as_code(plan: Plan, not_checked: dict[str, str] | None = None) -> str:
+def plan_as_code(
+    plan: Plan, not_checked: dict[str, str] | None = None, by_values: dict[str, str] | None = None
+) -> str:
     """The plan as Python to paste into a case file; `not_checked`: module outputs no activation
-    placement was inferred for, and why (as comments)."""
+    placement was inferred for, and why; `by_values`: the dense parameters whose TP names were
+    matched by values, not by name (checker/rank/names.py) -- both as comments."""
 
     def code(p: Placement) -> str:
         if isinstance(p, Replicate):
@@ -222,10 +257,14 @@ def plan_as_code(plan: Plan, not_checked: dict[str, str] | None = None) -> str:
         return repr(p)
 
     lines = [f"    {name!r}: {code(p)}," for name, p in plan.params.items()]
-    names = f", tp_names={plan.tp_names!r}" if plan.tp_names else ""
+    names = "".join(f"\n    {d!r}: {t!r}," for d, t in plan.tp_names.items())
+    names = f", tp_names={{{names}\n}}" if names else ""
     acts = "".join(f"\n    {name!r}: {code(p)}," for name, p in plan.activations.items())
     acts = f", activations={{{acts}\n}}" if acts else ""
     why = "".join(
         f"\n# not checked: {name}: {reason}" for name, reason in sorted((not_checked or {}).items())
     )
+    if by_values:
+        why += "\n# matched by values (no TP parameter has the dense name): check these tp_names"
+        why += "".join(f"\n#   {d!r} -> {t!r}" for d, t in by_values.items())
     return "Plan(params={\n" + "\n".join(lines) + "\n}" + acts + names + ")" + why

@@ -13,17 +13,21 @@ from tpcheck.plan import Plan
 
 
 def load_from_dense(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup) -> None:
-    """Fill every TP parameter with the plan's shard of its dense parameter, checking shapes. (A
-    fault's `Injection.load_plan` stands for a TP implementation that loads its weights its own way:
-    the engine passes it here, while the checks still use `Case.plan`.)"""
-    tp_params = check_names(tp, dense, plan)
+    """Fill every TP parameter this rank holds with the plan's shard of its dense parameter,
+    checking shapes (a parameter the plan holds on another rank only, `OnRank`, is left as it is:
+    its absence here is checked at the weights stage). (A fault's `Injection.load_plan` stands for a
+    TP implementation that loads its weights its own way: the engine passes it here, while the
+    checks still use `Case.plan`.)"""
+    tp_params = check_names(tp, dense, plan, group)
     with torch.no_grad():
         for name, p in dense.named_parameters():
-            tp_name = plan.tp_name(name)
-            local = plan.params[name].shard(p.detach(), group.rank, group.world_size)
+            tp_name, placement = plan.tp_name(name), plan.params[name]
+            if not placement.held_on(group.rank, group.world_size):
+                continue
+            local = placement.shard(p.detach(), group.rank, group.world_size)
             if tuple(local.shape) != tuple(tp_params[tp_name].shape):
                 raise UsageError(
-                    f"parameter {tp_name!r} on rank {group.rank}: the plan ({plan.params[name]}) "
+                    f"parameter {tp_name!r} on rank {group.rank}: the plan ({placement}) "
                     f"gives a shard of shape {list(local.shape)} but the TP module holds "
                     f"{list(tp_params[tp_name].shape)}"
                 )
@@ -52,10 +56,15 @@ def restore_parameters(module: nn.Module, kept: dict[str, nn.Parameter]) -> None
             owner._parameters[attr] = old
 
 
-def check_names(tp: nn.Module, dense: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
-    """The TP module's parameters by name, each the image
-    of one dense parameter under `plan.tp_name`."""
+def check_names(
+    tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup | None = None
+) -> dict[str, nn.Parameter]:
+    """The TP module's parameters by name, each the image of one dense parameter under
+    `plan.tp_name`; every one the plan holds on this rank (`group`'s; all of them without one) must
+    be there. One the plan holds on another rank only (`OnRank`) may be there too: the weights stage
+    then fails it, naming the rank."""
     tp_params = dict(tp.named_parameters())
+    rank, world = (group.rank, group.world_size) if group is not None else (None, 1)
     expected = {plan.tp_name(n) for n, _ in dense.named_parameters()}
     unplanned = sorted(set(tp_params) - expected)
     if unplanned:
@@ -63,11 +72,18 @@ def check_names(tp: nn.Module, dense: nn.Module, plan: Plan) -> dict[str, nn.Par
             f"TP module has parameter(s) {unplanned} that map to no dense parameter; "
             "name them like the dense ones or add plan.tp_names entries"
         )
-    missing = sorted(expected - set(tp_params))
+    held = {
+        plan.tp_name(n)
+        for n, _ in dense.named_parameters()
+        if rank is None or plan.params[n].held_on(rank, world)
+    }
+    missing = sorted(held - set(tp_params))
     if missing:
+        where = f" on rank {rank}" if rank is not None and world > 1 else ""
         raise UsageError(
-            f"TP module has no parameter(s) {missing} for the dense parameters of those names; "
-            f"TP parameters are {sorted(tp_params)}"
+            f"TP module has no parameter(s) {missing}{where} for the dense parameters of those "
+            f"names; TP parameters are {sorted(tp_params)} (a parameter created on one rank only, "
+            "None elsewhere: place it OnRank(r) in the plan)"
         )
     return tp_params
 

@@ -1,12 +1,13 @@
-"""The parameter stages of a step, on this rank: every parameter's gradient (`grads`) and, after
-the optimizer step, what each optimizer stepped (`optimizer`: the module's parameters, or the
-float32 masters under master weights), each against the dense side's through the plan; and the TP
-optimizer's own state and update against the replay of the dense rule on the TP side's inputs,
-bitwise.
+"""The parameter stages, on this rank: the weights as loaded (`weights`, step 0); in every step,
+every parameter's gradient (`grads`) and, after the optimizer step, what each optimizer stepped
+(`optimizer`: the module's parameters, or the float32 masters under master weights), each against
+the dense side's through the plan; and the TP optimizer's own state and update against the replay
+of the dense rule on the TP side's inputs, bitwise.
 
 A parameter applied on one rank only (`AppliedOnRank`) is compared there alone, zero elsewhere
-(applied_on.py); after an adaptive step the optimizer's allowance (`AdaptiveSlack`) takes out of the
-difference what the replay's moments explain.
+(applied_on.py); one held on one rank only (`OnRank`) is compared there, and its absence on the
+other ranks at the weights stage (`compare_weights`); after an adaptive step the optimizer's
+allowance (`AdaptiveSlack`) takes out of the difference what the replay's moments explain.
 """
 
 from __future__ import annotations
@@ -22,16 +23,43 @@ if TYPE_CHECKING:
     from tpcheck.checker.rank.engine import Engine
 
 
+def compare_weights(e: Engine, loaded_by: str | None) -> None:
+    """The weights stage (step 0): every TP parameter as loaded against the plan's shard of the
+    dense one, bitwise (`loaded_by`: the user's loader, named in the reason); a parameter the plan
+    holds on another rank only (`OnRank`) must be absent here."""
+    plan, group = e.plan, e.group
+    tp_params = dict(e.tp.named_parameters())
+    reason = f"bitwise: the plan's shard, as loaded by {loaded_by}" if loaded_by else None
+    for name, p in e.dense.named_parameters():
+        placement, tp_name = plan.params[name], plan.tp_name(name)
+        if not placement.held_on(group.rank, group.world_size):
+            e.cmp.absent(f"param:{name}", tp_name, tp_name in tp_params, placement)
+            continue
+        e.cmp.compare(
+            "weights",
+            0,
+            f"param:{name}",
+            tp_params[tp_name].detach(),
+            p.detach(),
+            p.detach(),
+            placement,
+            exact=True,
+            reason=reason,
+            loaded_by=loaded_by,
+        )
+
+
 def compare_params(
     e: Engine, step: int, stage: str, dense_params: dict, tp_params: dict, get
 ) -> None:
     """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against
     the dense side's; after the step these are what the optimizers stepped (float32 masters
     under master weights, compared with float32's bound)."""
-    plan = e.plan
+    plan, rank, world = e.plan, e.group.rank, e.group.world_size
     truth_params = dict(e.truth.named_parameters()) if e.truth is not None else {}
     for name, p in dense_params.items():
-        tp_val, dense_val = get(tp_params[plan.tp_name(name)]), get(p)
+        tp_p = tp_params.get(plan.tp_name(name))
+        tp_val, dense_val = get(tp_p) if tp_p is not None else None, get(p)
         truth_p = truth_params.get(name)
         truth_val = get(truth_p) if truth_params else None
         owner = plan.params[name].applied_on
@@ -50,7 +78,9 @@ def compare_params(
                 dense_val,
                 truth_val,
             )
-        if owner is not None and owner != e.group.rank:
+        if not plan.params[name].held_on(rank, world):
+            continue  # held on another rank only: its absence here was checked with the weights
+        if owner is not None and owner != rank:
             not_applied_here(e.cmp, e.dtype, step, stage, name, tp_val, dense_val, owner)
         elif tp_val is None or dense_val is None:
             if (tp_val is None) != (dense_val is None):
@@ -136,9 +166,10 @@ def compare_replay(e: Engine, step: int) -> None:
     plan, stepped = e.plan, e.tp_master
     for name in (n for n, _ in e.dense.named_parameters()):
         tp_name = plan.tp_name(name)
-        if e.replay.grads.get(tp_name) is None:
-            continue
         placement = plan.params[name]
+        held = placement.held_on(e.group.rank, e.group.world_size)
+        if not held or e.replay.grads.get(tp_name) is None:
+            continue  # not stepped here, or held on another rank only (OnRank)
         own = stepped.state_of(tp_name, e.opt_tp)
         if own is None:
             if e.replay.state(tp_name):  # state the rule keeps, and the optimizer hides

@@ -23,6 +23,7 @@ execution order. Each signature is a test on numbers, not on the fault's name:
   nan_inf           NaN/Inf appears on the TP side while the reference is finite
   near_bound        every rank within 1e-3 relative of the reference and the error within 2x the
                     bound: rounding, not a collective bug
+  held_off_rank     a parameter the plan holds on one rank only (OnRank) exists on another rank
   rng_not_forked    (an RNG check) ranks holding different shards of a mask drew the same mask from
                     the same generator state: the sharded region's draws were not forked per rank
   rng_diverged      (an RNG check) replicas drew different masks, or from different states: a
@@ -91,6 +92,11 @@ CAUSES = {
         "zero on these ranks where the reference is not: the operation (an optimizer update, a "
         "gradient, a load) was not applied there"
     ),
+    "held_off_rank": (
+        "a parameter the plan holds on one rank only (OnRank(r)) exists on these ranks too: the TP "
+        "module creates it on every rank (a row-parallel bias meant for rank r only, None "
+        "elsewhere), or the plan names the wrong rank"
+    ),
     "near_bound": (
         "a rounding-level difference just over the bound (every rank within 1e-3 relative): "
         "a tolerance question more likely than a TP bug"
@@ -132,6 +138,8 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     if first.get("kind") == "rng":
         return _rng_diagnosis(first, ev)
+    if any("held_on" in ev[r] for r in first["ranks"] if r in ev):
+        return _held_off_rank(first, ev)
     if first["name"].startswith("clip:") and (sig := _clip_signature(ev)):
         signature, details = sig
         return _diagnosis(first, signature, details)
@@ -237,6 +245,26 @@ def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
             f"the random masks at {location} (step {first['step']}) diverge first: "
             f"{CAUSES[signature]}"
         ),
+    }
+
+
+def _held_off_rank(first: dict, ev: dict[int, dict]) -> dict:
+    """A parameter the plan holds on one rank only is present on another rank (the weights stage's
+    absence check fails there)."""
+    owner = next(ev[r]["held_on"] for r in first["ranks"] if "held_on" in ev.get(r, {}))
+    location = first["name"].split(":", 1)[-1]
+    cause = CAUSES["held_off_rank"]
+    return {
+        "signature": "held_off_rank",
+        "cause": cause,
+        "location": location,
+        "tensor": first["name"],
+        "stage": first["stage"],
+        "step": first["step"],
+        "ranks": first["ranks"],
+        "evidence": {"held_on": owner, "present_on": first["ranks"]},
+        "sentence": f"{location} exists on rank(s) {first['ranks']} although the plan holds it on "
+        f"rank {owner} only: {cause}",
     }
 
 
