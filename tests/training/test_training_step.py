@@ -46,6 +46,7 @@ def results():
         spec("assign_loader"),
         spec("meta_loader"),
         spec("new_parameter_loader"),
+        spec("assign_loader", dtype="float64"),
     ]
     return {s: r for s, r in zip(specs, check(specs))}
 
@@ -134,6 +135,13 @@ def test_a_loader_that_replaces_parameters_is_equivalent_at_every_step(results, 
     r = results[spec(case)]
     assert r["verdict"] == "equivalent", r["summary"]
     assert {c["step"] for c in r["checks"] if c["stage"] == "optimizer"} == {1, 2, 3}
+
+
+def test_a_loader_in_a_float64_run_gets_float64_weights(results):
+    """The loader is handed the dense weights at the run's precision (float32 rounding would put
+    every later step 1e-8 off a float64 dense model)."""
+    r = results[spec("assign_loader", dtype="float64")]
+    assert r["verdict"] == "equivalent", r["summary"]
 
 
 def test_without_following_replaced_parameters_the_loader_is_a_false_alarm(monkeypatch):

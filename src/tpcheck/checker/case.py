@@ -251,11 +251,11 @@ class Case:
     build_tp(group, dtype) -> TP module whose parameters are named as in the
     dense one (or renamed by
         `plan.tp_names`); the engine fills them from the dense weights through `plan`, unless:
-    load_tp(tp_module, dense_state_dict, group): the user's own loading (a
-    checkpoint loader), called
-        instead, with the dense weights as full float32 tensors; what it loads is checked bitwise
-        against the plan's shards at the weights stage and is not overwritten (each later step
-        restarts from the dense weights through `load_tp` again).
+    load_tp(tp_module, dense_state_dict, group): the user's own loading (a checkpoint loader),
+        called instead, with the dense weights as full float32 tensors (float64 in a float64 run);
+        what it loads is checked bitwise against the plan's shards at the weights stage and is not
+        overwritten (each later step restarts from the dense weights through `load_tp` again; a
+        loader that replaces parameters is followed).
     make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the
     target may be a tensor or
         a dict/list/tuple of them (labels and a mask, say), handed to the loss as it is.

@@ -184,7 +184,9 @@ class Engine:
             return
         if plan is not None:
             check_names(self.tp, dense, plan, self.group)
-        state = {name: p.detach().float().clone() for name, p in dense.named_parameters()}
+        # full tensors in float32 (float64 in a float64 run: the truth's own precision)
+        full = torch.float64 if self.dtype == torch.float64 else torch.float32
+        state = {name: p.detach().to(full).clone() for name, p in dense.named_parameters()}
         with torch.no_grad():
             self.case.load_tp(self.tp, state, self.group)
 

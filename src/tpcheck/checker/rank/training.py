@@ -267,7 +267,7 @@ def restart_masters(masters, source, plan: Plan, group) -> None:
     with torch.no_grad():
         for name, p in source.named_parameters():
             t = mine.get(plan.tp_name(name))
-            if t is not None:
+            if t is not None and plan.params[name].held_on(group.rank, group.world_size):
                 t.copy_(plan.params[name].shard(p.detach(), group.rank, group.world_size))
 
 
