@@ -20,8 +20,8 @@ Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_fo
 of every side without autograd, its output compared), dense and float64 forward/backward (capturing
 the activations named in `plan.activations`), then the TP forward/backward, whose captured tensors
 are compared as they are produced (local comparisons only, no collective inside the model's forward;
-in the first micro-batch of a case with no plan written they are held until the activation
-placements are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
+in the first micro-batch they are held until the placements of the module outputs the case does
+not name are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
 random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
@@ -113,9 +113,10 @@ class _NoGrad:
 class _TPActivations:
     """The capture sink of the TP side's module outputs and gradients in one micro-batch: each
     compared as it is produced, against the dense side's copy (and the truth's bound or copy). While
-    the activation placements are being inferred (the first micro-batch of a case with no plan
-    written), every tensor is held instead, a copy (a loss may work in place on the logits) with its
-    place in execution order, and compared in `release` once the placements are known."""
+    the activation placements are being inferred (the first micro-batch of a case, for the outputs
+    the case does not name), every tensor is held instead, a copy (a loss may work in place on the
+    logits) with its place in execution order, and compared in `release` once the placements are
+    known; an output that is no placement of the dense one fails there, at its place."""
 
     def __init__(
         self,
@@ -133,6 +134,10 @@ class _TPActivations:
             discovery,
         )
         self.held: list | None = [] if discovery.acts_pending else None
+        self.structures: dict[str, str] = {}  # what each TP module returned
+
+    def note(self, name: str, what: str) -> None:
+        self.structures.setdefault(name, what)
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
         if self.held is not None:
@@ -145,10 +150,13 @@ class _TPActivations:
         the held tensors that got one compared, each under the place it was produced in."""
         if self.held is None:
             return
-        self.discovery.infer_activations(self.rec_d, self.held)
+        self.discovery.infer_activations(self.rec_d, self.held, self.structures)
+        failed = dict(self.discovery.failed)
         for stage, name, t, seq in self.held:
             if name in self.discovery.plan.activations:
                 self._compare(stage, name, t, seq)
+            elif stage == "forward" and name in failed:
+                self.cmp.record_layout(self.step, f"act:{name}", seq, failed.pop(name))
 
     def _compare(self, stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
         d = self.rec_d.take(stage, name)
@@ -608,6 +616,7 @@ def run_case_on_rank(
         evidence=sent,
         expected_collectives=case.expected_collectives,
         inferred_plan=engine.discovery.as_code(),
+        activations=engine.discovery.record(),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,
     )

@@ -29,6 +29,9 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     replicated region drew from a rank-seeded generator
   dropout_mismatch  (an RNG check) the TP side's random draw does not match the dense side's
                     (another count, kind, probability or shape)
+  no_placement      (a layout check) a module output whose shape is no placement of the dense
+                    module's output (flattened, transposed, reshaped): the check's reason says the
+                    two shapes
   mismatch          none of the above
 """
 
@@ -103,6 +106,11 @@ CAUSES = {
         "the TP side's random draw does not match the dense side's (another number of draws, kind, "
         "probability or shape)"
     ),
+    "no_placement": (
+        "this module's output on the TP side is laid out as no part of the dense module's output "
+        "(flattened, transposed or reshaped), so nothing after it computes on what the dense "
+        "model computes on"
+    ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 
@@ -118,6 +126,8 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
     if first.get("kind") == "rng":
         return _rng_diagnosis(first, ev)
+    if first.get("kind") == "layout":
+        return _layout_diagnosis(first)
     signature, details = (
         ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
     )
@@ -177,6 +187,25 @@ def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
             f"the random masks at {location} (step {first['step']}) diverge first: "
             f"{CAUSES[signature]}"
         ),
+    }
+
+
+def _layout_diagnosis(first: dict) -> dict:
+    """A module output that is no placement of the dense one diverges first: its shapes (the check's
+    reason) and the mechanism, in words."""
+    location = first["name"].split(":", 1)[-1]
+    cause = f"{first.get('reason')}: {CAUSES['no_placement']}"
+    return {
+        "signature": "no_placement",
+        "cause": cause,
+        "location": location,
+        "tensor": first["name"],
+        "stage": first["stage"],
+        "step": first["step"],
+        "ranks": first["ranks"],
+        "evidence": {"shapes": first.get("reason")},
+        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
+        f"{cause}",
     }
 
 

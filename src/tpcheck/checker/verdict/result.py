@@ -49,6 +49,7 @@ class CaseResult:
     hang: dict | None = None
     crash: dict | None = None
     inferred_plan: str | None = None
+    activations: dict | None = None  # written / inferred / not_checked / no_placement (discover.py)
 
     @property
     def name(self) -> str:
@@ -73,7 +74,15 @@ class CaseResult:
         }
         if self.checks is not None:
             out["checks"] = [check_json(c) for c in self.checks]
-        for key in ("ledger", "diagnosis", "problems", "hang", "crash", "inferred_plan"):
+        for key in (
+            "ledger",
+            "diagnosis",
+            "problems",
+            "hang",
+            "crash",
+            "inferred_plan",
+            "activations",
+        ):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.checks is not None:
@@ -122,6 +131,7 @@ class CaseResult:
                     "hang",
                     "crash",
                     "inferred_plan",
+                    "activations",
                 )
             },
         )
@@ -200,6 +210,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         ),
         self_test=self_test(checks, [c for c in every if c.control], evidence),
         inferred_plan=payloads[0].inferred_plan,
+        activations=payloads[0].activations,
     )
     result.as_expected = result.verdict == result.expected
     if result.self_test["failures"]:
@@ -351,6 +362,12 @@ def _summary(result: CaseResult, failed: list[Check]) -> str:
         return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
     f, d = result.first_divergence, result.diagnosis
     loaded_by = f" (as loaded by {failed[0].loaded_by})" if failed[0].loaded_by else ""
+    if f["kind"] == "layout":  # no numbers to say: the output is not comparable
+        return (
+            f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: "
+            f"{f['name']} ({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: "
+            f"{d['signature']}: {d['cause']}"
+        )
     return (
         f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
         f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
