@@ -9,10 +9,12 @@ column-parallel (weight `Shard(0)`, this rank's heads / FFN columns), o and down
 
 Planted bugs: f replaced by a plain identity (`Identity`, no backward all-reduce) before the MLP
 (`f_missing="mlp"`) or before the attention (`f_missing="attn"`): the forward is right, the input
-gradient of the sublayer is then one rank's partial sum.
+gradient of the sublayer is then one rank's partial sum. `flat=True`: the MLP's down_proj returns
+its tokens flattened, `[s*b, h]`, and the MLP unflattens them in the wrong order.
 
 Cases: `written` / `written_no_f_mlp` / `written_no_f_attn` -- a written `Plan(params=...)` with no
-activations; `no_plan` / `no_plan_no_f_mlp` / `no_plan_no_f_attn` -- `plan=None` and a loader.
+activations; `no_plan` / `no_plan_no_f_mlp` / `no_plan_no_f_attn` -- `plan=None` and a loader;
+`written_flat_down` / `no_plan_flat_down` -- the layout bug.
 Activations `[seq, batch, hidden]`.
 """
 
@@ -144,15 +146,32 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class FlatRowParallelLinear(RowParallelLinear):
+    """A row-parallel linear that returns its tokens flattened, [s*b, h] (a varlen-style kernel's
+    layout), where its dense twin returns [s, b, h]."""
+
+    def forward(self, x_local):
+        return super().forward(x_local).flatten(0, 1)  # [s*b, h], sequence-major
+
+
 class TPMLP(nn.Module):
-    def __init__(self, pg, world, dtype=None, f=CopyToTP):
+    """`flat`: the planted layout bug -- down_proj returns [s*b, h] and the MLP unflattens it
+    batch-major (`view(b, s, h)`), which scrambles the tokens of a sequence-major flattening."""
+
+    def __init__(self, pg, world, dtype=None, f=CopyToTP, flat=False):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(HIDDEN, FFN, pg, world, dtype, f)
         self.up_proj = ColumnParallelLinear(HIDDEN, FFN, pg, world, dtype, f)
-        self.down_proj = RowParallelLinear(FFN, HIDDEN, pg, world, dtype)
+        down = FlatRowParallelLinear if flat else RowParallelLinear
+        self.down_proj = down(FFN, HIDDEN, pg, world, dtype)
+        self.flat = flat
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [s, b, h]
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.flat:  # [s*b, h] -> [b, s, h] -> [s, b, h]: the wrong order
+            s, b, _ = x.shape
+            out = out.view(b, s, HIDDEN).transpose(0, 1)
+        return out  # [s, b, h]
 
 
 class DenseLayer(nn.Module):
@@ -170,9 +189,10 @@ class DenseLayer(nn.Module):
 
 class TPLayer(DenseLayer):
     """Same parameter names as DenseLayer; `f_missing`: "mlp" or "attn", the sublayer whose f has no
-    backward all-reduce (the planted bug), None for the correct layer."""
+    backward all-reduce (the planted bug), None for the correct layer; `flat`: the MLP's layout
+    bug (TPMLP)."""
 
-    def __init__(self, group, dtype=None, f_missing=None):
+    def __init__(self, group, dtype=None, f_missing=None, flat=False):
         nn.Module.__init__(self)
         pg, world = group.pg, group.world_size
         self.input_layernorm = RMSNorm(HIDDEN, dtype)
@@ -180,7 +200,7 @@ class TPLayer(DenseLayer):
             pg, world, dtype, Identity if f_missing == "attn" else CopyToTP
         )
         self.post_attention_layernorm = RMSNorm(HIDDEN, dtype)
-        self.mlp = TPMLP(pg, world, dtype, Identity if f_missing == "mlp" else CopyToTP)
+        self.mlp = TPMLP(pg, world, dtype, Identity if f_missing == "mlp" else CopyToTP, flat)
 
 
 PLAN = Plan(
@@ -226,11 +246,11 @@ def make_batch(g, dtype):
     return {"hidden_states": x.to(dtype)}, torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dtype)
 
 
-def _case(name, f_missing=None, written=True):
+def _case(name, f_missing=None, written=True, flat=False):
     return Case(
         name=name,
         build_dense=DenseLayer,
-        build_tp=lambda group, dtype: TPLayer(group, dtype, f_missing),
+        build_tp=lambda group, dtype: TPLayer(group, dtype, f_missing, flat),
         plan=PLAN if written else None,
         load_tp=None if written else load_tp,
         make_batch=make_batch,
@@ -245,3 +265,5 @@ written_no_f_attn = _case("written_no_f_attn", "attn")
 no_plan = _case("no_plan", written=False)
 no_plan_no_f_mlp = _case("no_plan_no_f_mlp", "mlp", written=False)
 no_plan_no_f_attn = _case("no_plan_no_f_attn", "attn", written=False)
+written_flat_down = _case("written_flat_down", flat=True)
+no_plan_flat_down = _case("no_plan_flat_down", written=False, flat=True)

@@ -101,7 +101,7 @@ def test_outputs_the_layout_does_not_determine_are_named_with_why():
     "local",
     [
         (8, 32),  # flattened [s*b, h]
-        (2, 4, 32),  # transposed [b, s, h]
+        (4, 1, 64),  # reshaped
         (4, 2, 64),  # a dim larger than the dense one
         (4, 2, 2, 16),  # one dim more
     ],
@@ -111,6 +111,16 @@ def test_an_output_that_is_no_placement_of_the_dense_one_fails_at_its_module(loc
     placed, skipped, failed = activations.decide({"m": (4, 2, 32)}, views, PLAIN, 2)
     assert placed == {} and skipped == {}
     assert failed == {"m": f"its output {list(local)} is no placement of the dense [4, 2, 32]"}
+
+
+@pytest.mark.parametrize("local", [(2, 4, 32), (1, 4, 32)])
+def test_an_output_with_the_dense_dims_in_another_order_is_said_not_failed(local):
+    """[b, s, h] for the dense [s, b, h] (or a sequence shard of it, Megatron's embedding under
+    sequence parallelism): a layout convention, not comparable, said with why."""
+    views = _views((local, "a"), (local, "b"))
+    placed, skipped, failed = activations.decide({"m": (4, 2, 32)}, views, PLAIN, 2)
+    assert placed == {} and failed == {}
+    assert "dims of the dense [4, 2, 32] in another order" in skipped["m"]
 
 
 def test_an_output_of_another_structure_on_the_two_sides_is_not_compared_and_not_failed():

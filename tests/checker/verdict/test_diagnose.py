@@ -305,6 +305,7 @@ def test_record_fields():
         "rng_not_forked",
         "rng_diverged",
         "dropout_mismatch",
+        "no_placement",
     }
 
 
@@ -481,3 +482,20 @@ def test_small_but_far_over_the_bound_is_not_near_bound():
     far = dict(near, bound=5e-6 * scale / 7)
     d = diagnose(far, ev, world)
     assert d["signature"] == "mismatch" and d["evidence"]["error_over_bound"] > 6
+
+
+def test_a_layout_check_is_diagnosed_from_its_reason_with_no_evidence():
+    """A module output that is no placement of the dense one (kind "layout"): the diagnosis names
+    the module, the shapes its check's reason gives and the mechanism; no tensor is needed."""
+    f = {
+        "stage": "forward",
+        "step": 1,
+        "name": "act:mlp.up",
+        "ranks": [0, 1],
+        "kind": "layout",
+        "reason": "its output [8, 32] is no placement of the dense [4, 2, 32]",
+    }
+    d = diagnose(f, [{}, {}], 2)
+    assert (d["signature"], d["location"]) == ("no_placement", "mlp.up")
+    assert d["cause"].startswith("its output [8, 32] is no placement of the dense [4, 2, 32]: ")
+    assert d["cause"].endswith(CAUSES["no_placement"])

@@ -24,18 +24,20 @@ equivalent", and a guess from the values would hide the bug the check is there t
 - the TP output has the same shape on every rank, the dense shape with one dim `world` times
   smaller: `Shard(dim)` -- unless that dim is the last (the features) and the plan holds a fused
   parameter: a module downstream of a fused linear may carry `[a_r; b_r]` with that very shape (not
-  checked: name it in `Case.activations`).
+  checked: name it in `Plan.activations`, or `Case.activations` with no plan written).
 
 An output whose shape is no placement of the dense output at all -- another number of dims (a
-flattened `[s*b, h]` for `[s, b, h]`), two dims changed (a transpose), a dim larger than the dense
-one -- while both modules return the same structure (a tensor each, or tuples of the same length)
-is a failure at that module (`failed`, a check of kind "layout"): every later tensor is computed
-from something the dense model does not have at this point, and skipping it would put the blame on
-the next module. Not comparable, and only said (not checked, with why): a module the TP model does
-not call, an output that is not a tensor on every rank or has different shapes on the ranks, a
-module whose output has another structure on the two sides (a tuple on one, a tensor on the
-other), and an output one dim of which is smaller than the dense one but not `world` times smaller
-(an uneven or padded split, which no placement expresses).
+flattened `[s*b, h]` for `[s, b, h]`), dims no reordering of the dense ones explains, a dim larger
+than the dense one -- while both modules return the same structure (a tensor each, or tuples of
+the same length) is a failure at that module (`failed`, a check of kind "layout"): every later
+tensor is computed from something the dense model does not have at this point, and skipping it
+would put the blame on the next module. Not comparable, and only said (not checked, with why): a
+module the TP model does not call, an output that is not a tensor on every rank or has different
+shapes on the ranks, a module whose output has another structure on the two sides (a tuple on one,
+a tensor on the other), an output one dim of which is smaller than the dense one but not `world`
+times smaller (an uneven or padded split, which no placement expresses), and an output whose dims
+are the dense ones (or a shard of them) in another order (Megatron's embedding under sequence
+parallelism returns `[s/tp, b, h]` where its dense twin returns `[b, s, h]`).
 
 The gradient of a module output is checked with the output's placement, as a written plan's is.
 """
@@ -226,7 +228,26 @@ def _placement(
             f"its output {list(local)} is an uneven part of the dense {list(dense)} along dim "
             f"{dims[0]} (split unevenly, or padded): no placement expresses it"
         )
+    if _reordered(local, dense, world):
+        return "skipped", (
+            f"its output {list(local)} holds the dims of the dense {list(dense)} in another order "
+            "(sequence-first on one side, batch-first on the other?): no placement expresses it"
+        )
     return "failed", f"its output {list(local)} is no placement of the dense {list(dense)}"
+
+
+def _reordered(local: tuple[int, ...], dense: tuple[int, ...], world: int) -> bool:
+    """Whether `local` is the dense shape, or the dense shape with one dim `world` times smaller,
+    with its dims in another order (Megatron's embedding under sequence parallelism transposes
+    `[b, s, h]` to `[s/tp, b, h]` inside the module its dense twin leaves batch-first)."""
+    if len(local) != len(dense):
+        return False
+    parts = [dense] + [
+        dense[:d] + (dense[d] // world,) + dense[d + 1 :]
+        for d in range(len(dense))
+        if dense[d] % world == 0
+    ]
+    return any(sorted(local) == sorted(p) for p in parts)
 
 
 def exchange(rendezvous, mine: dict[str, list]) -> list[dict[str, list]]:
