@@ -169,3 +169,31 @@ def _case(name):
     from tpcheck.checker.usercode import load_module
 
     return getattr(load_module(str(LAYER)), name)
+
+
+def test_the_report_and_the_printed_plan_say_which_activations_were_written_and_inferred(layer):
+    """The report validates with `activations`; `verify --print-plan` prints a written plan's module
+    outputs marked written / inferred, and the page shows them; a case with no plan written keeps
+    its inferred plan."""
+    import json
+
+    from tpcheck import exit_code
+    from tpcheck.cli.execute import plans_text
+    from tpcheck.report.html import render_html
+    from tpcheck.report.schema import build_report, load_schema
+    from tpcheck.report.validate import first_error
+
+    cases = [layer["written"], layer["no_plan"], layer["written_flat_down"]]
+    report = build_report(cases, exit_code=exit_code(cases))
+    assert first_error(json.loads(json.dumps(report)), load_schema()) is None
+    text = plans_text(cases)
+    assert (
+        "# written/tp2/float32: plan written in the case file; its module outputs "
+        "(0 written, 11 inferred, 0 not checked):\nactivations={\n"
+    ) in text
+    assert "    'mlp.gate_proj': Shard(2),  # inferred\n" in text
+    assert "# no_plan/tp2/float32\nPlan(params={" in text
+    assert "# failed: mlp.down_proj: its output [12, 32] is no placement" in text
+    page = render_html(report)
+    assert page.count("<h4>Module outputs (plan written; ") == 2
+    assert page.count("<h4>Plan inferred") == 1
