@@ -207,8 +207,9 @@ class Case:
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
     activations: placements of module outputs to check, for a case whose plan is
     inferred (plan=None);
-        a written plan carries its own (`Plan.activations`). Empty with plan=None: inferred from the
-        first micro-batch where the layout decides it (checker/rank/activations.py).
+        a written plan carries its own (`Plan.activations`). Either way the outputs not named are
+        inferred from the first micro-batch where the layout decides it
+        (checker/rank/activations.py).
     dropout: placements of random masks whose part on each rank tpcheck cannot
     tell from the shapes, by
         the draw's label (an `nn.Dropout` module's name, else "module: dropout #n"); see

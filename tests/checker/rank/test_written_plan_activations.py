@@ -197,3 +197,16 @@ def test_the_report_and_the_printed_plan_say_which_activations_were_written_and_
     page = render_html(report)
     assert page.count("<h4>Module outputs (plan written; ") == 2
     assert page.count("<h4>Plan inferred") == 1
+
+
+def test_an_inferred_plan_marks_the_activations_the_case_named_and_those_inferred():
+    """plan=None with `Case.activations`: the printed plan says which placement was written and
+    which inferred, and still evaluates to the plan; with none named it carries no marks."""
+    from tpcheck.checker.rank.inference import plan_as_code
+
+    plan = Plan(params={"w": Shard(0)}, activations={"fc1": Shard(2), "fc2": Replicate()})
+    code = plan_as_code(plan, {"fc3": "why"}, written={"fc1"}, no_placement={"fc4": "shapes"})
+    assert "    'fc1': Shard(2),  # written\n    'fc2': Replicate(),  # inferred\n" in code
+    assert code.endswith("\n# not checked: fc3: why\n# failed: fc4: shapes")
+    assert eval(code, {"Plan": Plan, "Shard": Shard, "Replicate": Replicate}) == plan
+    assert "#" not in plan_as_code(plan)
