@@ -335,8 +335,9 @@ def as_placement(p, what: str) -> Placement:
 @dataclass(frozen=True)
 class Plan:
     """Per dense parameter, its placement; optionally placements of named activations (module
-    outputs) for localizing the first divergent tensor. Parameters absent from `params` are an
-    error, not a silent default: a forgotten entry is how layouts go wrong."""
+    outputs) for localizing the first divergent tensor -- the outputs not named are inferred by the
+    checker where the layout decides it, so naming one only fixes its placement. Parameters absent
+    from `params` are an error, not a silent default: a forgotten entry is how layouts go wrong."""
 
     params: dict[str, Placement]
     activations: dict[str, Placement] = field(default_factory=dict)

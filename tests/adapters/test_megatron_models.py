@@ -151,7 +151,8 @@ def test_gpt_label_smoothing():
     `label_smoothing=a` (another target distribution: per-token loss error 1.58e-3, bound 2.1e-5).
     World 2 and 4: not equivalent -- each rank smooths over its own vocab shard, so the "replicated"
     per-token losses differ across ranks and from the dense ones in the first forward (errors
-    1.64e-2 and 2.71e-2, bound 1.6e-5)."""
+    1.64e-2 and 2.71e-2, bound 1.6e-5). Each is named first at `act:layer`, the module that
+    computes the per-token losses (an output the written plan does not name, inferred)."""
     r = _run(
         [file_spec(f"{EX}:gpt_label_smoothing", w) for w in (1, 2, 4)]
         + [file_spec(_torch_smoothing_twin(), 1)]
@@ -159,10 +160,12 @@ def test_gpt_label_smoothing():
     ok = r["megatron_gpt_ls0.1/tp1/float32"]
     assert ok["verdict"] == "equivalent", ok["summary"]
     torch_def = r["megatron_gpt_ls0.1_torch_definition/tp1/float32"]
+    # named at the module that computes the per-token losses (an output the written plan does
+    # not name, inferred replicated), before the model's output
     assert torch_def["verdict"] == "not equivalent" and _first(torch_def) == (
         "forward",
         1,
-        "output",
+        "act:layer",
     )
     out = _check(torch_def, "output", "forward", 1)
     assert out["error"] == pytest.approx(1.58e-3, rel=0.02) and out["error"] > 50 * out["bound"]
@@ -170,9 +173,9 @@ def test_gpt_label_smoothing():
         bad = r[f"megatron_gpt_ls0.1/tp{w}/float32"]
         assert bad["verdict"] == "not equivalent"
         assert (
-            _first(bad) == ("forward", 1, "output")
+            _first(bad) == ("forward", 1, "act:layer")
             and bad["diagnosis"]["signature"] == "replicas_differ"
-        )
+        ), bad["summary"]
         out = _check(bad, "output", "forward", 1)
         assert out["error"] == pytest.approx(error, rel=0.02) and out["error"] > 100 * out["bound"]
 

@@ -271,8 +271,9 @@ class Case:
         backward) and per step (optimizer); None when unknown. The ledger is checked against it.
     activations: placements of module outputs to check, for a case whose plan is
     inferred (plan=None);
-        a written plan carries its own (`Plan.activations`). Empty with plan=None: inferred from the
-        first micro-batch where the layout decides it (checker/rank/activations.py).
+        a written plan carries its own (`Plan.activations`). Either way the outputs not named are
+        inferred from the first micro-batch where the layout decides it
+        (checker/rank/activations.py).
     tp_names: for a case whose plan is inferred (plan=None), the TP parameter name of a dense
         parameter where they differ: a dict {dense name: TP name}, or a function of the dense name
         returning the TP name. A written plan carries its own (`Plan.tp_names`). Names that

@@ -25,7 +25,7 @@ class Check:
     error: float
     diff_vs_dense: float
     bound: float | None
-    kind: str  # exact | calibrated | fp64 | replica
+    kind: str  # exact | calibrated | fp64 | replica | rng | layout
     reason: str
     passed: bool | None
     placement: str = "replicate"
@@ -86,6 +86,9 @@ class RankPayload:
     checkpoint: str | None = None
     where: dict | None = None  # the launcher's evidence of where the rank was (heartbeat.py)
     inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code
+    # the module outputs: which placements were written, which inferred, which outputs were not
+    # checked and which are no placement of the dense output (checker/rank/discover.py `record`)
+    activations: dict | None = None
     has_ledger: bool = True  # False for payloads made up by the launcher (killed or dead ranks)
     run: RunSettings | None = None  # the settings the rank ran (None: it never built the case)
     notes: list[str] = field(default_factory=list)  # what the rank could not check, and why

@@ -21,6 +21,7 @@ from tpcheck.cli.common import Interrupted, exit_after_outputs, write_stdout
 from tpcheck.errors import ExitCode, UsageError
 from tpcheck.report.console import print_summary, progress_printer
 from tpcheck.report.html import render_html
+from tpcheck.report.plans import counts, module_outputs_code
 from tpcheck.report.schema import build_report, write_atomic
 from tpcheck.seed import seed_payload
 
@@ -155,13 +156,21 @@ def say(
 
 
 def plans_text(results: list[dict]) -> str:
-    """`verify --print-plan`: the plan inferred for each case, as code, or why there is none."""
-    return "".join(
-        f"# {r['name']}\n{r['inferred_plan']}\n"
-        if r.get("inferred_plan")
-        else f"# {r['name']}: no plan inferred (written in the case file, or {r['verdict']})\n"
-        for r in results
-    )
+    """`verify --print-plan`: the plan inferred for each case, as code; for a plan written in the
+    case file, its module outputs (the activations written and those inferred where it is silent);
+    else why there is none."""
+    return "".join(_plan_text(r) for r in results)
+
+
+def _plan_text(r: dict) -> str:
+    if r.get("inferred_plan"):
+        return f"# {r['name']}\n{r['inferred_plan']}\n"
+    if r.get("activations"):
+        return (
+            f"# {r['name']}: plan written in the case file; its module outputs "
+            f"({counts(r['activations'])}):\n{module_outputs_code(r['activations'])}\n"
+        )
+    return f"# {r['name']}: no plan inferred (written in the case file, or {r['verdict']})\n"
 
 
 def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> list[str]:

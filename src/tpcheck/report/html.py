@@ -13,6 +13,8 @@ import html
 import json
 import re
 
+from tpcheck.report.plans import counts, module_outputs_code
+
 PHASES = ("forward", "backward", "optimizer")
 MAX_FAILED_ROWS = 25  # failed checks listed per case; the JSON has them all
 KNOWN_CASE_KEYS = {
@@ -31,6 +33,7 @@ KNOWN_CASE_KEYS = {
     "problems",
     "diagnosis",
     "inferred_plan",
+    "activations",
     "checks_omitted",
 }
 NONE = "—"  # a cell with nothing to show (no expectation given, no byte count recorded)
@@ -418,8 +421,15 @@ def _rng(case: dict) -> str:
 
 def _inferred_plan(case: dict) -> str:
     """A case with no plan written: the plan tpcheck inferred (parameters, the module outputs it
-    checked and how, those it did not and why), as the code to paste into the case file."""
+    checked and how, those it did not and why), as the code to paste into the case file; with a
+    plan written, its module outputs: the placements written, those inferred where it is silent,
+    those not checked and why."""
     plan = case.get("inferred_plan")
+    if not plan and (record := case.get("activations")):
+        return (
+            f"<h4>Module outputs (plan written; {esc(counts(record))})</h4>"
+            f"<pre class=plan>{esc(module_outputs_code(record))}</pre>"
+        )
     if not plan:
         return ""
     skipped = plan.count("\n# not checked: ")

@@ -27,7 +27,7 @@ def _views(*per_rank):
 
 
 def test_the_same_dense_shaped_output_on_every_rank_is_replicated():
-    placed, skipped = activations.decide(
+    placed, skipped, _ = activations.decide(
         {"m": (4, 2, 8)}, _views(((4, 2, 8), "a"), ((4, 2, 8), "a")), PLAIN, 2
     )
     assert placed == {"m": Replicate()} and skipped == {}
@@ -35,9 +35,9 @@ def test_the_same_dense_shaped_output_on_every_rank_is_replicated():
 
 def test_a_partial_sum_is_not_checked_and_anything_else_that_differs_is_held_replicated():
     views = _views(((4, 2, 8), "a"), ((4, 2, 8), "b"))
-    placed, skipped = activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2, partial={"m"})
+    placed, skipped, _ = activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2, partial={"m"})
     assert placed == {} and "a partial sum" in skipped["m"]
-    placed, _ = activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2, partial=set())
+    placed, _, _ = activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2, partial=set())
     # should be whole on every rank and is not: checked, and it fails
     assert placed == {"m": Replicate()}
 
@@ -57,7 +57,7 @@ def test_a_shard_along_one_dim_is_inferred_unless_a_fused_parameter_makes_the_la
     assert activations.decide({"m": (4, 2, 8)}, views, FUSED, 2)[0] == {"m": Shard(0)}
     views = _views(((4, 2, 4), "a"), ((4, 2, 4), "b"))
     assert activations.decide({"m": (4, 2, 8)}, views, PLAIN, 2)[0] == {"m": Shard(2)}
-    placed, skipped = activations.decide({"m": (4, 2, 8)}, views, FUSED, 2)
+    placed, skipped, _ = activations.decide({"m": (4, 2, 8)}, views, FUSED, 2)
     assert placed == {} and "fused parameter" in skipped["m"]
 
 
@@ -68,7 +68,7 @@ def test_a_linear_split_along_its_rows_gives_its_output_the_same_layout_on_the_l
     rows = activations.row_split_linears(dense, plan)
     assert rows == {"gate_up": Fused(0, (4, 4))}
     views = [{"gate_up": [[3, 4], "a"]}, {"gate_up": [[3, 4], "b"]}]
-    placed, _ = activations.decide({"gate_up": (3, 8)}, views, plan, 2, row_split=rows)
+    placed, _, _ = activations.decide({"gate_up": (3, 8)}, views, plan, 2, row_split=rows)
     assert placed == {"gate_up": Fused(1, (4, 4))}
     head = Plan(
         params={
@@ -77,7 +77,7 @@ def test_a_linear_split_along_its_rows_gives_its_output_the_same_layout_on_the_l
             "qkv.weight": Fused(0, (4, 4)),
         }
     )
-    placed, _ = activations.decide(
+    placed, _, _ = activations.decide(
         {"gate_up": (3, 8)}, views, head, 2, row_split=activations.row_split_linears(dense, head)
     )
     assert placed == {"gate_up": Shard(1)}  # its own weight decides, whatever else the plan holds
@@ -89,12 +89,54 @@ def test_outputs_the_layout_does_not_determine_are_named_with_why():
         {"b": [[4, 8], "x"], "c": [[4, 8], "x"], "d": [[4, 3], "x"]},
         {"c": [[2, 8], "y"], "d": [[4, 3], "y"]},
     ]
-    placed, skipped = activations.decide(dense, said, PLAIN, 2)
-    assert placed == {}
+    placed, skipped, failed = activations.decide(dense, said, PLAIN, 2)
+    assert placed == {} and failed == {}
     assert "does not call it" in skipped["a"]
     assert "not a tensor on every rank" in skipped["b"]
     assert "different shapes on the ranks" in skipped["c"]
-    assert "no placement of the dense" in skipped["d"]
+    assert "an uneven part of the dense [4, 8] along dim 1" in skipped["d"]
+
+
+@pytest.mark.parametrize(
+    "local",
+    [
+        (8, 32),  # flattened [s*b, h]
+        (4, 1, 64),  # reshaped
+        (4, 2, 64),  # a dim larger than the dense one
+        (4, 2, 2, 16),  # one dim more
+    ],
+)
+def test_an_output_that_is_no_placement_of_the_dense_one_fails_at_its_module(local):
+    views = _views((local, "a"), (local, "b"))
+    placed, skipped, failed = activations.decide({"m": (4, 2, 32)}, views, PLAIN, 2)
+    assert placed == {} and skipped == {}
+    assert failed == {"m": f"its output {list(local)} is no placement of the dense [4, 2, 32]"}
+
+
+@pytest.mark.parametrize("local", [(2, 4, 32), (1, 4, 32)])
+def test_an_output_with_the_dense_dims_in_another_order_is_said_not_failed(local):
+    """[b, s, h] for the dense [s, b, h] (or a sequence shard of it, Megatron's embedding under
+    sequence parallelism): a layout convention, not comparable, said with why."""
+    views = _views((local, "a"), (local, "b"))
+    placed, skipped, failed = activations.decide({"m": (4, 2, 32)}, views, PLAIN, 2)
+    assert placed == {} and failed == {}
+    assert "dims of the dense [4, 2, 32] in another order" in skipped["m"]
+
+
+def test_an_output_of_another_structure_on_the_two_sides_is_not_compared_and_not_failed():
+    """A TP module that returns a tuple where the dense one returns a tensor (or the other way
+    round): the capture takes the tuple's first element, which need not be the output at all."""
+    views = [{"m": [[8, 32], "a", "a tuple of 2"]}, {"m": [[8, 32], "b", "a tuple of 2"]}]
+    placed, skipped, failed = activations.decide({"m": (4, 2, 32)}, views, PLAIN, 2)
+    assert placed == {} and failed == {}
+    assert skipped["m"] == (
+        "it returns a tuple of 2 on the TP side, a tensor on the dense side: not comparable"
+    )
+    # the same structure on both sides: comparable, and no placement of the dense output
+    _, _, failed = activations.decide(
+        {"m": (4, 2, 32)}, views, PLAIN, 2, dense_structures={"m": "a tuple of 2"}
+    )
+    assert "no placement" in failed["m"]
 
 
 def _no_plan(block: str, fault: str | None = None, sp: bool = False, world: int = 2):

@@ -308,6 +308,7 @@ def test_record_fields():
         "clip_local_norm",
         "clip_replicated_counted",
         "held_off_rank",
+        "no_placement",
     }
 
 
@@ -534,3 +535,20 @@ def test_a_bitwise_check_just_off_is_a_mismatch_not_near_the_bound():
     first = {"stage": "optimizer", "step": 1, "name": "update:w", "ranks": [0, 1]}
     assert diagnose({**first, "error": 1e-6, "bound": 0.0}, ev, 2)["signature"] == "mismatch"
     assert diagnose({**first, "error": 1e-6, "bound": 1e-6}, ev, 2)["signature"] == "near_bound"
+
+
+def test_a_layout_check_is_diagnosed_from_its_reason_with_no_evidence():
+    """A module output that is no placement of the dense one (kind "layout"): the diagnosis names
+    the module, the shapes its check's reason gives and the mechanism; no tensor is needed."""
+    f = {
+        "stage": "forward",
+        "step": 1,
+        "name": "act:mlp.up",
+        "ranks": [0, 1],
+        "kind": "layout",
+        "reason": "its output [8, 32] is no placement of the dense [4, 2, 32]",
+    }
+    d = diagnose(f, [{}, {}], 2)
+    assert (d["signature"], d["location"]) == ("no_placement", "mlp.up")
+    assert d["cause"].startswith("its output [8, 32] is no placement of the dense [4, 2, 32]: ")
+    assert d["cause"].endswith(CAUSES["no_placement"])

@@ -1,5 +1,6 @@
-"""Activation placements nobody wrote: for a case whose plan is inferred (`plan=None`, no
-`Case.activations`), which module outputs are checked, and how each lives on the ranks.
+"""Activation placements nobody wrote: for the module outputs a case does not name (in
+`Plan.activations` of a written plan, `Case.activations` of an inferred one), which are checked, and
+how each lives on the ranks. A placement written is kept as written; the rest are inferred here.
 
 The first micro-batch captures the output (and its gradient) of every module the dense and the TP
 model both have by name; the TP side's tensors are held, not compared, until the ranks have agreed
@@ -23,16 +24,29 @@ equivalent", and a guess from the values would hide the bug the check is there t
 - the TP output has the same shape on every rank, the dense shape with one dim `world` times
   smaller: `Shard(dim)` -- unless that dim is the last (the features) and the plan holds a fused
   parameter: a module downstream of a fused linear may carry `[a_r; b_r]` with that very shape (not
-  checked: name it in `Case.activations`).
+  checked: name it in `Plan.activations`, or `Case.activations` with no plan written).
 
-Everything else is not checked, and the inferred plan says why, by name. The gradient of a module
-output is checked with the output's placement, as a written plan's is.
+An output whose shape is no placement of the dense output at all -- another number of dims (a
+flattened `[s*b, h]` for `[s, b, h]`), dims no reordering of the dense ones explains, a dim larger
+than the dense one -- while both modules return the same structure (a tensor each, or tuples of
+the same length) is a failure at that module (`failed`, a check of kind "layout"): every later
+tensor is computed from something the dense model does not have at this point, and skipping it
+would put the blame on the next module. Not comparable, and only said (not checked, with why): a
+module the TP model does not call, an output that is not a tensor on every rank or has different
+shapes on the ranks, a module whose output has another structure on the two sides (a tuple on one,
+a tensor on the other), an output one dim of which is smaller than the dense one but not `world`
+times smaller (an uneven or padded split, which no placement expresses), and an output whose dims
+are the dense ones (or a shard of them) in another order (Megatron's embedding under sequence
+parallelism returns `[s/tp, b, h]` where its dense twin returns `[b, s, h]`).
+
+The gradient of a module output is checked with the output's placement, as a written plan's is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,14 +65,20 @@ def candidates(dense: nn.Module, tp: nn.Module, rename: dict[str, str] | None = 
     return {name for name, _ in capture.named_modules(dense) if name and name in ours}
 
 
-def seen(tensors: list[tuple[str, str, torch.Tensor]]) -> dict[str, list]:
-    """This rank's view of each captured module output: its first forward tensor's shape and a hash
-    of its bytes (what the ranks exchange)."""
+def seen(
+    tensors: list[tuple[str, str, torch.Tensor]], structures: dict[str, str] | None = None
+) -> dict[str, list]:
+    """This rank's view of each captured module output: its first forward tensor's shape, a hash
+    of its bytes and what the module returned (`capture.structure`; what the ranks exchange)."""
     out: dict[str, list] = {}
     for stage, name, t in tensors:
         if stage == "forward" and name not in out:
             data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-            out[name] = [list(t.shape), hashlib.blake2b(data, digest_size=16).hexdigest()]
+            out[name] = [
+                list(t.shape),
+                hashlib.blake2b(data, digest_size=16).hexdigest(),
+                (structures or {}).get(name, capture.TENSOR),
+            ]
     return out
 
 
@@ -121,6 +141,16 @@ def _row_split_output(
         return None
 
 
+class Decision(NamedTuple):
+    """What `decide` makes of the module outputs: `placed` (name -> placement, checked),
+    `skipped` (name -> why it is not comparable, said in the plan) and `failed` (name -> why its
+    output is no placement of the dense one: a failed check at that module)."""
+
+    placed: dict[str, Placement]
+    skipped: dict[str, str]
+    failed: dict[str, str]
+
+
 def decide(
     dense_shapes: dict[str, tuple[int, ...]],
     said: list[dict[str, list]],
@@ -128,59 +158,97 @@ def decide(
     world: int,
     partial: set[str] = frozenset(),
     row_split: dict[str, Shard | Fused] | None = None,
-) -> tuple[dict[str, Placement], dict[str, str]]:
-    """(placements, reasons not checked) from the dense output shapes, every rank's `seen`, the
-    outputs found to be partial sums and the linears split along their rows (`row_split_linears`);
-    the same on every rank (every rank decides from the same data)."""
-    fused = any(isinstance(p, Fused) for p in plan.params.values())
-    row_split = row_split or {}
-    placed: dict[str, Placement] = {}
-    skipped: dict[str, str] = {}
+    dense_structures: dict[str, str] | None = None,
+) -> Decision:
+    """The placements of the outputs in `dense_shapes`, from every rank's `seen`, the outputs found
+    to be partial sums, the linears split along their rows (`row_split_linears`) and what each
+    dense module returned (`capture.structure`; a tensor where not given); the same on every rank
+    (every rank decides from the same data)."""
+    out = Decision({}, {}, {})
     for name in sorted(dense_shapes):
         views = [rank.get(name) for rank in said]
         if all(v is None for v in views):
-            skipped[name] = "the TP model does not call it (its parameters used directly?)"
-            continue
-        if any(v is None for v in views):
-            skipped[name] = "its output is not a tensor on every rank"
-            continue
-        dense = tuple(dense_shapes[name])
-        shapes = {tuple(v[0]) for v in views}
-        if len(shapes) != 1:
-            skipped[name] = f"its output has different shapes on the ranks ({sorted(shapes)})"
-            continue
-        (local,) = shapes
-        if local == dense:
-            if name in partial:
-                skipped[name] = (
-                    "a partial sum: the ranks' outputs add up to the dense one (reduced later)"
-                )
-            else:
-                placed[name] = Replicate()
-            continue
-        if (
-            name in row_split
-            and (layout := _row_split_output(row_split[name], dense, world))
-            and layout[1] == local
-        ):
-            placed[name] = layout[0]
-            continue
-        dims = [d for d in range(len(dense)) if len(local) == len(dense) and local[d] != dense[d]]
-        if len(dims) == 1 and local[dims[0]] * world == dense[dims[0]]:
-            if fused and dims[0] == len(dense) - 1:
-                skipped[name] = (
-                    f"its output is 1/{world} of the dense one along its last dim, and the plan "
-                    "holds a fused parameter: contiguous or fused parts cannot be "
-                    "told from the shape"
-                )
-            else:
-                placed[name] = Shard(dims[0])
-            continue
-        skipped[name] = (
-            f"its output {list(local)} is no placement of the dense {list(dense)} "
-            "the shape determines"
+            out.skipped[name] = "the TP model does not call it (its parameters used directly?)"
+        elif any(v is None for v in views):
+            out.skipped[name] = "its output is not a tensor on every rank"
+        elif len(shapes := {tuple(v[0]) for v in views}) != 1:
+            out.skipped[name] = f"its output has different shapes on the ranks ({sorted(shapes)})"
+        else:
+            dense = tuple(dense_shapes[name])
+            kinds = {v[2] if len(v) > 2 else capture.TENSOR for v in views}
+            kinds.add((dense_structures or {}).get(name, capture.TENSOR))
+            verdict, what = _placement(
+                name, dense, shapes.pop(), plan, world, partial, row_split or {}
+            )
+            if verdict == "failed" and len(kinds) > 1:
+                verdict, what = "skipped", _not_comparable(name, views, dense_structures)
+            getattr(out, verdict)[name] = what
+    return out
+
+
+def _not_comparable(name: str, views: list, dense_structures: dict[str, str] | None) -> str:
+    tp = sorted({v[2] if len(v) > 2 else capture.TENSOR for v in views})
+    dense = (dense_structures or {}).get(name, capture.TENSOR)
+    return f"it returns {' or '.join(tp)} on the TP side, {dense} on the dense side: not comparable"
+
+
+def _placement(
+    name: str,
+    dense: tuple[int, ...],
+    local: tuple[int, ...],
+    plan: Plan,
+    world: int,
+    partial: set[str],
+    row_split: dict[str, Shard | Fused],
+) -> tuple[str, Placement | str]:
+    """("placed", placement), ("skipped", why) or ("failed", why) for one output, the same
+    `local` shape on every rank, against the `dense` shape."""
+    if local == dense:
+        if name in partial:
+            return "skipped", (
+                "a partial sum: the ranks' outputs add up to the dense one (reduced later)"
+            )
+        return "placed", Replicate()
+    if (
+        name in row_split
+        and (layout := _row_split_output(row_split[name], dense, world))
+        and layout[1] == local
+    ):
+        return "placed", layout[0]
+    dims = [d for d in range(len(dense)) if len(local) == len(dense) and local[d] != dense[d]]
+    if len(dims) == 1 and local[dims[0]] * world == dense[dims[0]]:
+        if any(isinstance(p, Fused) for p in plan.params.values()) and dims[0] == len(dense) - 1:
+            return "skipped", (
+                f"its output is 1/{world} of the dense one along its last dim, and the plan "
+                "holds a fused parameter: contiguous or fused parts cannot be "
+                "told from the shape"
+            )
+        return "placed", Shard(dims[0])
+    if len(dims) == 1 and local[dims[0]] < dense[dims[0]]:
+        return "skipped", (
+            f"its output {list(local)} is an uneven part of the dense {list(dense)} along dim "
+            f"{dims[0]} (split unevenly, or padded): no placement expresses it"
         )
-    return placed, skipped
+    if _reordered(local, dense, world):
+        return "skipped", (
+            f"its output {list(local)} holds the dims of the dense {list(dense)} in another order "
+            "(sequence-first on one side, batch-first on the other?): no placement expresses it"
+        )
+    return "failed", f"its output {list(local)} is no placement of the dense {list(dense)}"
+
+
+def _reordered(local: tuple[int, ...], dense: tuple[int, ...], world: int) -> bool:
+    """Whether `local` is the dense shape, or the dense shape with one dim `world` times smaller,
+    with its dims in another order (Megatron's embedding under sequence parallelism transposes
+    `[b, s, h]` to `[s/tp, b, h]` inside the module its dense twin leaves batch-first)."""
+    if len(local) != len(dense):
+        return False
+    parts = [dense] + [
+        dense[:d] + (dense[d] // world,) + dense[d + 1 :]
+        for d in range(len(dense))
+        if dense[d] % world == 0
+    ]
+    return any(sorted(local) == sorted(p) for p in parts)
 
 
 def exchange(rendezvous, mine: dict[str, list]) -> list[dict[str, list]]:

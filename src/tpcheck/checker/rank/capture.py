@@ -42,8 +42,25 @@ def attach(
     return handles
 
 
+TENSOR = "a tensor"
+
+
+def structure(output) -> str:
+    """What a module returned, in words: "a tensor", "a tuple of 2", "a dict", ... (the capture
+    compares a tuple's first element)."""
+    if isinstance(output, torch.Tensor):
+        return TENSOR
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {len(output)}"
+    return f"a {type(output).__name__}"
+
+
 def _hook(name: str, sink: Sink):
+    note = getattr(sink, "note", None)  # a sink that wants to know what each module returned
+
     def hook(module, args, output):
+        if note is not None:
+            note(name, structure(output))
         out = output[0] if isinstance(output, tuple) else output
         if not isinstance(out, torch.Tensor):
             return
@@ -62,6 +79,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.tensors: dict[tuple[str, str], list[torch.Tensor]] = defaultdict(list)
+        self.structures: dict[str, str] = {}  # what each module returned, first call
+
+    def note(self, name: str, what: str) -> None:
+        self.structures.setdefault(name, what)
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
         self.tensors[(stage, name)].append(snapshot(t))

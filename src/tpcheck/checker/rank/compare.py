@@ -196,6 +196,27 @@ class Comparator:
         self.evidence.keep_rng(step, name, error, placement, info)
         return check
 
+    def record_layout(self, step: int, name: str, seq: int, reason: str) -> Check:
+        """A module output whose shape is no placement of the dense output (checker/rank/
+        activations.py): a failed check at its place in execution order, `reason` saying the two
+        shapes (error 1: this rank's output is not comparable, bound 0)."""
+        check = Check(
+            stage="forward",
+            step=step,
+            name=name,
+            rank=self.group.rank,
+            error=1.0,
+            diff_vs_dense=1.0,
+            bound=0.0,
+            kind="layout",
+            reason=reason,
+            passed=False,
+            placement="no placement",
+            seq=seq,
+        )
+        self.checks.append(check)
+        return check
+
     def take_control(self, key: tuple[str, int, str]) -> bool:
         """Whether the control of `key` (stage, step, kind of check) is still to be planted on this
         rank: True once, to the first caller, who plants it."""

@@ -8,11 +8,14 @@ reads the plan from here, `Discovery.plan`):
    from what the user's loader loaded (checker/rank/inference.py; a parameter one rank alone has
    is `OnRank(r)`);
 2. in the first micro-batch, the activation placements, from the first micro-batch's output shapes
-   and whether each output is the same on every rank (checker/rank/activations.py) -- unless the
-   case names them (`Case.activations`);
+   and whether each output is the same on every rank (checker/rank/activations.py), for every module
+   output the case does not name: a written plan's `Plan.activations` (or, with none written,
+   `Case.activations`) are kept as written, the outputs it is silent about inferred -- so a written
+   plan never checks fewer module outputs than no plan would;
 3. after the first step's gradients, the parameters applied on one rank only: inferred `Replicate()`
    but with a gradient on one rank alone, `AppliedOnRank(r)` (the values cannot tell the two apart).
-`as_code()` prints the result, with the module outputs left unchecked and why.
+`as_code()` prints the result, with the module outputs left unchecked and why; `record()` says,
+for a written plan too, which activations were written and which inferred.
 """
 
 from __future__ import annotations
@@ -26,11 +29,17 @@ from torch import nn
 
 from tpcheck.checker.case import Case
 from tpcheck.checker.rank import activations, capture, names
-from tpcheck.checker.rank.inference import infer_plan, plan_as_code
+from tpcheck.checker.rank.inference import infer_plan, placement_code, plan_as_code
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import AppliedOnRank, Plan, Replicate
+
+
+def infers_activations(case: Case) -> bool:
+    """Whether the module outputs `case` does not name are inferred (and checked): whenever module
+    outputs are captured at all (`RunSettings.capture`), written plan or not."""
+    return case.run.capture
 
 
 class Discovery:
@@ -44,9 +53,13 @@ class Discovery:
         )
         self.group, self.rendezvous, self.dense = group, rendezvous, dense
         self.inferred = case.plan is None
-        # activation placements inferred in the first micro-batch (no plan written, none named)
-        self.acts_pending = case.plan is None and not case.activations and case.run.capture
+        # the activation placements the case names: kept as written
+        self.written = dict(case.activations if case.plan is None else case.plan.activations)
+        # those of the other module outputs, inferred in the first micro-batch
+        self.acts_pending = infers_activations(case)
+        self.capturing = case.run.capture
         self.skipped: dict[str, str] = {}  # module outputs not checked, and why
+        self.failed: dict[str, str] = {}  # module outputs no placement of the dense ones, and why
         self.by_values: dict[str, str] = {}  # dense -> TP names matched by values, not by name
         # TP modules named otherwise than their dense modules (wrappers, renamed layers): their
         # outputs are captured under the dense names
@@ -60,7 +73,9 @@ class Discovery:
             plan.check_against(dense, group.world_size)
             self._plan = plan
         self.candidates = (
-            activations.candidates(dense, tp, self.tp_modules) if self.acts_pending else set()
+            activations.candidates(dense, tp, self.tp_modules) - set(self.written)
+            if self.acts_pending
+            else set()
         )
 
     def _names(self, case: Case, tp: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
@@ -79,36 +94,46 @@ class Discovery:
         return self._plan
 
     def capture_names(self) -> set[str]:
-        """The module outputs captured: the plan's activations, or, while they are being inferred,
-        every module both models have (checker/rank/activations.py)."""
-        return self.candidates if self.acts_pending else set(self._plan.activations)
+        """The module outputs captured: the plan's activations, and, while the others are being
+        inferred, every module both models have (checker/rank/activations.py)."""
+        if self.acts_pending:
+            return self.candidates | set(self.written)
+        return set(self._plan.activations)
 
-    def infer_activations(self, dense_recorder: capture.Recorder, held: list) -> None:
-        """The activation placements, from the first micro-batch: the dense side's captured outputs
-        and the TP side's `held` ones ((stage, name, tensor, seq) each); the ranks agree through the
-        store. The plan then carries them, and says which outputs are not checked and why."""
-        mine = activations.seen([(stage, name, t) for stage, name, t, _ in held])
+    def infer_activations(
+        self, dense_recorder: capture.Recorder, held: list, structures: dict[str, str]
+    ) -> None:
+        """The placements of the module outputs not written, from the first micro-batch: the dense
+        side's captured outputs and the TP side's `held` ones ((stage, name, tensor, seq) each) and
+        what each TP module returned (`structures`); the ranks agree through the store. The plan
+        then carries them after the written ones, and says which outputs are not checked and why,
+        and which are no placement of the dense output (`failed`)."""
+        mine = activations.seen(
+            [(stage, name, t) for stage, name, t, _ in held if name in self.candidates],
+            structures,
+        )
         said = activations.exchange(self.rendezvous, mine)
         dense = {
             name: q[0]
             for (stage, name), q in dense_recorder.tensors.items()
-            if stage == "forward" and q
+            if stage == "forward" and q and name in self.candidates
         }
         dense_shapes = {name: tuple(t.shape) for name, t in dense.items()}
         partial = set()
         # summed over the ranks: partial sums?
-        if names := activations.differing(dense_shapes, said):
-            partial = self._partial_sums(names, dense, held)
-        placed, skipped = activations.decide(
+        if differ := activations.differing(dense_shapes, said):
+            partial = self._partial_sums(differ, dense, held)
+        decided = activations.decide(
             dense_shapes,
             said,
             self._plan,
             self.group.world_size,
             partial,
             activations.row_split_linears(self.dense, self._plan),
+            dense_recorder.structures,
         )
-        self._plan = dataclasses.replace(self._plan, activations=placed)
-        self.skipped = skipped
+        self._plan = dataclasses.replace(self._plan, activations={**self.written, **decided.placed})
+        self.skipped, self.failed = decided.skipped, decided.failed
         self.acts_pending = False
 
     def _partial_sums(
@@ -166,4 +191,22 @@ class Discovery:
     def as_code(self) -> str | None:
         """The plan of a case with no plan written, as inferred (parameters, then where the
         gradients appear, then the activations), as code; None for a written plan."""
-        return plan_as_code(self._plan, self.skipped, self.by_values) if self.inferred else None
+        if not self.inferred:
+            return None
+        return plan_as_code(
+            self._plan, self.skipped, set(self.written), self.failed, self.by_values
+        )
+
+    def record(self) -> dict | None:
+        """The module outputs as the run knew them, for the report (`activations`): `written` and
+        `inferred` ({name: placement as code}), `not_checked` ({name: why}) and `no_placement`
+        ({name: why}: outputs that fail at their module); None when nothing was captured."""
+        if not self.capturing:
+            return None
+        acts = self._plan.activations
+        return {
+            "written": {n: placement_code(p) for n, p in acts.items() if n in self.written},
+            "inferred": {n: placement_code(p) for n, p in acts.items() if n not in self.written},
+            "not_checked": dict(sorted(self.skipped.items())),
+            "no_placement": dict(sorted(self.failed.items())),
+        }

@@ -20,8 +20,8 @@ Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_fo
 of every side without autograd, its output compared), dense and float64 forward/backward (capturing
 the activations named in `plan.activations`), then the TP forward/backward, whose captured tensors
 are compared as they are produced (local comparisons only, no collective inside the model's forward;
-in the first micro-batch of a case with no plan written they are held until the activation
-placements are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
+in the first micro-batch they are held until the placements of the module outputs the case does
+not name are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
 random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
@@ -529,6 +529,7 @@ def run_case_on_rank(
         inferred_plan=engine.discovery.as_code(),
         notes=training.notes(engine.unobserved),
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
+        activations=engine.discovery.record(),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,
     )

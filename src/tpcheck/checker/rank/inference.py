@@ -239,30 +239,47 @@ def _no_placement(name: str, p, r: int, world: int, tried: list, hint: str | Non
     )
 
 
+def placement_code(p: Placement) -> str:
+    """A placement as the code that makes it (`Shard(2)`, `Fused(0, (4, 4))`)."""
+    if isinstance(p, Replicate):
+        return "Replicate()"
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Fused):
+        sizes = f", {tuple(p.unit_size)!r}" if p.unit_size and set(p.unit_size) != {1} else ""
+        return f"Fused({p.dim}, {tuple(p.units)!r}{sizes})"
+    return repr(p)
+
+
 def plan_as_code(
-    plan: Plan, not_checked: dict[str, str] | None = None, by_values: dict[str, str] | None = None
+    plan: Plan,
+    not_checked: dict[str, str] | None = None,
+    written: set[str] = frozenset(),
+    no_placement: dict[str, str] | None = None,
+    by_values: dict[str, str] | None = None,
 ) -> str:
     """The plan as Python to paste into a case file; `not_checked`: module outputs no activation
-    placement was inferred for, and why; `by_values`: the dense parameters whose TP names were
-    matched by values, not by name (checker/rank/names.py) -- both as comments."""
-
-    def code(p: Placement) -> str:
-        if isinstance(p, Replicate):
-            return "Replicate()"
-        if isinstance(p, Shard):
-            return f"Shard({p.dim})"
-        if isinstance(p, Fused):
-            sizes = f", {tuple(p.unit_size)!r}" if p.unit_size and set(p.unit_size) != {1} else ""
-            return f"Fused({p.dim}, {tuple(p.units)!r}{sizes})"
-        return repr(p)
-
-    lines = [f"    {name!r}: {code(p)}," for name, p in plan.params.items()]
+    placement was inferred for, and why (as comments); `written`: the activations the case named
+    (`Case.activations`): where there are any, each activation says whether it was written or
+    inferred; `no_placement`: module outputs whose shape is no placement of the dense one (failed
+    at their module), and why; `by_values`: the dense parameters whose TP names were matched by
+    values, not by name (checker/rank/names.py) -- as comments."""
+    lines = [f"    {name!r}: {placement_code(p)}," for name, p in plan.params.items()]
     names = "".join(f"\n    {d!r}: {t!r}," for d, t in plan.tp_names.items())
     names = f", tp_names={{{names}\n}}" if names else ""
-    acts = "".join(f"\n    {name!r}: {code(p)}," for name, p in plan.activations.items())
+
+    def said(name: str) -> str:
+        return "" if not written else "  # written" if name in written else "  # inferred"
+
+    acts = "".join(
+        f"\n    {name!r}: {placement_code(p)},{said(name)}" for name, p in plan.activations.items()
+    )
     acts = f", activations={{{acts}\n}}" if acts else ""
     why = "".join(
         f"\n# not checked: {name}: {reason}" for name, reason in sorted((not_checked or {}).items())
+    )
+    why += "".join(
+        f"\n# failed: {name}: {reason}" for name, reason in sorted((no_placement or {}).items())
     )
     if by_values:
         why += "\n# matched by values (no TP parameter has the dense name): check these tp_names"

@@ -62,9 +62,10 @@ class NoGrad:
 class TPActivations:
     """The capture sink of the TP side's module outputs and gradients in one micro-batch: each
     compared as it is produced, against the dense side's copy (and the truth's bound or copy). While
-    the activation placements are being inferred (the first micro-batch of a case with no plan
-    written), every tensor is held instead, a copy (a loss may work in place on the logits) with its
-    place in execution order, and compared in `release` once the placements are known."""
+    the activation placements are being inferred (the first micro-batch of a case, for the outputs
+    the case does not name), every tensor is held instead, a copy (a loss may work in place on the
+    logits) with its place in execution order, and compared in `release` once the placements are
+    known; an output that is no placement of the dense one fails there, at its place."""
 
     def __init__(
         self,
@@ -84,6 +85,10 @@ class TPActivations:
         )
         self.suffix = suffix  # after each check's name: the pass of a decoding run (":decode2")
         self.held: list | None = [] if discovery.acts_pending else None
+        self.structures: dict[str, str] = {}  # what each TP module returned
+
+    def note(self, name: str, what: str) -> None:
+        self.structures.setdefault(name, what)
 
     def __call__(self, stage: str, name: str, t: torch.Tensor) -> None:
         if self.held is not None:
@@ -96,10 +101,13 @@ class TPActivations:
         the held tensors that got one compared, each under the place it was produced in."""
         if self.held is None:
             return
-        self.discovery.infer_activations(self.rec_d, self.held)
+        self.discovery.infer_activations(self.rec_d, self.held, self.structures)
+        failed = dict(self.discovery.failed)
         for stage, name, t, seq in self.held:
             if name in self.discovery.plan.activations:
                 self._compare(stage, name, t, seq)
+            elif stage == "forward" and name in failed:
+                self.cmp.record_layout(self.step, f"act:{name}{self.suffix}", seq, failed.pop(name))
 
     def _compare(self, stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
         d = self.rec_d.take(stage, name)

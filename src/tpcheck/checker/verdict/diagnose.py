@@ -36,6 +36,9 @@ execution order. Each signature is a test on numbers, not on the fault's name:
   clip_replicated_counted  (a clip:grad_norm check) the TP norm squared equals the sharded
                     parameters' plus world x the replicated ones': replicated parameters summed over
                     the ranks like shards
+  no_placement      (a layout check) a module output whose shape is no placement of the dense
+                    module's output (flattened, transposed, reshaped): the check's reason says the
+                    two shapes
   mismatch          none of the above
 """
 
@@ -123,6 +126,11 @@ CAUSES = {
         "replicated parameters are counted once per rank in the TP gradient norm: their squared "
         "norms were summed over the ranks like the shards' (count them once)"
     ),
+    "no_placement": (
+        "this module's output on the TP side is laid out as no part of the dense module's output "
+        "(flattened, transposed or reshaped), so nothing after it computes on what the dense "
+        "model computes on"
+    ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 
@@ -143,6 +151,8 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
     if first["name"].startswith("clip:") and (sig := _clip_signature(ev)):
         signature, details = sig
         return _diagnosis(first, signature, details)
+    if first.get("kind") == "layout":
+        return _layout_diagnosis(first)
     signature, details = (
         ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
     )
@@ -265,6 +275,25 @@ def _held_off_rank(first: dict, ev: dict[int, dict]) -> dict:
         "evidence": {"held_on": owner, "present_on": first["ranks"]},
         "sentence": f"{location} exists on rank(s) {first['ranks']} although the plan holds it on "
         f"rank {owner} only: {cause}",
+    }
+
+
+def _layout_diagnosis(first: dict) -> dict:
+    """A module output that is no placement of the dense one diverges first: its shapes (the check's
+    reason) and the mechanism, in words."""
+    location = first["name"].split(":", 1)[-1]
+    cause = f"{first.get('reason')}: {CAUSES['no_placement']}"
+    return {
+        "signature": "no_placement",
+        "cause": cause,
+        "location": location,
+        "tensor": first["name"],
+        "stage": first["stage"],
+        "step": first["step"],
+        "ranks": first["ranks"],
+        "evidence": {"shapes": first.get("reason")},
+        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
+        f"{cause}",
     }
 
 

@@ -51,6 +51,7 @@ class CaseResult:
     inferred_plan: str | None = None
     notes: list[str] | None = None  # what was not checked, and why (every rank's, once each)
     forward_only: dict | None = None  # checked forward only: why, decode passes, notes
+    activations: dict | None = None  # written / inferred / not_checked / no_placement (discover.py)
 
     @property
     def name(self) -> str:
@@ -84,6 +85,7 @@ class CaseResult:
             "inferred_plan",
             "forward_only",
             "notes",
+            "activations",
         ):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -135,6 +137,7 @@ class CaseResult:
                     "inferred_plan",
                     "notes",
                     "forward_only",
+                    "activations",
                 )
             },
         )
@@ -220,6 +223,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         inferred_plan=payloads[0].inferred_plan,
         notes=list(dict.fromkeys(n for p in payloads for n in p.notes)) or None,
         forward_only=forward_only,
+        activations=payloads[0].activations,
     )
     if forward_only is not None:
         result.self_test["failures"] += missing_outputs(
@@ -404,6 +408,12 @@ def _verdict_summary(result: CaseResult, failed: list[Check]) -> str:
         return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
     f, d = result.first_divergence, result.diagnosis
     loaded_by = f" (as loaded by {failed[0].loaded_by})" if failed[0].loaded_by else ""
+    if f["kind"] == "layout":  # no numbers to say: the output is not comparable
+        return (
+            f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: "
+            f"{f['name']} ({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: "
+            f"{d['signature']}: {d['cause']}"
+        )
     return (
         f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
         f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
