@@ -99,7 +99,8 @@ def test_a_bias_on_one_rank_is_checked_there_and_its_bugs_caught():
 
     after = r["bias_on_rank0_after_reduce/tp2/float32"]
     assert after["verdict"] == "not equivalent"
-    assert _first(after) == ("forward", 1, "output", [1])  # rank 1's output lacks the bias
+    # rank 1's output of fc2 (the module that adds it) lacks the bias
+    assert _first(after) == ("forward", 1, "act:fc2", [1])
 
     # the plan says rank 0 only; rank 1 has it too (and adds it): named at the weights stage
     two = r["bias_on_two_ranks/tp2/float32"]
@@ -136,7 +137,7 @@ def test_a_bias_on_one_rank_of_four():
 def test_checker_mutants_on_a_bias_on_one_rank_give_no_pass(monkeypatch):
     """Checker mutants: (1) rank 0 never sends the bound of the bias rank 1 alone compares: no
     verdict (error), never a pass; (2) the absence check never flags a parameter present where the
-    plan says it is not: the bias rank 1 adds too still fails the case (at the forward output)."""
+    plan says it is not: the bias rank 1 adds too still fails the case (at fc2's output)."""
     params = importlib.import_module("tpcheck.checker.rank.params")
     compare = importlib.import_module("tpcheck.checker.rank.compare")
     monkeypatch.setattr(params, "owner_bound", lambda *args: None)
@@ -153,4 +154,4 @@ def test_checker_mutants_on_a_bias_on_one_rank_give_no_pass(monkeypatch):
     assert no_bound["verdict"] == "error" and "grad:fc2.bias" in no_bound["summary"]
     present = r["bias_on_two_ranks/tp2/float32"]
     assert present["verdict"] == "not equivalent"
-    assert _first(present)[:3] == ("forward", 1, "output")
+    assert _first(present)[:3] == ("forward", 1, "act:fc2")
