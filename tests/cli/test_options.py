@@ -95,6 +95,7 @@ RUN_DEFAULTS = {
     "seed": "31",
     "master_weights": "float32 master weights",
     "train": "train, unless no TP parameter requires grad",
+    "clip_grad_norm": "no clipping",
 }
 SHOWN = {
     "run": RUN_DEFAULTS,

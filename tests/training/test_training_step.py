@@ -6,6 +6,7 @@ caught at its first step, at the check that names it; checker mutants of the new
 they catch."""
 
 import pytest
+import torch
 
 from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.checker.rank import training
@@ -221,3 +222,35 @@ def test_bad_clip_settings_name_the_value():
     for bad in (0, -1.0, float("inf"), True, "1"):
         with pytest.raises(UsageError, match="clip_grad_norm"):
             RunSettings(clip_grad_norm=bad)
+
+
+def test_a_skipped_clip_check_ends_in_error(monkeypatch):
+    """Checker mutant: the step clips but compares no norm. The manifest of a clipping run (a
+    clip:grad_norm check on every rank at every step) turns the buggy case into "error"."""
+
+    def clips_only(e, step):
+        torch.nn.utils.clip_grad_norm_(list(e.dense.parameters()), e.settings.clip_grad_norm)
+
+    monkeypatch.setattr(training, "clip_grads", clips_only)
+    (r,) = check([spec("clip_local")])
+    assert r["verdict"] == "error", r["summary"]
+    assert "no check of clip:grad_norm" in r["summary"]
+
+
+def test_a_state_finder_pairing_the_wrong_tensors_ends_in_error(monkeypatch):
+    """Checker mutant: the finder pairs each parameter with the first stepped tensor of its shape
+    (not its values); the check of what it found raises, and the case ends in "error"."""
+
+    def by_shape(module, optimizers):
+        tensors = [t for o in optimizers for g in o.param_groups for t in g["params"]]
+        found = {}
+        for name, p in module.named_parameters():
+            t = next((t for t in tensors if t.shape == p.shape), None)
+            if t is not None:
+                found[name] = training.Stepped(optimizers[0], t, p.shape)
+        return found
+
+    monkeypatch.setattr(training, "map_stepped", by_shape)
+    (r,) = check([spec("fp32_master")])
+    assert r["verdict"] == "error", r["summary"]
+    assert "state finder" in r["summary"]

@@ -89,6 +89,13 @@ RUN_SETTINGS = (
         "parameter requires grad)",
         {"action": "store_false"},
     ),
+    SettingFlag(
+        "clip_grad_norm",
+        "--clip-grad-norm",
+        "clip the gradients to this total norm before each step (torch.nn.utils.clip_grad_norm_ "
+        "on the dense side, the case's or a TP-aware clipping on the TP side; the norms compared)",
+        {"type": float},
+    ),
 )  # in the order `run` and `verify` listed them (and `run --mode` names the flags it ignores)
 NOT_FLAGS = {"capture"}  # RunSettings fields the command line does not set (see the docstring)
 
@@ -128,6 +135,8 @@ def shown_default(field: str, defaults: Mapping[str, object] | None) -> str:
         return "float32 master weights" if value else "pure 16-bit"
     if field == "train":
         return "train, unless no TP parameter requires grad" if value else "forward only"
+    if field == "clip_grad_norm" and value is None:
+        return "no clipping"
     return str(value)
 
 

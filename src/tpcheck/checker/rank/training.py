@@ -161,6 +161,7 @@ class UserOptimizer:
         self._own = dict(module.named_parameters())
         inner = find_optimizers(optimizer)
         self.found = map_stepped(module, inner)
+        _check_found(self.found, self._own)
         self.masters = any(s.tensor is not self._own[n] for n, s in self.found.items())
         self.params = {
             n: self.found[n].value if n in self.found else p for n, p in self._own.items()
@@ -285,6 +286,19 @@ def notes(unobserved: dict[str, dict]) -> list[str]:
         why = UNOBSERVABLE if what == "state" else UNREPLAYED
         out.append(f"optimizer {what} of {len(names)} parameter(s) ({listed}): {why}")
     return out
+
+
+def _check_found(found: dict[str, Stepped], own: dict[str, nn.Parameter]) -> None:
+    """What the finder mapped must be what it claims: each stepped tensor (or segment) holds its
+    parameter's values as built. Anything else is a bug in the finder, raised (verdict "error"),
+    never a state compared against the wrong parameter's."""
+    for name, s in found.items():
+        p = own[name]
+        if s.value.shape != p.shape or not torch.equal(s.value, p.detach().to(s.value.dtype)):
+            raise RuntimeError(
+                f"tpcheck's optimizer state finder mapped parameter {name!r} to a tensor that does "
+                "not hold its values (a bug in tpcheck: please report it with this case)"
+            )
 
 
 def zero_grad(opt) -> None:

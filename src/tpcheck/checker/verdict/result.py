@@ -229,6 +229,8 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         result.self_test["failures"] += missing_outputs(
             checks, forward_only, run.steps, len(payloads)
         )
+    elif run.clip_grad_norm is not None:
+        result.self_test["failures"] += missing_clips(checks, run.steps, len(payloads))
     result.as_expected = result.verdict == result.expected
     if result.self_test["failures"]:
         result.verdict, result.as_expected = "error", False
@@ -324,6 +326,20 @@ def missing_outputs(checks: list[Check], forward_only: dict, steps: int, world: 
         for name in names
         for rank in range(world)
         if (rank, step, name) not in have
+    ]
+
+
+def missing_clips(checks: list[Check], steps: int, world: int) -> list[str]:
+    """The manifest of a run that clips: on every rank, at every step, the total gradient norms
+    must have been compared (`clip:grad_norm`); each one missing is a failure of the checker."""
+    have = {
+        (c.rank, c.step) for c in checks if c.name == "clip:grad_norm" and c.stage != "replicas"
+    }
+    return [
+        f"no check of clip:grad_norm (optimizer, step {step}) on rank {rank}"
+        for step in range(1, steps + 1)
+        for rank in range(world)
+        if (rank, step) not in have
     ]
 
 
