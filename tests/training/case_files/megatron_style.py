@@ -314,3 +314,46 @@ meta_loader = _case(
 new_parameter_loader = _case(
     "new_parameter_loader", load_tp=lambda tp, sd, group: load_new_parameters(tp, sd, group)
 )
+
+
+# ------------------------------------------------------------------ mistakes the messages name
+
+
+class FrozenBiasTP(TPBlock):
+    """fc1's bias frozen on the TP side only (a fine-tuning script that freezes biases)."""
+
+    def __init__(self, group, dtype=None):
+        super().__init__(group, dtype)
+        self.fc1.bias.requires_grad_(False)
+
+
+class DetachedTP(TPBlock):
+    """The TP forward hands back a detached output (a `.detach()` left from a debugging print)."""
+
+    def forward(self, x):
+        return super().forward(x).detach()
+
+
+frozen_bias = _case("frozen_bias", build_tp=lambda group, dtype: FrozenBiasTP(group, dtype))
+detached_output = _case("detached_output", build_tp=lambda group, dtype: DetachedTP(group, dtype))
+
+# state kept in a module global, as parallel-state initializers do (Megatron's parallel_state)
+_PARALLEL_STATE = {}
+
+
+def initialize_model_parallel(group):
+    _PARALLEL_STATE["tp_size"] = group.world_size
+
+
+class GlobalStateTP(TPBlock):
+    def __init__(self, group, dtype=None):
+        if _PARALLEL_STATE.get("tp_size") != group.world_size:
+            raise RuntimeError("model parallel is not initialized")
+        super().__init__(group, dtype)
+
+
+with_setup = _case(
+    "with_setup",
+    build_tp=lambda group, dtype: GlobalStateTP(group, dtype),
+    setup=initialize_model_parallel,
+)
