@@ -252,6 +252,7 @@ def _case_section(i: int, case: dict) -> str:
         )
     parts += [
         _forward_only(case),
+        _notes(case),
         _diagnosis(case),
         _first_divergence(case),
         _problems(case),
@@ -282,6 +283,12 @@ def _forward_only(case: dict) -> str:
         f"<p class=note>Forward only: {esc(fo['reason'])}{decode}. No backward, gradient or "
         f"optimizer checks.{notes}</p>"
     )
+
+
+def _notes(case: dict) -> str:
+    """What the case could not check, and why (an optimizer that keeps its state elsewhere)."""
+    notes = case.get("notes") or []
+    return "".join(f"<p class=note>Not checked: {esc(n)}</p>" for n in notes)
 
 
 def _spec_text(case: dict) -> str:

@@ -416,7 +416,8 @@ def forward_only_note(forward_only: dict | None) -> str:
 
 
 def _summary(result: CaseResult, failed: list[Check]) -> str:
-    return _verdict_summary(result, failed) + forward_only_note(result.forward_only)
+    notes = "".join(f"; not checked: {n}" for n in result.notes or ())
+    return _verdict_summary(result, failed) + forward_only_note(result.forward_only) + notes
 
 
 def _verdict_summary(result: CaseResult, failed: list[Check]) -> str:
