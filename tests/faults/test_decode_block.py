@@ -75,6 +75,26 @@ def test_the_decode_block_is_equivalent_forward_only_with_its_forward_collective
             assert set(r["ledger"]["per_rank"]["0"]) == {"forward"}
 
 
+@pytest.mark.parametrize(
+    "overrides,world,dtype",
+    [
+        ((("tie_embeddings", True),), 2, "float32"),  # the head is the embedding's shard
+        ((("kv_heads", 1), ("batch", 3)), 2, "bfloat16"),  # MQA: the kv head cached on both ranks
+        ((("kv_heads", 4), ("seq", 1), ("layers", 1)), 4, "float16"),  # a one-token prompt
+        ((("seq", 3), ("batch", 4), ("heads", 8), ("hidden", 64), ("vocab", 96)), 2, "float32"),
+        ((("dropout", 0.1), ("attention_dropout", 0.1)), 2, "float32"),
+    ],
+    ids=["tied", "mqa", "one_token_prompt", "wider", "dropout"],
+)
+def test_the_decode_block_is_equivalent_at_other_shapes(overrides, world, dtype):
+    run = RunSettings(dtype=dtype, steps=2)
+    spec = CaseSpec(block="decode", preset="tiny", world_size=world, overrides=overrides, run=run)
+    (r,) = check([spec])
+    assert r["verdict"] == "equivalent", r["summary"]
+    assert not r["ledger"]["problems"] and r["forward_only"]["notes"] == []
+    assert "output:decode3" in {c["name"] for c in r["checks"]}
+
+
 def _caught_and_twin_passes(results, faulty):
     r = results[faulty]
     assert r["verdict"] == "not equivalent" and r["as_expected"], r["summary"]
