@@ -150,7 +150,7 @@ def describe_blocks(preset: str, world_size: int) -> dict:
     """For each block: dense and per-rank parameter shapes, placement, collectives per phase."""
     out = {}
     for name, block in BLOCKS.items():
-        for sp in (False, True):
+        for sp in (False, True) if block.sequence_parallel else (False,):
             spec = CaseSpec(block=name, preset=preset, world_size=world_size, sequence_parallel=sp)
             try:
                 case = block.case(spec, config_for(spec))

@@ -135,8 +135,8 @@ def test_attention_needs_heads():
 
 def test_inspect_lists_every_block_with_shapes_and_collectives():
     blocks = describe_blocks("tiny", 4)
-    for name in BLOCKS:
-        for key in (name, f"{name}/sp"):
+    for name, block in BLOCKS.items():
+        for key in (name, f"{name}/sp") if block.sequence_parallel else (name,):
             assert blocks[key]["params"] and blocks[key]["collectives"]["forward"]
     qkv = blocks["attention"]["params"]["qkv.weight"]
     # 1 q head + the shared k, v
@@ -144,3 +144,5 @@ def test_inspect_lists_every_block_with_shapes_and_collectives():
     # kv 2 < tp 4
     assert "all_reduce at qkv.weight" in blocks["attention"]["collectives"]["optimizer"]
     assert blocks["lm/sp"]["params"]["embed.weight"]["rank_local"][0] == [16, 32]
+    # the decode block has no SP variant, and only forward collectives (it is never trained)
+    assert "decode/sp" not in blocks and not blocks["decode"]["collectives"]["backward"]

@@ -1,7 +1,8 @@
 """Mutation score: every catalogue fault is caught on every block it names, at world sizes 2 and 4,
 in float32, bfloat16 and float16 (where it applies: `Fault.dtypes` says where a fault is below a
 dtype's resolution, docs/tolerances.md), by a default run; in float32 first at its expected stage,
-at its earliest step, with its expected signature; in 16 bits never before that point (no earlier
+at its earliest step (and, for a fault of the decode path, its earliest decode pass), with its
+expected signature; in 16 bits never before that point (no earlier
 false alarm); and the correct twin of each case passes. The 16-bit half is marked slow."""
 
 import dataclasses
@@ -18,12 +19,21 @@ DTYPES = ("float32", "bfloat16", "float16")
 FIRST_STEP = {"weight_cached_at_first_forward": 2, "state_reset_on_sharded": 2}
 # the stages of a step in the order the engine compares them (checker/rank/engine.py)
 ORDER = ("weights", "forward", "loss", "backward", "replicas", "grads", "optimizer")
+# the decode pass where a fault first acts (checker/rank/forward_only.py; 0: the prefill, or a
+# block that does not decode): a cache slot written wrong in a decode pass is read by the next one
+FIRST_PASS = {"decode_cache_offset": 2}
 
 
 def first_step(fault) -> int:
     """Weights as loaded are step 0; everything else can
     show at step 1 unless it needs a step before."""
     return FIRST_STEP.get(fault.name, 0 if fault.expected_stage == "weights" else 1)
+
+
+def decode_pass(check_name: str) -> int:
+    """The decode pass a check belongs to: K for "...:decodeK", else 0."""
+    head, _, k = check_name.rpartition(":decode")
+    return int(k) if head and k.isdigit() else 0
 
 
 def _cases(dtypes):
@@ -94,6 +104,7 @@ def results_16bit():
 
 
 def test_every_fault_is_exercised():
+    assert set(FIRST_PASS) <= {n for n, f in CATALOGUE.items() if "decode" in f.blocks}
     assert {f.name for f, _, _ in CASES} == {
         n for n, f in CATALOGUE.items() if f.expected_stage != "hang"
     }
@@ -132,6 +143,7 @@ def _caught_at_its_stage(results, fault, faulty):
     assert (first["stage"], first["step"]) == (fault.expected_stage, first_step(fault)), first[
         "summary"
     ]
+    assert decode_pass(first["name"]) == FIRST_PASS.get(fault.name, 0), first["summary"]
     assert first["signature"] == fault.expected_signature, first["summary"]
 
 
@@ -164,8 +176,9 @@ def test_fault_caught_in_16_bit_and_twin_passes(results_16bit, fault, world, fau
     first = caught_and_twin_passes(results_16bit, faulty)
     # caught where the fault acts or later (where its
     # effect first exceeds 16-bit rounding), never before
-    earliest = (first_step(fault), ORDER.index(fault.expected_stage))
-    assert (first["step"], ORDER.index(first["stage"])) >= earliest, first["summary"]
+    earliest = (first_step(fault), ORDER.index(fault.expected_stage), FIRST_PASS.get(fault.name, 0))
+    seen = (first["step"], ORDER.index(first["stage"]), decode_pass(first["name"]))
+    assert seen >= earliest, first["summary"]
 
 
 def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_region():

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 WORLDS = sorted({1, min(2, GPUS)}) if GPUS else [1]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy")
+BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy", "decode")
 
 
 def _spec(block, world, dtype, **kw):

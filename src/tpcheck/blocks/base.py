@@ -31,7 +31,9 @@ class Block:
     """dense(cfg, dtype) and tp(cfg, group, dtype, sp) build the twins; plan(cfg, sp) relates them;
     batch(cfg) -> make_batch(generator, dtype); io(cfg, sp) -> the Case's loss / placement fields;
     collectives(cfg, world, sp) -> (phase, op, site) per micro-batch (forward, backward) and per
-    step (optimizer); needs: config fields the block cannot do without ("heads", "vocab")."""
+    step (optimizer); needs: config fields the block cannot do without ("heads", "vocab");
+    decode_steps: the Case's decode passes (a block that decodes is checked forward only);
+    sequence_parallel: False for a block that cannot run under sequence parallelism."""
 
     name: str
     dense: Callable[[ModelConfig, torch.dtype], nn.Module]
@@ -41,8 +43,15 @@ class Block:
     collectives: Callable[[ModelConfig, int, bool], list[Collective]]
     io: Callable[[ModelConfig, bool], dict]
     needs: tuple[str, ...] = ()
+    decode_steps: int = 0
+    sequence_parallel: bool = True
 
     def check_config(self, cfg: ModelConfig, spec: CaseSpec) -> None:
+        if spec.sequence_parallel and not self.sequence_parallel:
+            raise UsageError(
+                f"block {self.name!r} does not run under sequence parallelism (a decode pass "
+                "feeds one token per sequence, which does not split over ranks): drop --sp"
+            )
         for field in self.needs:
             if not getattr(cfg, field):
                 raise UsageError(
@@ -60,6 +69,7 @@ class Block:
             plan=self.plan(cfg, sp),
             make_batch=self.batch(cfg),
             expected_collectives=tuple(self.collectives(cfg, spec.world_size, sp)),
+            decode_steps=self.decode_steps,
             run=spec.settings,
             **self.io(cfg, sp),
         )

@@ -18,6 +18,7 @@ from tpcheck.faults import injectors as inj
 MLP_BLOCKS = ("mlp", "layer", "lm")
 DROPOUT = (("dropout", 0.1), ("attention_dropout", 0.1))  # the config of a block with dropout
 CLIP_NORM = 0.05  # below the blocks' gradient norms: the clipping acts, on the twin too
+# every block that trains (the decode block is checked forward only: no loss, grads or optimizer)
 ALL_BLOCKS = ("mlp", "attention", "layer", "lm", "embedding", "cross_entropy")
 
 
@@ -153,7 +154,18 @@ def _entries() -> list[Fault]:
             "forward",
             "permuted",
             i.intercept("all_reduce", "down", "forward", i.batch_mixing),
+            blocks=(*MLP_BLOCKS, "decode"),
             sequence_parallel=False,
+        ),
+        Fault(
+            "decode_cache_offset",
+            "The decode path writes the new key and value to the KV cache one slot late: the "
+            "prefill and the first decode pass are right, the second reads a slot never written.",
+            "the TP model's KV-cache write in a one-token (decode) call",
+            "forward",
+            "mismatch",
+            i.cache_write_one_slot_late,
+            blocks=("decode",),
         ),
         Fault(
             "naive_fused_split",

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tpcheck.checker.case import Case, CaseSpec
+from tpcheck.models.dense import KVCache
 from tpcheck.models.parallel import DEFAULT_RNG_SEED
 from tpcheck.parallel.collectives import (
     all_reduce_grad_,
@@ -95,6 +96,23 @@ def bias_before_reduce(site: str):
                 m.forward = types.MethodType(forward, m)
 
     return lambda case, spec: injected(case, tamper=tamper)
+
+
+def cache_write_one_slot_late(case: Case, spec: CaseSpec) -> Case:
+    """The TP model's KV caches write the key and value of a one-token call (a decode pass) at
+    position start + 1 instead of start; the prefill writes right. The pass that writes them
+    attends to its own fresh key and value, so the first decode pass is right and the second
+    reads the slot that was never written."""
+
+    def write(self, k, v, start):
+        KVCache.write(self, k, v, start + 1 if k.shape[0] == 1 else start)
+
+    def tamper(module, group):
+        for m in module.modules():
+            if isinstance(m, KVCache):
+                m.write = types.MethodType(write, m)
+
+    return injected(case, tamper=tamper)
 
 
 def divide_loss_by_world(case: Case, spec: CaseSpec) -> Case:

@@ -125,6 +125,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_at(
+    start: int, s: int, head_dim: int, theta: float, dtype: torch.dtype, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[s, 1, 1, d]` of positions start .. start + s - 1 (a decode pass's tokens)."""
+    cos, sin = rope_tables(start + s, head_dim, theta, dtype, device)
+    return cos[start:], sin[start:]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int = 0,
+    dropout: nn.Module | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention, plain math, RoPE already applied. q `[s, b, nq, d]` holds positions
+    start .. start + s - 1; k and v `[start + s, b, nkv, d]` every position from 0 (a KV cache's
+    prefix, then the new ones): query i sees keys 0 .. start + i. Query head j uses kv head
+    j // (nq // nkv) (grouped-query attention). Returns `[s, b, nq * d]`. `dropout` acts on the
+    attention probabilities `[b, nq, s, start + s]`."""
+    s, b, nq, d = q.shape
+    t = k.shape[0]
+    group = nq // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # [t, b, nq, d]
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, nq, s or t, d]
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5  # [b, nq, s, t]
+    future = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(start + 1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    return (probs @ v).permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [s, b, nq * d]
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,16 +171,7 @@ def causal_attention(
     probabilities `[b, nq, s, s]`."""
     s, b, nq, d = q.shape
     cos, sin = rope_tables(s, d, theta, q.dtype, q.device)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    group = nq // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # [s, b, nq, d]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, nq, s, d]
-    scores = (q @ k.transpose(-1, -2)) * d**-0.5  # [b, nq, s, s]
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-    if dropout is not None:
-        probs = dropout(probs)
-    return (probs @ v).permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [s, b, nq * d]
+    return attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, 0, dropout)
 
 
 class DenseAttention(nn.Module):
@@ -237,13 +261,14 @@ class LMHead(Linear):
 class DenseLM(nn.Module):
     """tokens `[s, b]` -> logits `[s, b, V]`: embedding (then dropout, p = `cfg.dropout`), `layers`
     transformer layers, final RMSNorm, LM head (no bias). With `tie_embeddings` the head is the
-    embedding weight and `head` has no parameter."""
+    embedding weight and `head` has no parameter. `layer()` builds each layer (DenseLayer)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, layer=None) -> None:
         super().__init__()
         self.embed = Embedding(cfg.vocab, cfg.hidden, dtype)
         self.embed_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DenseLayer(cfg, dtype) for _ in range(cfg.layers))
+        layer = layer or (lambda: DenseLayer(cfg, dtype))
+        self.layers = nn.ModuleList(layer() for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         self.head = None if cfg.tie_embeddings else LMHead(cfg.hidden, cfg.vocab, dtype)
 
@@ -260,3 +285,126 @@ class DenseLM(nn.Module):
         if self.head is None:  # tied: the embedding weight is the head
             return F.linear(self.norm(x), self.embed.weight)  # [s, b, V]
         return self.head(self.norm(x))  # [s, b, V]
+
+
+# ------------------------------------------------------------ incremental decoding with a KV cache
+
+
+class KVCache(nn.Module):
+    """Keys and values of every position decoded so far, in the module's buffers (Meta's llama,
+    gpt-fast): `cache_k`, `cache_v` `[length, batch, kv_heads, d]`, filled in place at the position
+    of each call's first token."""
+
+    def __init__(
+        self, length: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype | None
+    ) -> None:
+        super().__init__()
+        shape = (length, batch, kv_heads, head_dim)
+        self.register_buffer("cache_k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """k, v `[s, b, kv, d]` of positions start .. start + s - 1."""
+        s, b = k.shape[:2]
+        if start + s > self.cache_k.shape[0] or b > self.cache_k.shape[1]:
+            raise ValueError(
+                f"KV cache of {self.cache_k.shape[0]} positions x {self.cache_k.shape[1]} "
+                f"sequences: cannot hold positions {start}..{start + s - 1} of {b} sequences"
+            )
+        self.cache_k[start : start + s, :b] = k
+        self.cache_v[start : start + s, :b] = v
+
+    def keys_values(
+        self, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached prefix (positions 0 .. start - 1), then this call's own keys and values:
+        `[start + s, b, kv, d]` each."""
+        b = k.shape[1]
+        return (
+            torch.cat([self.cache_k[:start, :b], k]),
+            torch.cat([self.cache_v[:start, :b], v]),
+        )
+
+
+def cached_attention(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cache: KVCache,
+    start: int,
+    theta: float,
+    dropout: nn.Module | None = None,
+) -> torch.Tensor:
+    """RoPE at positions start .., the new keys and values written to `cache`, attention over the
+    cached prefix and the new ones. q `[s, b, nq, d]`, k and v `[s, b, nkv, d]`; returns
+    `[s, b, nq * d]`."""
+    q, k, v = qkv
+    cos, sin = rope_at(start, q.shape[0], q.shape[-1], theta, q.dtype, q.device)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache.write(k, v, start)
+    keys, values = cache.keys_values(k, v, start)
+    return attend(q, keys, values, start, dropout)
+
+
+class DenseCachedAttention(DenseAttention):
+    """DenseAttention that decodes: forward(x, start) with x `[s, b, h]` the tokens at positions
+    start .. start + s - 1 (a prompt from 0, then one token per decode pass), keys and values kept
+    in `cache` (a KVCache of `cache_len` positions x `cfg.batch` sequences)."""
+
+    def __init__(self, cfg: ModelConfig, cache_len: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__(cfg, dtype)
+        self.cache = KVCache(cache_len, cfg.batch, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        cfg, d = self.cfg, self.cfg.head_dim
+        s, b, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(
+            [cfg.heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1
+        )
+        qkv = (q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d))
+        ctx = cached_attention(qkv, self.cache, start, cfg.rope_theta, self.attn_dropout)
+        return x + self.dropout(self.o(ctx))  # [s, b, h]
+
+
+class DenseDecodeLayer(nn.Module):
+    """DenseLayer with the cached attention: forward(x, start)."""
+
+    def __init__(self, cfg: ModelConfig, cache_len: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.attention = DenseCachedAttention(cfg, cache_len, dtype)
+        self.mlp = DenseMLP(cfg, dtype)
+
+    def reset_parameters(self, g: torch.Generator) -> None:
+        self.attention.reset_parameters(g)
+        self.mlp.reset_parameters(g)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return self.mlp(self.attention(x, start))  # [s, b, h]
+
+
+def decode_forward(model, tokens: torch.Tensor, start_pos) -> torch.Tensor:
+    """The decoder's forward, dense or TP: tokens `[b, s]` (batch-first, as inference code takes
+    them) at positions start_pos .. -> logits `[b, s, V]` (or `[b, s, V/tp]`); inside, the residual
+    stream is `[s, b, h]` as in every other block."""
+    start = int(start_pos)
+    x = model.embed_dropout(model.embed(tokens.t()))  # [s, b, h]
+    for layer in model.layers:
+        x = layer(x, start)
+    if model.head is None:  # tied (dense): the embedding weight is the head
+        logits = F.linear(model.norm(x), model.embed.weight)
+    else:
+        logits = model.head_logits(model.norm(x))
+    return logits.transpose(0, 1)  # [b, s, V]
+
+
+class DenseDecoder(DenseLM):
+    """DenseLM that decodes through a KV cache in its buffers (Meta's llama layout):
+    forward(tokens `[b, s]`, start_pos) -> logits `[b, s, V]`; a prompt at start_pos 0, then one
+    token per call. `cache_len` positions of `cfg.batch` sequences."""
+
+    def __init__(self, cfg: ModelConfig, cache_len: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__(cfg, dtype, layer=lambda: DenseDecodeLayer(cfg, cache_len, dtype))
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+    def forward(self, tokens: torch.Tensor, start_pos) -> torch.Tensor:
+        return decode_forward(self, tokens, start_pos)

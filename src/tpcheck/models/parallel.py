@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from tpcheck.models.config import ModelConfig
-from tpcheck.models.dense import RMSNorm, causal_attention, swiglu
+from tpcheck.models.dense import (
+    KVCache,
+    RMSNorm,
+    cached_attention,
+    causal_attention,
+    decode_forward,
+    swiglu,
+)
 from tpcheck.parallel.collectives import copy_to_tp_region, gather_from_sequence_parallel_region
 from tpcheck.parallel.embedding import VocabParallelEmbedding
 from tpcheck.parallel.group import TPGroup
@@ -43,6 +50,9 @@ __all__ = [
     "ParallelLayer",
     "ParallelLMHead",
     "ParallelLM",
+    "ParallelCachedAttention",
+    "ParallelDecodeLayer",
+    "ParallelDecoder",
     "finalize_model_grads",
 ]
 
@@ -307,7 +317,7 @@ class ParallelLM(ParallelModule):
     """The TP twin of DenseLM: vocab-parallel embedding, ParallelLayers, final RMSNorm,
     column-parallel head. tokens [s, b] (replicated) -> vocab-sharded logits [s, b, V/tp]; pair with
     `vocab_parallel_cross_entropy`. Under SP the residual stream between embedding and head is
-    [s/tp, b, h]."""
+    [s/tp, b, h]. `layer(rng)` builds each layer (ParallelLayer)."""
 
     def __init__(
         self,
@@ -317,6 +327,7 @@ class ParallelLM(ParallelModule):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         rng: RNGTracker | None = None,
+        layer=None,
     ) -> None:
         super().__init__(group)
         sp, rng = sequence_parallel, _tracker(group, rng)
@@ -324,10 +335,11 @@ class ParallelLM(ParallelModule):
             cfg.vocab, cfg.hidden, group, sequence_parallel=sp, dtype=dtype
         )
         self.embed_dropout = hidden_dropout(cfg.dropout, rng, sp)
-        self.layers = torch.nn.ModuleList(
-            ParallelLayer(cfg, group, sequence_parallel=sp, dtype=dtype, rng=rng)
-            for _ in range(cfg.layers)
+        # layer(rng) builds each layer (ParallelLayer)
+        layer = layer or (
+            lambda rng: ParallelLayer(cfg, group, sequence_parallel=sp, dtype=dtype, rng=rng)
         )
+        self.layers = torch.nn.ModuleList(layer(rng) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
         if sp:
             mark_partial_grad(self.norm.weight)
@@ -345,6 +357,84 @@ class ParallelLM(ParallelModule):
 
     def finalize_grads(self) -> None:
         finalize_model_grads(self, self.group)
+
+
+# ------------------------------------------------------------ incremental decoding with a KV cache
+
+
+class ParallelCachedAttention(ParallelAttention):
+    """The TP twin of DenseCachedAttention: forward(x, start); each rank caches the keys and values
+    of its own kv heads (`cache`: `[cache_len, batch, kv_local, d]`), attends with its own query
+    heads, and o's row-parallel all-reduce (site "o") sums the heads. No sequence parallelism: a
+    decode pass feeds one token per sequence."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        group: TPGroup,
+        cache_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        rng: RNGTracker | None = None,
+    ) -> None:
+        super().__init__(cfg, group, dtype=dtype, rng=rng)
+        self.cache = KVCache(cache_len, cfg.batch, self.qkv.n_kv, cfg.head_dim, dtype)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        qkv = self.qkv(self.norm(x))  # q [s, b, heads/tp, d], k and v [s, b, kv_local, d]
+        ctx_local = cached_attention(qkv, self.cache, start, self.theta, self.attn_dropout)
+        return x + self.dropout(self.o(ctx_local))  # [s, b, h]
+
+
+class ParallelDecodeLayer(ParallelModule):
+    """The TP twin of DenseDecodeLayer: ParallelCachedAttention then ParallelMLP."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        group: TPGroup,
+        cache_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        rng: RNGTracker | None = None,
+    ) -> None:
+        super().__init__(group)
+        rng = _tracker(group, rng)
+        self.attention = ParallelCachedAttention(cfg, group, cache_len, dtype=dtype, rng=rng)
+        self.mlp = ParallelMLP(cfg, group, dtype=dtype, rng=rng)
+        label_sites(self)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return self.mlp(self.attention(x, start))
+
+
+class ParallelDecoder(ParallelLM):
+    """The TP twin of DenseDecoder: forward(tokens `[b, s]` replicated, start_pos) -> vocab-sharded
+    logits `[b, s, V/tp]`, each rank's KV cache holding its own kv heads. Forward collectives per
+    call: the embedding's all-reduce, then o's and down's all-reduce in every layer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        group: TPGroup,
+        cache_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        rng: RNGTracker | None = None,
+    ) -> None:
+        super().__init__(
+            cfg,
+            group,
+            dtype=dtype,
+            rng=rng,
+            layer=lambda rng: ParallelDecodeLayer(cfg, group, cache_len, dtype=dtype, rng=rng),
+        )
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x, self.embed.weight)  # the embedding's shard is used only if tied
+
+    def forward(self, tokens: torch.Tensor, start_pos) -> torch.Tensor:
+        return decode_forward(self, tokens, start_pos)
 
 
 def finalize_model_grads(root: torch.nn.Module, group: TPGroup) -> None:
