@@ -271,3 +271,9 @@ def test_the_users_mistakes_are_named_and_setup_runs_before_the_tp_build():
     assert "the TP module's output has no grad_fn" in detached["summary"]
     assert "megatron_style.py" in detached["summary"]  # its forward, named
     assert setup["verdict"] == "equivalent", setup["summary"]
+
+
+def test_a_module_with_a_complex_output_is_left_out_of_the_module_checks():
+    (r,) = check([spec("complex_module_output")])
+    assert r["verdict"] == "equivalent", r["summary"]
+    assert not any("rotary" in c["name"] for c in r["checks"])

@@ -357,3 +357,39 @@ with_setup = _case(
     build_tp=lambda group, dtype: GlobalStateTP(group, dtype),
     setup=initialize_model_parallel,
 )
+
+
+class Rotary(nn.Module):
+    """Rotary factors as complex numbers (Meta's llama `freqs_cis`): an output with no bound."""
+
+    def forward(self, x):
+        angles = torch.arange(x.shape[-1] // 2, dtype=torch.float32) * 0.1
+        return torch.polar(torch.ones_like(angles), angles)
+
+
+class RotaryDense(DenseBlock):
+    def __init__(self, dtype=None):
+        super().__init__(dtype)
+        self.rotary = Rotary()
+
+    def forward(self, x):
+        return super().forward(x) + 0.0 * self.rotary(x).real.sum()
+
+
+class RotaryTP(TPBlock):
+    def __init__(self, group, dtype=None):
+        super().__init__(group, dtype)
+        self.rotary = Rotary()
+
+    def forward(self, x):
+        return super().forward(x) + 0.0 * self.rotary(x).real.sum()
+
+
+complex_module_output = Case(
+    name="complex_module_output",
+    build_dense=lambda dtype: RotaryDense(dtype),
+    build_tp=lambda group, dtype: RotaryTP(group, dtype),
+    plan=None,
+    load_tp=lambda tp, sd, group: load_copy(tp, sd, group),
+    make_batch=make_batch,
+)

@@ -62,8 +62,8 @@ def _hook(name: str, sink: Sink):
         if note is not None:
             note(name, structure(output))
         out = output[0] if isinstance(output, tuple) else output
-        if not isinstance(out, torch.Tensor):
-            return
+        if not isinstance(out, torch.Tensor) or out.is_complex():
+            return  # complex outputs (rotary factors as complex numbers): no bound is defined
         if hasattr(out, "to_local"):  # a DTensor output (use_local_output=False): this rank's part
             out = out.to_local()
         sink("forward", name, out.detach())

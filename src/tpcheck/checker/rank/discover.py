@@ -37,9 +37,11 @@ from tpcheck.plan import AppliedOnRank, Plan, Replicate
 
 
 def infers_activations(case: Case) -> bool:
-    """Whether the module outputs `case` does not name are inferred (and checked): whenever module
-    outputs are captured at all (`RunSettings.capture`), written plan or not."""
-    return case.run.capture
+    """Whether the module outputs `case` does not name are inferred (and checked): with a written
+    plan, whenever module outputs are captured at all (`RunSettings.capture`); with none written,
+    unless the case names the outputs to check (`Case.activations`: the HuggingFace adapter names
+    transformers' planned modules and decoder layers, and keeps to them)."""
+    return case.run.capture and (case.plan is not None or not case.activations)
 
 
 class Discovery:
