@@ -34,7 +34,7 @@ from torch import nn
 
 from tpcheck.checker.payload import evidence_key
 from tpcheck.errors import UsageError
-from tpcheck.plan import Plan, Replicate
+from tpcheck.plan import Plan, Replicate, copies
 
 if TYPE_CHECKING:
     from tpcheck.checker.rank.engine import Engine
@@ -315,21 +315,28 @@ def zero_grad(opt) -> None:
 # ------------------------------------------------------------------------------ clipping
 
 
-def clip_tp(module: nn.Module, max_norm: float, group, plan: Plan) -> torch.Tensor:
+def clip_tp(
+    module: nn.Module, max_norm: float, group, plan: Plan, shapes: dict[str, tuple[int, ...]]
+) -> torch.Tensor:
     """tpcheck's TP-aware `clip_grad_norm_`: the squared norm of every element counted once over
-    the ranks (a sharded parameter's shard on each rank, summed by one all-reduce; a replicated one
-    once; one applied on one rank where its gradient is), then every gradient scaled by
-    `max_norm / (norm + 1e-6)` where that is below 1, as torch's."""
+    the ranks (a sharded parameter's shard on each rank, summed by one all-reduce, an element
+    several ranks hold -- GQA's KV heads replicated over ranks -- divided among them; a replicated
+    one once; one held or applied on one rank where its gradient is), then every gradient scaled
+    by `max_norm / (norm + 1e-6)` where that is below 1, as torch's. `shapes`: the dense ones."""
     grads = _grads_by_dense_name(module, plan)
     summed = torch.zeros((), dtype=torch.float32, device=group.device)
     replicated = torch.zeros((), dtype=torch.float32, device=group.device)
     for name, g in grads.items():
-        sq = g.float().pow(2).sum()
         placement = plan.params[name]
         if placement.replicated and placement.applied_on is None:
-            replicated = replicated + sq
-        else:
-            summed = summed + sq
+            replicated = replicated + g.float().pow(2).sum()
+            continue
+        sq = g.float().pow(2).reshape(-1)
+        held = copies(placement, shapes[name], group.world_size)
+        if held is not None:  # each element's square shared among the ranks that hold it
+            idx = placement.index_map(shapes[name], group.rank, group.world_size).reshape(-1)
+            sq = sq / held[idx].to(sq.device, sq.dtype)
+        summed = summed + sq.sum()
     if group.world_size > 1:
         summed = group.collective("all_reduce", summed, site=CLIP_SITE, phase="optimizer")
     total = (summed + replicated).sqrt()
@@ -377,7 +384,8 @@ def clip_grads(e: Engine, step: int) -> None:
     clip = e.case.tp_clip_grad_norm
     with e.tap.tp_phase("optimizer"):
         if clip is None:
-            tp_norm = clip_tp(e.tp, max_norm, e.group, e.plan)
+            shapes = {n: tuple(p.shape) for n, p in e.dense.named_parameters()}
+            tp_norm = clip_tp(e.tp, max_norm, e.group, e.plan, shapes)
         else:
             tp_norm = clip(e.tp, max_norm, e.group)
     tp_norm = _as_norm(tp_norm, clip)
@@ -411,27 +419,23 @@ def _as_norm(value, clip) -> torch.Tensor:
 
 def _norm_parts(e: Engine) -> dict[str, float]:
     """From the dense gradients before clipping, the squared norms a TP norm could have summed:
-    `correct` (every element once), `local` (this rank's shards and the replicated parameters:
-    no all-reduce), `replicated_world` (the replicated parameters counted once per rank)."""
+    `correct` (every element once), `local` (this rank's own squares: no all-reduce),
+    `replicated_world` (every rank's own squares summed: replicated parameters, and elements
+    several ranks hold, counted once per rank holding them)."""
     plan, rank, world = e.plan, e.group.rank, e.group.world_size
-    sharded = replicated = local = 0.0
+    correct = local = summed = 0.0
     for name, p in e.dense.named_parameters():
         if p.grad is None:
             continue
         g = p.grad.detach().double()
         placement = plan.params[name]
-        sq = float(g.pow(2).sum())
-        if placement.applied_on is not None:
-            sharded += sq
-            local += sq if placement.applied_on == rank else 0.0
-        elif placement.replicated:
-            replicated += sq
-            local += sq
-        else:
-            sharded += sq
-            local += float(placement.shard(g, rank, world).pow(2).sum())
-    return {
-        "correct": sharded + replicated,
-        "local": local,
-        "replicated_world": sharded + world * replicated,
-    }
+        full = float(g.pow(2).sum())
+        correct += full
+        if placement.applied_on is not None:  # its gradient on one rank only
+            local += full if placement.applied_on == rank else 0.0
+            summed += full
+            continue
+        mine = [float(placement.shard(g, r, world).pow(2).sum()) for r in range(world)]
+        local += mine[rank]
+        summed += sum(mine)
+    return {"correct": correct, "local": local, "replicated_world": summed}
