@@ -175,19 +175,7 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
             signature, details = "mismatch", {"error_over_bound": error / bound}
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
-    location = first["name"].split(":", 1)[-1]
-    return {
-        "signature": signature,
-        "cause": CAUSES[signature],
-        "location": location,
-        "tensor": first["name"],
-        "stage": first["stage"],
-        "step": first["step"],
-        "ranks": first["ranks"],
-        "evidence": details,
-        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
-        f"{CAUSES[signature]}",
-    }
+    return _diagnosis(first, signature, details)
 
 
 def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:
@@ -214,19 +202,28 @@ def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:
     return None
 
 
-def _diagnosis(first: dict, signature: str, details: dict) -> dict:
-    location = first["name"].split(":", 1)[-1]
+def _diagnosis(
+    first: dict,
+    signature: str,
+    details: dict,
+    cause: str | None = None,
+    sentence: str | None = None,
+) -> dict:
+    """The diagnosis record of the first divergent check: its signature, the cause in words
+    (`CAUSES[signature]` unless said), the evidence's `details` and one sentence (by default
+    "<tensor> (<stage>, step <n>) diverges first: <cause>")."""
+    cause = CAUSES[signature] if cause is None else cause
     return {
         "signature": signature,
-        "cause": CAUSES[signature],
-        "location": location,
+        "cause": cause,
+        "location": first["name"].split(":", 1)[-1],
         "tensor": first["name"],
         "stage": first["stage"],
         "step": first["step"],
         "ranks": first["ranks"],
         "evidence": details,
-        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
-        f"{CAUSES[signature]}",
+        "sentence": sentence
+        or f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: {cause}",
     }
 
 
@@ -242,20 +239,10 @@ def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
     if info.get("problem"):
         details["problem"] = info["problem"]
     location = first["name"].split(":", 1)[-1]
-    return {
-        "signature": signature,
-        "cause": CAUSES[signature],
-        "location": location,
-        "tensor": first["name"],
-        "stage": first["stage"],
-        "step": first["step"],
-        "ranks": first["ranks"],
-        "evidence": details,
-        "sentence": (
-            f"the random masks at {location} (step {first['step']}) diverge first: "
-            f"{CAUSES[signature]}"
-        ),
-    }
+    sentence = (
+        f"the random masks at {location} (step {first['step']}) diverge first: {CAUSES[signature]}"
+    )
+    return _diagnosis(first, signature, details, sentence=sentence)
 
 
 def _held_off_rank(first: dict, ev: dict[int, dict]) -> dict:
@@ -263,38 +250,19 @@ def _held_off_rank(first: dict, ev: dict[int, dict]) -> dict:
     absence check fails there)."""
     owner = next(ev[r]["held_on"] for r in first["ranks"] if "held_on" in ev.get(r, {}))
     location = first["name"].split(":", 1)[-1]
-    cause = CAUSES["held_off_rank"]
-    return {
-        "signature": "held_off_rank",
-        "cause": cause,
-        "location": location,
-        "tensor": first["name"],
-        "stage": first["stage"],
-        "step": first["step"],
-        "ranks": first["ranks"],
-        "evidence": {"held_on": owner, "present_on": first["ranks"]},
-        "sentence": f"{location} exists on rank(s) {first['ranks']} although the plan holds it on "
-        f"rank {owner} only: {cause}",
-    }
+    sentence = (
+        f"{location} exists on rank(s) {first['ranks']} although the plan holds it on rank "
+        f"{owner} only: {CAUSES['held_off_rank']}"
+    )
+    details = {"held_on": owner, "present_on": first["ranks"]}
+    return _diagnosis(first, "held_off_rank", details, sentence=sentence)
 
 
 def _layout_diagnosis(first: dict) -> dict:
     """A module output that is no placement of the dense one diverges first: its shapes (the check's
     reason) and the mechanism, in words."""
-    location = first["name"].split(":", 1)[-1]
     cause = f"{first.get('reason')}: {CAUSES['no_placement']}"
-    return {
-        "signature": "no_placement",
-        "cause": cause,
-        "location": location,
-        "tensor": first["name"],
-        "stage": first["stage"],
-        "step": first["step"],
-        "ranks": first["ranks"],
-        "evidence": {"shapes": first.get("reason")},
-        "sentence": f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: "
-        f"{cause}",
-    }
+    return _diagnosis(first, "no_placement", {"shapes": first.get("reason")}, cause=cause)
 
 
 def _keys(evidence: list[dict]):
