@@ -6,10 +6,9 @@ beside its correct twin; broken forward-only checkers do not call a buggy case e
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from mutants import records_zero, tolerance_times_1000
 from tpcheck.api import check
 from tpcheck.checker.rank import forward_only
 from tpcheck.checker.rank.compare import Comparator
@@ -149,31 +148,8 @@ def _of_without_decoding(case, tp):
     return fo
 
 
-def _records_zero(monkeypatch):
-    record = Comparator._record
-    monkeypatch.setattr(
-        Comparator,
-        "_record",
-        lambda self, stage, step, name, error, *a, **k: record(
-            self, stage, step, name, 0.0, *a, **k
-        ),
-    )
-
-
-def _tolerance_times_1000(monkeypatch):
-    from tpcheck.checker.rank import tolerance
-
-    calibrated = tolerance.calibrated
-
-    def loose(*args, **kwargs):
-        bound = calibrated(*args, **kwargs)
-        return dataclasses.replace(bound, value=bound.value * 1000)
-
-    monkeypatch.setattr(tolerance, "calibrated", loose)
-
-
 @pytest.mark.parametrize(
-    "mutant", [_skips_decode, _records_zero, _tolerance_times_1000], ids=lambda m: m.__name__
+    "mutant", [_skips_decode, records_zero, tolerance_times_1000], ids=lambda m: m.__name__
 )
 def test_a_broken_forward_only_checker_ends_in_error(monkeypatch, mutant):
     """The manifest (every pass's output on every rank and step) and the controls hold in the

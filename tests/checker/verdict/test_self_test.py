@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from mutants import records_zero, tolerance_times_1000
 from tpcheck import CaseSpec, check, exit_code
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.compare import Comparator
@@ -18,26 +19,6 @@ from tpcheck.checker.verdict import result as result_module
 BUGGY = CaseSpec(block="mlp", preset="tiny", world_size=2, fault="partial_sum_off_by_3pct")
 CORRECT = dataclasses.replace(BUGGY, fault=None)
 STAGES = {"weights", "forward", "loss", "backward", "grads", "optimizer", "replicas"}
-
-
-def _records_zero(monkeypatch):
-    """compare records an error of 0, whatever it measured."""
-    record = Comparator._record
-
-    def zero(self, stage, step, name, error, bound, placement, control=False):
-        return record(self, stage, step, name, 0.0, bound, placement, control)
-
-    monkeypatch.setattr(Comparator, "_record", zero)
-
-
-def _tolerance_times_1000(monkeypatch):
-    calibrated = tolerance.calibrated
-
-    def loose(*args, **kwargs):
-        bound = calibrated(*args, **kwargs)
-        return dataclasses.replace(bound, value=bound.value * 1000)
-
-    monkeypatch.setattr(tolerance, "calibrated", loose)
 
 
 def _factor_times_1000(monkeypatch):
@@ -55,8 +36,8 @@ def _evidence_dropped(monkeypatch):
 
 
 MUTANTS = [
-    _records_zero,
-    _tolerance_times_1000,
+    records_zero,
+    tolerance_times_1000,
     _factor_times_1000,
     _ranks_above_0_pass,
     _evidence_dropped,

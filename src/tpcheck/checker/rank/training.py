@@ -173,17 +173,6 @@ class UserOptimizer:
     def named_parameters(self):
         return iter((n, self.found[n].value) for n in self.found)
 
-    def parameters(self):
-        return iter(self.params.values())
-
-    @property
-    def observable(self) -> bool:
-        return bool(self.found)
-
-    @property
-    def owner(self):
-        return self.module
-
     def _take(self, *_args) -> None:
         """The inner optimizer is about to step: the tensors it steps and their grads, copied."""
         values = {n: s.value.clone() for n, s in self.found.items()}
@@ -388,7 +377,7 @@ def clip_grads(e: Engine, step: int) -> None:
             tp_norm = clip_tp(e.tp, max_norm, e.group, e.plan, shapes)
         else:
             tp_norm = clip(e.tp, max_norm, e.group)
-    tp_norm = _as_norm(tp_norm, clip)
+    tp_norm = _as_norm(tp_norm)
     check = e.cmp.compare(
         "optimizer",
         step,
@@ -405,7 +394,7 @@ def clip_grads(e: Engine, step: int) -> None:
     )
 
 
-def _as_norm(value, clip) -> torch.Tensor:
+def _as_norm(value) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
         return value.detach().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
