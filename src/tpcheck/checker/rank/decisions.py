@@ -325,4 +325,4 @@ class _DecisionMode(TorchFunctionMode):
 
 
 def _device(out) -> torch.device:
-    return (out.indices if hasattr(out, "indices") else out).device
+    return (out if isinstance(out, torch.Tensor) else out.indices).device
