@@ -96,7 +96,7 @@ def test_a_flip_within_the_margin_takes_the_dense_decision_with_the_tp_values(ho
     assert judged.substituted and judged.rows == 1 and judged.gap == pytest.approx(0.01)
     idx = lambda out: out if isinstance(out, torch.Tensor) else out.indices  # noqa: E731
     assert torch.equal(idx(tp_out), idx(dense_out))
-    if not isinstance(tp_out, torch.Tensor):  # values from the TP side's own input, gradients flowing
+    if not isinstance(tp_out, torch.Tensor):  # values from the TP input, gradients flowing
         picked = tp_in.gather(-1, idx(tp_out).reshape(2, -1))
         assert torch.equal(tp_out.values, picked.reshape(tp_out.values.shape))
         assert tp_out.values.requires_grad
@@ -140,8 +140,9 @@ def runs():
         _spec("correct", 1),
         _spec("correct", 2),
         _spec("local_shard", 2),
+        _spec("offset_by_rank", 2),
     ]
-    return dict(zip(("correct1", "correct2", "local_shard"), check(specs)))
+    return dict(zip(("correct1", "correct2", "local_shard", "offset_by_rank"), check(specs)))
 
 
 @pytest.mark.parametrize("which", ["correct1", "correct2"])
@@ -167,6 +168,22 @@ def test_a_router_on_a_ranks_slice_of_the_hidden_state_is_a_routing_difference(r
     assert first["step"] == 1 and first["error"] > first["bound"]
     assert r["diagnosis"]["signature"] == "routing"
     assert "beyond rounding" in r["diagnosis"]["cause"]
+
+
+def test_an_expert_index_offset_by_rank_after_the_decision_is_caught_by_the_values(runs):
+    """The decision is the dense one (its checks pass); rank 1 then sends each token to the next
+    expert: the MoE layer's output differs there, the first divergence, not a routing check."""
+    r = runs["offset_by_rank"]
+    assert r["verdict"] == "not equivalent"
+    assert all(c["passed"] for c in _routing(r))
+    first = r["first_divergence"]
+    assert (first["name"], first["stage"], first["step"], first["ranks"]) == (
+        "act:moe",
+        "forward",
+        1,
+        [1],
+    )
+    assert r["diagnosis"]["signature"] != "routing"
 
 
 def test_without_the_replay_the_correct_router_is_a_false_alarm(monkeypatch):

@@ -138,8 +138,8 @@ CAUSES = {
     "routing": (
         "a routing decision differs beyond rounding: the TP side's top-k/argmax/sort picked other "
         "indices than the dense side's where the competing values are further apart than the "
-        "rounding margin (the router's input computed from a rank's shard or partial sum, an "
-        "expert index offset by rank)"
+        "rounding margin (the router's input computed from a rank's shard or partial sum of the "
+        "hidden state)"
     ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }

@@ -10,7 +10,9 @@ than the dense one's) makes the router pick the other of the two on some of them
 
 `correct`: the case as it should be. `local_shard`: the router computes its logits from this rank's
 slice of the hidden state (its columns of the router's weight), as if the hidden dim were sharded,
-without the all-reduce: a real routing bug.
+without the all-reduce: a real routing bug. `offset_by_rank`: the router decides right, then each
+rank adds its rank to the chosen expert ids (local ids taken for global ones): the decision is the
+dense one, the bug is in what is done with it, and the values after it show it.
 """
 
 import torch
@@ -82,14 +84,17 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, dtype=None, pg=None, local_shard=False):
+    def __init__(self, dtype=None, pg=None, local_shard=False, offset_by_rank=False):
         super().__init__()
         self.gate = Router(dtype, pg, local_shard)
         self.experts = nn.ModuleList(Expert(dtype) for _ in range(EXPERTS))
+        self.pg, self.offset_by_rank = pg, offset_by_rank
 
     def forward(self, h):  # [s, b, h]
         tokens = h.reshape(-1, HIDDEN)  # [n, h]
         weights, selected = self.gate(tokens)  # [n, k] each
+        if self.offset_by_rank:  # the bug: local expert ids taken for global ones
+            selected = (selected + dist.get_rank(self.pg)) % EXPERTS
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
             rows, slot = torch.where(selected == e)
@@ -114,12 +119,12 @@ class TPModel(nn.Module):
     """Same parameter names as DenseModel; fc1 holds FFN/tp rows, fc2 FFN/tp columns, the MoE
     layer is whole on every rank."""
 
-    def __init__(self, group, dtype=None, local_shard=False):
+    def __init__(self, group, dtype=None, local_shard=False, offset_by_rank=False):
         super().__init__()
         self.pg = group.pg
         self.fc1 = nn.Linear(HIDDEN, FFN // group.world_size, dtype=dtype)
         self.fc2 = nn.Linear(FFN // group.world_size, HIDDEN, dtype=dtype)
-        self.moe = MoE(dtype, self.pg, local_shard)
+        self.moe = MoE(dtype, self.pg, local_shard, offset_by_rank)
 
     def forward(self, x):
         x_tp = CopyToTP.apply(x, self.pg) if self.pg is not None else x  # [s, b, h]
@@ -158,11 +163,11 @@ PLAN = Plan(
 )
 
 
-def _case(name, local_shard=False):
+def _case(name, **bug):
     return Case(
         name=name,
         build_dense=DenseModel,
-        build_tp=lambda group, dtype: TPModel(group, dtype, local_shard),
+        build_tp=lambda group, dtype: TPModel(group, dtype, **bug),
         plan=PLAN,
         make_batch=make_batch,
         init=init,
@@ -172,3 +177,4 @@ def _case(name, local_shard=False):
 
 correct = _case("moe_top1_router")
 local_shard = _case("moe_router_on_local_shard", local_shard=True)
+offset_by_rank = _case("moe_expert_index_offset_by_rank", offset_by_rank=True)
