@@ -121,14 +121,16 @@ def test_a_decision_on_another_shape_is_not_replayed_and_the_truth_must_decide_a
 
 
 def test_decisions_of_the_checkers_own_code_pass_through():
-    """A capture hook's comparison runs inside the TP forward: its argmax is not the model's."""
-    from tpcheck.checker.rank import loading
-
+    """A capture hook's comparison runs inside the TP forward (its control picks the element to
+    move with an argmax): a function of tpcheck's checker is not the model."""
+    checker_code: dict = {"__name__": "tpcheck.checker.rank.compare"}
+    exec("def pick(x):\n    return x.abs().argmax()\n", checker_code)
     book = DecisionBook()
     with book.mode("draw", nn.Identity()):
-        loading.absmax(torch.rand(3))  # tpcheck.checker code
+        checker_code["pick"](torch.rand(3))
         torch.rand(3).argmax()
-    assert [d.kind for d in book.dense] == ["argmax"]
+        torch.topk(torch.rand(4), 2)
+    assert [d.kind for d in book.dense] == ["argmax", "topk"]
 
 
 # --------------------------------------------------------------------------- through check()

@@ -293,22 +293,23 @@ class _DecisionMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         label, k = self._label(call.kind), self.k
         self.k += 1
-        x = call.source().detach().double().cpu()
         idx = call.indices(out).detach().cpu()
+        if self.role == "tp":
+            dense = self.book.dense[k] if k < len(self.book.dense) else None
+            return self._tp(call, out, label, dense, idx, self.book.margins[k] if dense else 0.0)
+        x = call.source().detach().double().cpu()
         if self.role == "draw":
             self.book.dense.append(Decision(label, call.kind, x, idx))
             return out
         dense = self.book.dense[k] if k < len(self.book.dense) else None
-        if self.role == "replay":
-            if dense is None or dense.kind != call.kind or dense.x.shape != x.shape:
-                raise UsageError(
-                    "the float64 copy of the dense model took other decisions (top-k, argmax, "
-                    f"sort) than the dense model at {label} (a model whose forward depends on its "
-                    "dtype): tpcheck cannot replay them"
-                )
-            self.book.truth.append(x)
-            return call.rebuild(out, dense.idx.to(_device(out)))
-        return self._tp(call, out, label, dense, idx, self.book.margins[k] if dense else 0.0)
+        if dense is None or dense.kind != call.kind or dense.x.shape != x.shape:
+            raise UsageError(
+                "the float64 copy of the dense model took other decisions (top-k, argmax, "
+                f"sort) than the dense model at {label} (a model whose forward depends on its "
+                "dtype): tpcheck cannot replay them"
+            )
+        self.book.truth.append(x)  # the truth's replay
+        return call.rebuild(out, dense.idx.to(_device(out)))
 
     def _tp(self, call: Call, out, label: str, dense: Decision | None, idx, margin: float):
         """The TP side's decision against the dense side's (see the module docstring)."""
