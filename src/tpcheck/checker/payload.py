@@ -25,7 +25,7 @@ class Check:
     error: float
     diff_vs_dense: float
     bound: float | None
-    kind: str  # exact | calibrated | fp64 | replica | rng | layout
+    kind: str  # exact | calibrated | fp64 | replica | rng | layout | routing
     reason: str
     passed: bool | None
     placement: str = "replicate"

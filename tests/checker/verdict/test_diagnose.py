@@ -302,6 +302,7 @@ def test_record_fields():
         "not_applied",
         "decay",
         "scaled_by_micro_batches",
+        "routing",
         "rng_not_forked",
         "rng_diverged",
         "dropout_mismatch",

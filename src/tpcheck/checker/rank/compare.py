@@ -196,6 +196,38 @@ class Comparator:
         self.evidence.keep_rng(step, name, error, placement, info)
         return check
 
+    def record_routing(
+        self, step: int, label: str, seq: int, gap: float, margin: float, rows: int, of_rows: int
+    ) -> Check:
+        """A discrete decision of the TP side against the dense side's (checker/rank/decisions.py):
+        `error` the gap between the competing values where the two differ (0: the same decision),
+        bound the rounding margin; a flip within it was replayed, one beyond it fails."""
+        within = gap <= margin
+        reason = (
+            f"the TP side decided as the dense side ({of_rows} row(s))"
+            if rows == 0
+            else f"{rows} of {of_rows} row(s) flipped at a gap of {gap:.3g} "
+            + ("within" if within else "beyond")
+            + f" the rounding margin {margin:.3g} (2 x the calibrated bound of its input)"
+        )
+        check = Check(
+            stage="forward",
+            step=step,
+            name=f"routing:{label}",
+            rank=self.group.rank,
+            error=gap,
+            diff_vs_dense=gap,
+            bound=margin,
+            kind="routing",
+            reason=reason,
+            passed=within,
+            placement="replicate",
+            seq=seq,
+            numel=of_rows,
+        )
+        self.checks.append(check)
+        return check
+
     def record_layout(self, step: int, name: str, seq: int, reason: str) -> Check:
         """A module output whose shape is no placement of the dense output (checker/rank/
         activations.py): a failed check at its place in execution order, `reason` saying the two

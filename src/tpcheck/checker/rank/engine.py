@@ -527,7 +527,7 @@ def run_case_on_rank(
         evidence=sent,
         expected_collectives=training.expected_collectives(case),
         inferred_plan=engine.discovery.as_code(),
-        notes=training.notes(engine.unobserved),
+        notes=training.notes(engine.unobserved) + engine.draws.notes(),
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
         activations=engine.discovery.record(),
         ledger=list(engine.tap.ledger),

@@ -278,6 +278,7 @@ class MaskBook:
         self.gen, self.placements = gen, dict(placements or {})
         self.draws: list[Draw] = []
         self.tp_draws: list[TPDraw] = []
+        self.decisions = None  # the forward's discrete decisions (decisions.py), set by rng.py
 
     def draw(self, model: nn.Module) -> _MaskMode:
         return _MaskMode(self, "draw", model)

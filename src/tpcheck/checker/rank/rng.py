@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tpcheck.checker.devices import rng_states, seed_rng
+from tpcheck.checker.rank import decisions
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.masks import DIFFER, REASONS, MaskBook, TPDraw, violations
 from tpcheck.checker.sync import Rendezvous
@@ -65,23 +66,42 @@ class RandomDraws:
         # a tiny check), and a draw after all is still refused by the dense side's RNG
         # check (NONDETERMINISTIC)
         self.draws_random: bool | None = None
+        # likewise whether it takes discrete decisions (top-k, argmax, sort: decisions.py)
+        self.decides: bool | None = None
+        # the notes of the report: label -> (forwards, rows flipped, largest gap, its margin)
+        self.flips: dict[str, list] = {}
+        self.unreplayed: dict[str, None] = {}
 
     def book(self) -> MaskBook:
-        """The masks of one forward."""
-        return MaskBook(self.gen, self.dropout)
+        """The masks and the discrete decisions of one forward."""
+        book = MaskBook(self.gen, self.dropout)
+        book.decisions = decisions.DecisionBook()
+        return book
 
+    @contextlib.contextmanager
     def masks(self, role, model: nn.Module):
-        """The dense side's draws (`book.draw`) or the
-        truth's replay, unless the model draws nothing."""
-        return contextlib.nullcontext() if self.draws_random is False else role(model)
+        """The dense side's draws and decisions (`book.draw`) or the truth's replay of them
+        (`book.replay`), each unless the model has none."""
+        with contextlib.ExitStack() as stack:
+            if self.draws_random is not False:
+                stack.enter_context(role(model))
+            if self.decides is not False:
+                stack.enter_context(role.__self__.decisions.mode(role.__name__, model))
+            yield
 
+    @contextlib.contextmanager
     def tp_masks(self, book: MaskBook, tp: nn.Module):
-        """The TP side's part of each mask, its own draw
-        recorded, unless the model draws nothing."""
-        if self.draws_random is False:
-            return contextlib.nullcontext()
+        """The TP side's part of each mask, its own draw recorded, and its decisions judged
+        against the dense side's (after rank 0 shared their margins), each unless the model has
+        none."""
         group = self.cmp.group
-        return book.tp(tp, group.rank, group.world_size, self.cmp.next_seq)
+        with contextlib.ExitStack() as stack:
+            if self.draws_random is not False:
+                stack.enter_context(book.tp(tp, group.rank, group.world_size, self.cmp.next_seq))
+            if book.decisions.dense:
+                book.decisions.share(self.rendezvous, self.cmp.dtype, group.world_size, group.rank)
+                stack.enter_context(book.decisions.mode("tp", tp, self.cmp.next_seq))
+            yield
 
     @contextlib.contextmanager
     def watching(self, book: MaskBook):
@@ -93,13 +113,16 @@ class RandomDraws:
             raise UsageError(NONDETERMINISTIC)
         if self.draws_random is None:
             self.draws_random = bool(book.draws)
+        if self.decides is None:
+            self.decides = bool(book.decisions.dense)
 
     def check(self, step: int, book: MaskBook, where: str) -> None:
         """The RNG placement checks of one forward's random draws: every rank's draws are exchanged
         through the rendezvous store (not a collective) and each of this rank's is held to its
         region's rule against the others'; a draw that did not match the dense side's fails as it
         is. Only where the dense side drew (the same on every rank, so every rank
-        exchanges or none does)."""
+        exchanges or none does); then the TP side's discrete decisions (`decided`)."""
+        self.decided(step, book.decisions)
         if not book.draws:
             for d in book.tp_draws:
                 self._record(step, d, 1, d.problem or "", d.rule, [], d.problem)
@@ -148,6 +171,34 @@ class RandomDraws:
                 "?",
                 {"rule": None, "ranks": [], "problem": problem},
             )
+
+    def decided(self, step: int, book: decisions.DecisionBook) -> None:
+        """A `routing:<decision>` check of each TP decision judged against the dense side's (error:
+        the gap of its flips, bound: the rounding margin); the flips within the margin (the dense
+        decision substituted) and the decisions not replayed are kept for the report's notes."""
+        for j in book.judged:
+            self.cmp.record_routing(step, j.label, j.seq, j.gap, j.margin, j.rows, j.of_rows)
+            if j.substituted:
+                seen = self.flips.setdefault(j.label, [0, 0, 0.0, j.margin])
+                seen[0], seen[1] = seen[0] + 1, seen[1] + j.rows
+                if j.gap >= seen[2]:
+                    seen[2], seen[3] = j.gap, j.margin
+        self.unreplayed.update(dict.fromkeys(book.unreplayed))
+
+    def notes(self) -> list[str]:
+        """The report's notes on the decisions: each flipped at a near-tie (and replayed), each not
+        replayed (its TP input shaped otherwise than the dense one)."""
+        out = [
+            f"{decisions.FLIPPED} (margin {gap:.3g}, within the rounding margin {margin:.3g}): "
+            f"{label}, {rows} row(s) in {n} forward(s); the dense decision was replayed"
+            for label, (n, rows, gap, margin) in self.flips.items()
+        ]
+        return out + [
+            f"the decision {label} was not replayed: its TP input is not shaped as the dense "
+            "one (a decision on shards), or not at the same place in call order; its effect is "
+            "checked through the values after it"
+            for label in self.unreplayed
+        ]
 
     def _record(
         self,

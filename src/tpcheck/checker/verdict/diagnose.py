@@ -39,6 +39,10 @@ execution order. Each signature is a test on numbers, not on the fault's name:
   no_placement      (a layout check) a module output whose shape is no placement of the dense
                     module's output (flattened, transposed, reshaped): the check's reason says the
                     two shapes
+  routing           (a routing check) a discrete decision of the TP side (top-k, argmax, sort)
+                    picked other indices than the dense side's where the competing values are
+                    further apart than rounding explains (a flip at a near-tie is replayed,
+                    never a failure: checker/rank/decisions.py)
   mismatch          none of the above
 """
 
@@ -131,6 +135,12 @@ CAUSES = {
         "(flattened, transposed or reshaped), so nothing after it computes on what the dense "
         "model computes on"
     ),
+    "routing": (
+        "a routing decision differs beyond rounding: the TP side's top-k/argmax/sort picked other "
+        "indices than the dense side's where the competing values are further apart than the "
+        "rounding margin (the router's input computed from a rank's shard or partial sum of the "
+        "hidden state)"
+    ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 
@@ -153,6 +163,12 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
         return _diagnosis(first, signature, details)
     if first.get("kind") == "layout":
         return _layout_diagnosis(first)
+    if first.get("kind") == "routing":
+        location = first["name"].split(":", 1)[-1]
+        sentence = (
+            f"the decision {location} (step {first['step']}) diverges first: " + CAUSES["routing"]
+        )
+        return _diagnosis(first, "routing", {"flips": first.get("reason")}, sentence=sentence)
     signature, details = (
         ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
     )
