@@ -14,8 +14,8 @@ master weights each side's optimizer steps float32 masters (checker/rank/optimiz
 The engine holds the Case as it was handed and reads the plan from `Discovery` (checker/rank/
 discover.py: a written plan, or the one inferred, step by step, for a case with none written).
 Around this step loop: the random masks and the RNG placement check (checker/rank/rng.py, over
-masks.py), the tensors applied on one rank only (applied_on.py), the evidence a rank
-sends (evidence.py).
+masks.py), the tensors applied on one rank only (applied_on.py), the evidence a rank sends
+(evidence.py), the warm-up forwards before the first step, never compared (warmup.py).
 
 Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_forward`, by a forward
 of every side without autograd, its output compared), dense and float64 forward/backward (capturing
@@ -62,6 +62,7 @@ from tpcheck.checker.rank.params import compare_params, compare_replay, compare_
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.sides import NoGrad, TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.tolerance import Bound
+from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.checker.usercode import defined_at, require_graph
 from tpcheck.errors import UsageError
@@ -219,6 +220,7 @@ class Engine:
         if self.forward_only is not None:
             self.forward_only.run(self)
             return self.cmp.checks
+        self.warmed_up = warm_up(self)  # RunSettings.warmup: forwards before step 1, not compared
         for step in range(1, self.settings.steps + 1):
             self._step(step)
         return self.cmp.checks
@@ -530,6 +532,7 @@ def run_case_on_rank(
         inferred_plan=engine.discovery.as_code(),
         notes=training.notes(engine.unobserved),
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
+        warmed_up=engine.warmed_up,
         activations=engine.discovery.record(),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,
