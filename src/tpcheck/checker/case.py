@@ -269,8 +269,10 @@ class Case:
     load_tp(tp_module, dense_state_dict, group): the user's own loading (a checkpoint loader),
         called instead, with the dense weights as full float32 tensors (float64 in a float64 run);
         what it loads is checked bitwise against the plan's shards at the weights stage and is not
-        overwritten (each later step restarts from the dense weights through `load_tp` again; a
-        loader that replaces parameters is followed).
+        overwritten. Called once per rank, before the optimizers are built (a loader that replaces
+        parameters is followed): each later step restarts the TP module by writing the dense
+        weights into its parameters in place through the plan, so what the loader derived from
+        the weights (a transposed or pre-cast copy, FP8 scales) goes stale as in training.
     make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the
     target may be a tensor or
         a dict/list/tuple of them (labels and a mask, say), handed to the loss as it is.
