@@ -96,6 +96,7 @@ RUN_DEFAULTS = {
     "master_weights": "float32 master weights",
     "train": "train, unless no TP parameter requires grad",
     "clip_grad_norm": "no clipping",
+    "warmup": "0",
 }
 SHOWN = {
     "run": RUN_DEFAULTS,
@@ -176,6 +177,8 @@ def test_flags_given_are_the_settings_used(command, words):
         "7",
         "--no-master-weights",
         "--forward-only",
+        "--warmup",
+        "6",
     )
     defaults = importlib.import_module(f"tpcheck.cli.{command}").DEFAULTS
     assert options.dtypes(args, defaults) == ["bfloat16", "float64"]
@@ -187,6 +190,7 @@ def test_flags_given_are_the_settings_used(command, words):
         "seed": 7,
         "master_weights": False,
         "train": False,
+        "warmup": 6,
     }
     assert options.given_settings(args, defaults or {}) == given
     assert options.run_settings(args, "bfloat16", defaults or {}) == RunSettings(

@@ -197,3 +197,16 @@ def test_page_shows_the_inferred_plan():
     assert "1 module output(s) not checked" in page
     shown = re.search(r"<pre class=plan>(.*?)</pre>", page, re.S).group(1)
     assert "&#x27;fc1&#x27;: Shard(2)" in shown and "# not checked: fc2:" in shown
+
+
+def test_warm_up_collectives_are_listed_and_not_held_to_the_expected_counts(seed_run):
+    """The ledger's "warmup" phase (RunSettings.warmup): shown per rank with no expectation, never
+    marked against the per-step counts (ranks that differ are the ledger check's to report)."""
+    report = copy.deepcopy(seed_run.report)
+    case = report["cases"][0]
+    assert case["ledger"]["expected"]  # a built-in block: counts are held to the expectation
+    for counts in case["ledger"]["per_rank"].values():
+        counts["warmup"] = {"all_reduce": {"count": 4, "bytes": 64}}
+    page = render_html(report)
+    row = re.search(r"<tr><td>warmup</td><td>all_reduce</td>(.*?)</tr>", page).group(1)
+    assert "num off" not in row and "<td class='num'>4</td>" in row

@@ -74,8 +74,8 @@ def test_matrix_report_with_a_hang_is_valid(validator, matrix_run):
             "'broadcast' is not one of",
         ),
         (
-            lambda r: r["cases"][0]["ledger"]["per_rank"]["0"].update(warmup={}),
-            "'warmup' is not one of",
+            lambda r: r["cases"][0]["ledger"]["per_rank"]["0"].update(setup={}),
+            "'setup' is not one of",
         ),
     ],
 )

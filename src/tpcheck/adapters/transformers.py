@@ -332,8 +332,9 @@ def resolved_plan(model: nn.Module, world: int, rules: dict[str, str] | None) ->
 
 class TransformersTP(LocalShards):
     """The TP side: built on the first `load` from the dense weights (a copy of the dense model
-    sharded by `maybe_distribute_model`), refilled on later loads by the same `distribute_tensor` of
-    each weight to its placement (each step restarts from the dense weights)."""
+    sharded by `maybe_distribute_model`), refilled on a later load by the same `distribute_tensor`
+    of each weight to its placement. (The checker loads once; each later step restarts the local
+    shards in place through the plan.)"""
 
     def __init__(
         self, model_type: str, cfg, dtype: torch.dtype, group: TPGroup, rules: dict | None

@@ -139,7 +139,15 @@ class RunSettings:
     for each step a fresh batch through every side without autograd, every module output, the
     output and the loss (if the batch has a target) compared; no backward, no optimizer. Chosen
     by itself, and said in the report, when no TP parameter requires grad (inference code) or the
-    case decodes (`Case.decode_steps`). micro_batches and the optimizer settings do not apply."""
+    case decodes (`Case.decode_steps`). micro_batches and the optimizer settings do not apply.
+
+    warmup: forward passes of every side (dense, the float64 truth, TP) on the first batch before
+    the first checked step (checker/rank/warmup.py), not compared: TP code whose path depends on
+    how often it was called (a fused kernel after N warm-up calls, graph capture) is then checked on
+    the calls after the N-th. Training runs them with autograd (as its steps' forwards),
+    outputs dropped and no backward; a forward-only run without, after which the modules' buffers
+    are restored as built (a KV cache). Without them a check sees `steps x micro_batches` forwards
+    (3 x 2 = 6 by default): a path taken from the 7th call on is not checked."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -151,6 +159,7 @@ class RunSettings:
     master_weights: bool = True
     clip_grad_norm: float | None = None
     train: bool = True
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -199,6 +208,12 @@ class RunSettings:
         if not isinstance(self.train, bool):
             raise UsageError(
                 f"train {self.train!r} must be True or False (False: check the forward only)"
+            )
+        warmup = self.warmup
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= MAX_STEPS:
+            raise UsageError(
+                f"warmup must be an integer in 0..{MAX_STEPS} (forward passes before the first "
+                f"checked step), got {warmup!r}"
             )
 
     @property
@@ -254,8 +269,10 @@ class Case:
     load_tp(tp_module, dense_state_dict, group): the user's own loading (a checkpoint loader),
         called instead, with the dense weights as full float32 tensors (float64 in a float64 run);
         what it loads is checked bitwise against the plan's shards at the weights stage and is not
-        overwritten (each later step restarts from the dense weights through `load_tp` again; a
-        loader that replaces parameters is followed).
+        overwritten. Called once per rank, before the optimizers are built (a loader that replaces
+        parameters is followed): each later step restarts the TP module by writing the dense
+        weights into its parameters in place through the plan, so what the loader derived from
+        the weights (a transposed or pre-cast copy, FP8 scales) goes stale as in training.
     make_batch(generator, dtype) -> ({forward kwarg: dense tensor}, target); the
     target may be a tensor or
         a dict/list/tuple of them (labels and a mask, say), handed to the loss as it is.
@@ -519,6 +536,8 @@ class CaseSpec:
                 parts.append("pure")
             if not run.train:
                 parts.append("forward_only")
+            if run.warmup:
+                parts.append(f"warmup{run.warmup}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.fault:

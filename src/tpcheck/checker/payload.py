@@ -95,6 +95,8 @@ class RankPayload:
     # a case checked forward only: why, its decode passes per step and the notes for the report
     # (checker/rank/forward_only.py); None: it trained
     forward_only: dict | None = None
+    # the TP module's forwards the warm-up ran (RunSettings.warmup; checker/rank/warmup.py)
+    warmed_up: int = 0
 
     def problem_json(self) -> dict:
         return {
@@ -105,6 +107,11 @@ class RankPayload:
 
     def ledger_lines(self) -> list[str] | None:
         return [e.line() for e in self.ledger] if self.has_ledger else None
+
+
+# the phase the collectives of the warm-up forwards are recorded in (RunSettings.warmup,
+# checker/rank/warmup.py): outside the per-step counts, held only to being the same on every rank
+WARMUP = "warmup"
 
 
 @dataclass

@@ -96,6 +96,14 @@ RUN_SETTINGS = (
         "on the dense side, the case's or a TP-aware clipping on the TP side; the norms compared)",
         {"type": float},
     ),
+    SettingFlag(
+        "warmup",
+        "--warmup",
+        "forward passes of every side before the first checked step, not compared: for TP code "
+        "that changes path after N calls (a fused kernel, graph capture); without them a check "
+        "sees steps x micro-batches forwards",
+        {"type": int, "metavar": "N"},
+    ),
 )  # in the order `run` and `verify` listed them (and `run --mode` names the flags it ignores)
 NOT_FLAGS = {"capture"}  # RunSettings fields the command line does not set (see the docstring)
 

@@ -4,17 +4,18 @@ the plan. Nothing here knows a layer: shapes and layouts come from the plan.
 Three models run on every rank: the dense model in the working dtype, a float64 copy of it (the
 ground truth that calibrates tolerances, held on rank 0 only: it is the largest of the three) and
 the TP model. All start from the same weights, and every step after the first restarts the TP model
-and the truth from the dense model's weights (through the plan), so each step is checked on its own
-arithmetic. Every rank measures its TP tensors against the dense ones; rank 0 also measures the
-dense model's own error against float64, which sets each check's bound (the parent fills in the
-bounds of the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with master weights each
-side's optimizer steps float32 masters (checker/rank/optimizer.py: `Masters`).
+and the truth from the dense model's weights (through the plan; the TP parameters written in place,
+the user's loader run once, so state derived from the weights goes stale as in training), so each
+step is checked on its own arithmetic. Every rank measures its TP tensors against the dense ones;
+rank 0 also measures the dense model's own error against float64, which sets each check's bound (the
+parent fills in the bounds of the other ranks' checks from rank 0's, by `seq`). In a 16-bit run with
+master weights each side's optimizer steps float32 masters (checker/rank/optimizer.py: `Masters`).
 
 The engine holds the Case as it was handed and reads the plan from `Discovery` (checker/rank/
 discover.py: a written plan, or the one inferred, step by step, for a case with none written).
 Around this step loop: the random masks and the RNG placement check (checker/rank/rng.py, over
-masks.py), the tensors applied on one rank only (applied_on.py), the evidence a rank
-sends (evidence.py).
+masks.py), the tensors applied on one rank only (applied_on.py), the evidence a rank sends
+(evidence.py), the warm-up forwards before the first step, never compared (warmup.py).
 
 Order of a step: for each micro-batch (the first preceded, with `Case.no_grad_forward`, by a forward
 of every side without autograd, its output compared), dense and float64 forward/backward (capturing
@@ -54,13 +55,14 @@ from tpcheck.checker.rank.loading import (
     leaf,
     load_from_dense,
     map_tensors,
-    restore_parameters,
+    restart_in_place,
 )
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.checker.rank.params import compare_params, compare_replay, compare_weights
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.sides import NoGrad, TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.tolerance import Bound
+from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.checker.usercode import defined_at, require_graph
 from tpcheck.errors import UsageError
@@ -175,9 +177,9 @@ class Engine:
         return self.case.make_rule(self.settings, named_params)
 
     def _load_tp(self, dense: nn.Module, plan: Plan | None, load_plan: Plan | None = None) -> None:
-        """The TP module's weights from the dense ones: the user's own `load_tp` when the case has
-        one (checked at the weights stage, never overwritten; its names held to `plan`, the plan as
-        known, none before it is inferred), else through `load_plan` (a fault's own
+        """The TP module's weights from the dense ones, once, before the optimizers are built: the
+        user's own `load_tp` when the case has one (checked at the weights stage, never overwritten;
+        its names held to a written `plan`), else through `load_plan` (a fault's own
         loading) or `plan`."""
         if self.case.load_tp is None:
             load_from_dense(self.tp, dense, load_plan or plan, self.group)
@@ -218,6 +220,7 @@ class Engine:
         if self.forward_only is not None:
             self.forward_only.run(self)
             return self.cmp.checks
+        self.warmed_up = warm_up(self)  # RunSettings.warmup: forwards before step 1, not compared
         for step in range(1, self.settings.steps + 1):
             self._step(step)
         return self.cmp.checks
@@ -415,15 +418,15 @@ class Engine:
 
     def _tp_from_dense(self) -> None:
         """Every step after the first starts the TP side from the dense side's weights (and
-        masters), through the plan, as the first step does: each step is then checked from the same
-        weights, so its forward, grads and update are held to the rounding of that step's own
-        arithmetic. Nothing is
-        lost: the previous step's update was compared with the dense rule element by element (the
-        replay) and the weights with the dense ones; the TP optimizer's state and anything the TP
-        module keeps besides its parameters (caches, buffers) are not touched."""
-        kept = dict(self.tp.named_parameters())
-        self._load_tp(self.dense, self.plan)
-        restore_parameters(self.tp, kept)
+        masters), written into its parameters in place through the plan (loading.py's
+        `restart_in_place`; never through the user's `load_tp`, which loads once): each step is then
+        checked from the same weights, so its forward, grads and update are held to the rounding of
+        that step's own arithmetic. Nothing is lost: the previous step's update was compared with
+        the dense rule element by element (the replay) and the weights with the dense ones. The TP
+        optimizer's state and anything the TP module keeps besides its parameters (caches derived
+        from the weights, buffers) are not touched: stale as in training, where nothing rebuilds
+        them."""
+        restart_in_place(self.tp, self.dense, self.plan, self.group)
         if self.tp_master.masters:
             source = self.dense_master if self.dense_master.masters else self.dense
             training.restart_masters(self.tp_master, source, self.plan, self.group)
@@ -529,6 +532,7 @@ def run_case_on_rank(
         inferred_plan=engine.discovery.as_code(),
         notes=training.notes(engine.unobserved) + engine.draws.notes(),
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
+        warmed_up=engine.warmed_up,
         activations=engine.discovery.record(),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,

@@ -31,6 +31,7 @@ from tpcheck.checker.rank import capture
 from tpcheck.checker.rank.loading import cast, map_tensors
 from tpcheck.checker.rank.rng import training_rng
 from tpcheck.checker.rank.sides import TPActivations, one_tensor, others_wait
+from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.errors import UsageError
 from tpcheck.plan import Replicate
 
@@ -108,6 +109,8 @@ class ForwardOnly:
         """Every step: a fresh batch from the buffers as built, the prefill, the decode passes."""
         truth = [] if engine.truth is None or engine.truth is engine.dense else [engine.truth]
         kept = [Buffers(m) for m in [engine.dense, engine.tp, *truth]]
+        # RunSettings.warmup: the buffers are restored as built before each step
+        engine.warmed_up = warm_up(engine)
         for step in range(1, engine.settings.steps + 1):
             inputs, target = engine.first_batch if step == 1 else engine._batch()
             for buffers in kept:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from tpcheck.checker.case import Interceptor
-from tpcheck.checker.payload import LedgerEntry, ledger_diff
+from tpcheck.checker.payload import WARMUP, LedgerEntry, ledger_diff
 from tpcheck.checker.sync import CollectiveMismatch, Rendezvous, RendezvousTimeout
 
 
@@ -29,11 +29,12 @@ class CollectiveTap:
         self.inside: tuple[str, str, str] | None = None
         # the TP side's phase now (what the user's own collectives are counted in)
         self.phase: str | None = None
+        self.warming = False  # the warm-up forwards run: every collective recorded as WARMUP
 
     def __call__(self, op: str, site: str, phase: str, x: torch.Tensor, perform) -> torch.Tensor:
         def recorded(t: torch.Tensor) -> torch.Tensor:
             self.note(op, site, phase, t.numel() * t.element_size())
-            return self.performing((op, site, phase), perform, t)
+            return self.performing(self.last, perform, t)
 
         if self.interceptor is not None:
             return self.interceptor(op, site, phase, x, recorded)
@@ -42,6 +43,7 @@ class CollectiveTap:
     def note(self, op: str, site: str, phase: str, nbytes: int = 0) -> None:
         """Record a collective (adapters whose collectives
         bypass the TPGroup call this directly)."""
+        phase = WARMUP if self.warming else phase
         self.last = (op, site, phase)
         self.ledger.append(LedgerEntry(self.rank, phase, op, site, nbytes))
 
@@ -63,6 +65,17 @@ class CollectiveTap:
             yield
         finally:
             self.phase = None
+
+    @contextlib.contextmanager
+    def warming_up(self):
+        """While the TP side runs its warm-up forwards: every collective (tpcheck's, the user's own,
+        an adapter's) recorded in phase WARMUP, outside the per-step counts; a fault's interceptor
+        still sees the phase the code gave."""
+        self.warming, self.phase = True, WARMUP
+        try:
+            yield
+        finally:
+            self.warming, self.phase = False, None
 
     def lines(self) -> list[str]:
         return [e.line() for e in self.ledger]

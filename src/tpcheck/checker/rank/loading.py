@@ -34,26 +34,26 @@ def load_from_dense(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup)
             tp_params[tp_name].copy_(local)
 
 
-def restore_parameters(module: nn.Module, kept: dict[str, nn.Parameter]) -> None:
-    """After a loader that replaced parameters (`load_state_dict(..., assign=True)`, `to_empty` then
-    a load, a new `nn.Parameter` assigned): the values it loaded copied into the parameters the
-    optimizers, the replay and the masters hold (`kept`, by name), and those put back in the
-    module, so that every step checks the parameters that are trained."""
-    with torch.no_grad():
-        for name, now in list(module.named_parameters()):
-            old = kept.get(name)
-            if old is None or now is old:
-                continue
-            if now.shape != old.shape:
-                raise UsageError(
-                    f"your load_tp replaced parameter {name!r} of shape {list(old.shape)} by "
-                    f"one of shape {list(now.shape)} after the first step: a loader must give each "
-                    "parameter the same shape every time it loads"
-                )
-            old.copy_(now.detach().to(old.device))
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            owner._parameters[attr] = old
+def restart_in_place(tp: nn.Module, dense: nn.Module, plan: Plan, group: TPGroup) -> None:
+    """The restart of the TP module before every step after the first: the dense weights written
+    into its existing parameters, in place, through the plan as known (written, or inferred:
+    `plan.tp_name` and each placement's shard), as an optimizer step writes them. Never through the
+    user's `load_tp` (called once, before the optimizers are built, and checked at the weights
+    stage): whatever the loader derived from the weights (a pre-cast or transposed copy, packed
+    weights, FP8 scales) is then exactly as stale as in training, and shows at the first step that
+    reads it. A TP parameter the plan does not place is refused, naming it: a parameter skipped
+    here would keep its own trajectory, unchecked."""
+    placed = {plan.tp_name(n) for n in plan.params}
+    unplaced = sorted(n for n, _ in tp.named_parameters() if n not in placed)
+    if unplaced:
+        raise UsageError(
+            f"TP parameter(s) {unplaced} have no placement in the plan: tpcheck restarts the TP "
+            "module at every step after the first by writing the dense weights into its "
+            "parameters through the plan, and cannot write these; name each like its dense "
+            "parameter, or map it with Case(tp_names={dense name: TP name}) (a written plan: "
+            "Plan(tp_names=...)), and place that dense parameter in the plan"
+        )
+    load_from_dense(tp, dense, plan, group)
 
 
 def check_names(

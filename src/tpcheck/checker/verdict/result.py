@@ -174,6 +174,7 @@ SPEC_KEYS = (
     "capture",
     "master_weights",
     "train",
+    "warmup",
     "label",
     "expected",
     "device",
@@ -225,12 +226,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         forward_only=forward_only,
         activations=payloads[0].activations,
     )
-    if forward_only is not None:
-        result.self_test["failures"] += missing_outputs(
-            checks, forward_only, run.steps, len(payloads)
-        )
-    elif run.clip_grad_norm is not None:
-        result.self_test["failures"] += missing_clips(checks, run.steps, len(payloads))
+    result.self_test["failures"] += manifests(checks, payloads, run)
     result.as_expected = result.verdict == result.expected
     if result.self_test["failures"]:
         result.verdict, result.as_expected = "error", False
@@ -312,6 +308,29 @@ def self_test(checks: list[Check], controls: list[Check], evidence: list[dict]) 
         "failures": failures,
         "skipped": skipped,
     }
+
+
+def manifests(checks: list[Check], payloads: list[RankPayload], run: RunSettings) -> list[str]:
+    """What the run's settings say must have been done, each thing missing a failure of the
+    checker: the outputs of a forward-only check, the norms of a run that clips, the warm-up
+    forwards of a run that warms up."""
+    world, forward_only = len(payloads), payloads[0].forward_only
+    failures = missing_warmup(payloads, run.warmup)
+    if forward_only is not None:
+        return failures + missing_outputs(checks, forward_only, run.steps, world)
+    if run.clip_grad_norm is not None:
+        return failures + missing_clips(checks, run.steps, world)
+    return failures
+
+
+def missing_warmup(payloads: list[RankPayload], warmup: int) -> list[str]:
+    """The manifest of the warm-up (`RunSettings.warmup`): every rank ran its TP module's `warmup`
+    forwards before the first step (counted by a hook on the module: checker/rank/warmup.py)."""
+    return [
+        f"rank {p.rank} ran {p.warmed_up} of the {warmup} warm-up forward(s) of the TP module"
+        for p in payloads
+        if p.warmed_up != warmup
+    ]
 
 
 def missing_outputs(checks: list[Check], forward_only: dict, steps: int, world: int) -> list[str]:
