@@ -96,6 +96,7 @@ RUN_DEFAULTS = {
     "master_weights": "float32 master weights",
     "train": "train, unless no TP parameter requires grad",
     "clip_grad_norm": "no clipping",
+    "float64_run": "auto: on with bfloat16/float16, off with float32/float64",
 }
 SHOWN = {
     "run": RUN_DEFAULTS,

@@ -36,6 +36,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 OPTIMIZERS = ("sgd", "adamw")
+FLOAT64_RUN = ("auto", "on", "off")  # RunSettings.float64_run
 MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 # above, the weights and the dense reference itself overflow within a few steps (the CLI's too)
@@ -139,7 +140,14 @@ class RunSettings:
     for each step a fresh batch through every side without autograd, every module output, the
     output and the loss (if the batch has a target) compared; no backward, no optimizer. Chosen
     by itself, and said in the report, when no TP parameter requires grad (inference code) or the
-    case decodes (`Case.decode_steps`). micro_batches and the optimizer settings do not apply."""
+    case decodes (`Case.decode_steps`). micro_batches and the optimizer settings do not apply.
+
+    float64_run: also run the TP model in float64 against the float64 truth (bounds of
+    `FP64_FLOOR_ULPS` ulps, checker/rank/tolerance.py), after the run in the working dtype, and
+    merge the two (checker/verdict/float64_run.py): most TP bugs are structural and act in float64
+    too, where no 16-bit rounding hides them. "auto": on for the 16-bit dtypes (bfloat16, float16),
+    off for float32 (the time it doubles; float32's own bounds see such bugs) and float64 (the run
+    is one already); "on", "off"."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -151,6 +159,7 @@ class RunSettings:
     master_weights: bool = True
     clip_grad_norm: float | None = None
     train: bool = True
+    float64_run: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -200,6 +209,19 @@ class RunSettings:
             raise UsageError(
                 f"train {self.train!r} must be True or False (False: check the forward only)"
             )
+        if self.float64_run not in FLOAT64_RUN:
+            raise UsageError(
+                f"float64_run {self.float64_run!r} is not one of {list(FLOAT64_RUN)} (auto: a "
+                "float64 run besides a bfloat16 or float16 one)"
+            )
+
+    @property
+    def wants_float64_run(self) -> bool:
+        """Whether a float64 run of the case follows this one (`float64_run`; never for a run
+        that is in float64 already)."""
+        if self.dtype == "float64" or self.float64_run == "off":
+            return False
+        return self.float64_run == "on" or self.dtype in ("bfloat16", "float16")
 
     @property
     def uses_masters(self) -> bool:
