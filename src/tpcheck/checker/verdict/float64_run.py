@@ -49,11 +49,16 @@ def merge_float64(result: CaseResult, f64: CaseResult) -> CaseResult:
     if f64.verdict == "invalid" or (f64.verdict == "error" and f64.problems):
         return _skipped(result, _why_not(f64))
     result.float64_run = record(f64)
+    if f64.verdict in FINISHED and f64.run.dtype != "float64":  # the ranks' own word on it
+        return _failed(
+            result,
+            "error",
+            f"the checker failed: its float64 run ran in {f64.run.dtype}; no verdict can be "
+            "trusted (a bug in tpcheck: please report it with this case)",
+        )
     if f64.verdict not in FINISHED:  # a hang, or the checker failed its control in float64
-        result.verdict, result.as_expected = f64.verdict, f64.as_expected
-        result.problems, result.hang, result.crash = f64.problems, f64.hang, f64.crash
-        result.summary = f"{f64.verdict} in the float64 run: {f64.summary}"
-        return result
+        result.hang, result.crash = f64.hang, f64.crash
+        return _failed(result, f64.verdict, f"{f64.verdict} in the float64 run: {f64.summary}", f64)
     dtype, working = result.run.dtype, result.verdict == "not equivalent"
     if f64.verdict == "not equivalent" and working:
         _both_failed(result, f64)
@@ -72,6 +77,16 @@ def merge_float64(result: CaseResult, f64: CaseResult) -> CaseResult:
     else:
         result.summary += f"; the float64 run too: {len(f64.checks)} checks passed"
     result.as_expected = result.verdict == result.expected
+    return result
+
+
+def _failed(result: CaseResult, verdict: str, summary: str, f64: CaseResult | None = None):
+    """The case ends in `verdict` ("hang" or "error") because of its float64 run: its problems
+    (those of the float64 run, else one naming the failure)."""
+    result.verdict, result.summary = verdict, summary
+    result.as_expected = verdict == "hang" and result.spec.expected_verdict == "hang"
+    problems = f64.problems if f64 is not None else None
+    result.problems = problems or [{"status": "error", "rank": 0, "message": summary}]
     return result
 
 
