@@ -134,3 +134,29 @@ def test_a_float64_run_that_did_not_run_in_float64_is_an_error(monkeypatch):
     monkeypatch.setattr(session, "float64_spec", same_dtype)
     (r,) = check([spec("partial_1pct")])
     assert r["verdict"] == "error" and "float64 run ran in bfloat16" in r["summary"], r["summary"]
+
+
+@pytest.mark.parametrize("flag", ["auto", "off"])
+def test_the_cli_flag_and_the_report_json_console_and_html(tmp_path, capsys, flag):
+    import json
+
+    import jsonschema
+
+    from tpcheck.cli import main
+    from tpcheck.report.schema import load_schema
+    from tpcheck.report.validate import first_error
+
+    out, page = tmp_path / "r.json", tmp_path / "r.html"
+    argv = ["verify", f"{FILE}:local_norm", "--world-size", "2", "--float64-run", flag]
+    assert main([*argv, "--json", str(out), "--html", str(page)]) == 1
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, load_schema())
+    assert first_error(report, load_schema()) is None
+    (case,) = report["cases"]
+    assert case["spec"]["float64_run"] == flag and case["dtype"] == "bfloat16"
+    shown = "float64 run: not equivalent, first at act:q_norm (forward, step 1)"
+    if flag == "off":
+        assert "float64_run" not in case and "float64 run" not in page.read_text()
+        return
+    assert case["float64_run"]["verdict"] == "not equivalent"
+    assert shown in capsys.readouterr().err and shown in page.read_text()
