@@ -585,5 +585,10 @@ def test_near_bound_is_re_said_once_the_float64_run_fails():
     other = structural(here, near, later, f64)
     assert other["signature"] == "mismatch" and "first at act:o_proj" in other["cause"]
     assert "not a tolerance question" in other["cause"]
-    kept = {**near, "signature": "offset"}
-    assert structural(here, kept, here, f64) is kept
+    # another signature: kept where the float64 run failed elsewhere or reads it the same
+    permuted = {**near, "signature": "permuted"}
+    assert structural(here, permuted, later, f64) is permuted
+    assert structural(here, permuted, here, {**f64, "signature": "permuted"}) is permuted
+    # at the same check, the float64 run's reading, free of 16-bit rounding, wins
+    offset = structural(here, permuted, here, {"signature": "offset", "cause": CAUSES["offset"]})
+    assert offset["signature"] == "offset" and "numbers read as permuted" in offset["cause"]

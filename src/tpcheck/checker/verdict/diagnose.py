@@ -183,23 +183,31 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
 
 def structural(first: dict, diagnosis: dict, f64_first: dict, f64_diagnosis: dict) -> dict:
     """The working run's `diagnosis` of its first divergence `first` once the float64 run of the
-    case failed too (first at `f64_first`, diagnosed `f64_diagnosis`): a `near_bound` one is
-    re-said, since a bug that acts at float64's resolution is structural, never a tolerance
-    question. At the same check, the float64 run's signature (its numbers are free of 16-bit
-    rounding); elsewhere `mismatch`, naming where the float64 run failed. Any other diagnosis is
-    returned as it is."""
-    if diagnosis is None or diagnosis["signature"] != "near_bound":
+    case failed too (first at `f64_first`, diagnosed `f64_diagnosis`). At the same check, the
+    float64 run's signature where the two differ: its numbers are free of 16-bit rounding, which
+    can make a bias counted twice read as `permuted`, a stale shard as `mismatch`. Elsewhere a
+    `near_bound` one is re-said `mismatch`, naming where the float64 run failed: a bug that acts at
+    float64's resolution is structural, never a tolerance question. Any other diagnosis is returned
+    as it is."""
+    if diagnosis is None:
         return diagnosis
     same = all(first[k] == f64_first[k] for k in ("stage", "step", "name"))
-    where = f"{f64_first['name']} ({f64_first['stage']}, step {f64_first['step']})"
-    if same and f64_diagnosis["signature"] != "near_bound":
-        signature, cause = f64_diagnosis["signature"], f64_diagnosis["cause"]
-    else:
+    theirs = f64_diagnosis["signature"]
+    if same and theirs not in (diagnosis["signature"], "near_bound"):
+        signature, cause = theirs, f64_diagnosis["cause"]
+        said = (
+            "read in the float64 run, which fails at this check too; the working dtype's "
+            f"numbers read as {diagnosis['signature']}"
+        )
+    elif diagnosis["signature"] == "near_bound":
+        where = f"{f64_first['name']} ({f64_first['stage']}, step {f64_first['step']})"
         signature, cause = "mismatch", CAUSES["mismatch"]
-    said = "at this check" if same else f"too, first at {where}"
-    cause = f"{cause} (the float64 run fails {said}: structural, not a tolerance question)"
-    details = {**diagnosis["evidence"], "float64_run": f64_diagnosis["signature"]}
-    return _diagnosis(first, signature, details, cause=cause)
+        said = "the float64 run fails " + ("at this check" if same else f"too, first at {where}")
+        said += ": structural, not a tolerance question"
+    else:
+        return diagnosis
+    details = {**diagnosis["evidence"], "float64_run": theirs}
+    return _diagnosis(first, signature, details, cause=f"{cause} ({said})")
 
 
 def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:
