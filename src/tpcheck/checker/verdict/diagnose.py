@@ -193,17 +193,20 @@ def structural(first: dict, diagnosis: dict, f64_first: dict, f64_diagnosis: dic
         return diagnosis
     same = all(first[k] == f64_first[k] for k in ("stage", "step", "name"))
     theirs = f64_diagnosis["signature"]
-    if same and theirs not in (diagnosis["signature"], "near_bound"):
+    readable = same and theirs != "near_bound"
+    if diagnosis["signature"] == "near_bound":
+        where = f"{f64_first['name']} ({f64_first['stage']}, step {f64_first['step']})"
+        signature, cause = (
+            (theirs, f64_diagnosis["cause"]) if readable else ("mismatch", CAUSES["mismatch"])
+        )
+        said = "the float64 run fails " + ("at this check" if same else f"too, first at {where}")
+        said += ": structural, not a tolerance question"
+    elif readable and theirs != diagnosis["signature"]:
         signature, cause = theirs, f64_diagnosis["cause"]
         said = (
             "read in the float64 run, which fails at this check too; the working dtype's "
             f"numbers read as {diagnosis['signature']}"
         )
-    elif diagnosis["signature"] == "near_bound":
-        where = f"{f64_first['name']} ({f64_first['stage']}, step {f64_first['step']})"
-        signature, cause = "mismatch", CAUSES["mismatch"]
-        said = "the float64 run fails " + ("at this check" if same else f"too, first at {where}")
-        said += ": structural, not a tolerance question"
     else:
         return diagnosis
     details = {**diagnosis["evidence"], "float64_run": theirs}
