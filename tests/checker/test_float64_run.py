@@ -160,3 +160,28 @@ def test_the_cli_flag_and_the_report_json_console_and_html(tmp_path, capsys, fla
         return
     assert case["float64_run"]["verdict"] == "not equivalent"
     assert shown in capsys.readouterr().err and shown in page.read_text()
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_runs_the_float64_run_rank_0_decides(tmp_path):
+    """torchrun: only rank 0 holds the working run's result; it shares the float64 run's spec, so
+    every rank runs it (else they would part at their next collective)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "tpcheck", "torchrun", "--nproc_per_node", "2", "--", "verify"]
+    cmd += [f"{FILE}:partial_1pct", f"{FILE}:correct", "--world-size", "2", "--json", str(report)]
+    src = str(Path(__file__).resolve().parents[2] / "src")  # this checkout's tpcheck on the ranks
+    env = {**os.environ, "PYTHONPATH": src}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr
+    cases = {c["name"]: c for c in json.loads(report.read_text())["cases"]}
+    buggy, twin = (
+        cases["olmo2_qk_norm_partial_1pct/tp2/bfloat16"],
+        cases["olmo2_qk_norm/tp2/bfloat16"],
+    )
+    assert buggy["summary"].startswith("not equivalent only in the float64 run"), buggy["summary"]
+    assert twin["verdict"] == twin["float64_run"]["verdict"] == "equivalent", twin["summary"]
