@@ -75,12 +75,18 @@ def _ran(path) -> list[str]:
 
 def test_the_settings_given_to_check_are_what_the_ranks_run_and_what_the_report_names(case_file):
     spec = CaseSpec(
-        block=f"file:{case_file}:x", world_size=1, run=RunSettings(dtype="bfloat16", steps=1)
+        block=f"file:{case_file}:x",
+        world_size=1,
+        run=RunSettings(dtype="bfloat16", steps=1, float64_run="off"),
     )
     (r,) = check([spec])
     assert r["verdict"] == "equivalent", r["summary"]
     ran = _ran(case_file)
     assert ran and set(ran) == {"torch.bfloat16"}, ran  # every TP forward computed in bfloat16
+    # by default a float64 run follows a bfloat16 one: the same forwards again, in float64
+    (r,) = check([dataclasses.replace(spec, run=dataclasses.replace(spec.run, float64_run="auto"))])
+    assert _ran(case_file) == ran + ["torch.float64"] * len(ran), r["summary"]
+    assert r["float64_run"]["verdict"] == "equivalent" and r["dtype"] == "bfloat16"
     assert {c["step"] for c in r["checks"]} == {0, 1}  # the weights (step 0) and one step
     assert r["dtype"] == r["spec"]["dtype"] == "bfloat16" and r["spec"]["steps"] == 1
 

@@ -97,6 +97,7 @@ RUN_DEFAULTS = {
     "train": "train, unless no TP parameter requires grad",
     "clip_grad_norm": "no clipping",
     "warmup": "0",
+    "float64_run": "auto: on with bfloat16/float16, off with float32/float64",
 }
 SHOWN = {
     "run": RUN_DEFAULTS,

@@ -3,7 +3,9 @@ in float32, bfloat16 and float16 (where it applies: `Fault.dtypes` says where a 
 dtype's resolution, docs/tolerances.md), by a default run; in float32 first at its expected stage,
 at its earliest step (and, for a fault of the decode path, its earliest decode pass), with its
 expected signature; in 16 bits never before that point (no earlier
-false alarm); and the correct twin of each case passes. The 16-bit half is marked slow."""
+false alarm), with that signature where it is caught there, and in the float64 run that follows a
+16-bit one (RunSettings.float64_run) exactly as in float32; and the correct twin of each case
+passes. The 16-bit half is marked slow."""
 
 import dataclasses
 
@@ -179,6 +181,21 @@ def test_fault_caught_in_16_bit_and_twin_passes(results_16bit, fault, world, fau
     earliest = (first_step(fault), ORDER.index(fault.expected_stage), FIRST_PASS.get(fault.name, 0))
     seen = (first["step"], ORDER.index(first["stage"]), decode_pass(first["name"]))
     assert seen >= earliest, first["summary"]
+    # the float64 run (auto with a 16-bit dtype) sees every catalogue fault as float32 does:
+    # at its stage, step and decode pass, with its signature; the correct twin passes it too
+    r = results_16bit[faulty]
+    f64 = r["float64_run"]
+    assert f64["verdict"] == "not equivalent", r["summary"]
+    here = f64["first_divergence"]
+    assert (here["stage"], here["step"]) == (fault.expected_stage, first_step(fault)), f64
+    assert decode_pass(here["name"]) == FIRST_PASS.get(fault.name, 0), f64["summary"]
+    assert f64["diagnosis"]["signature"] == fault.expected_signature, f64["summary"]
+    # caught in 16 bits at the check where the fault acts (the float64 run's first): the mechanism
+    # is dtype-independent, so the case's diagnosis has float32's signature
+    if all(first[k] == here[k] for k in ("name", "stage", "step")):
+        assert first["signature"] == fault.expected_signature, first["summary"]
+    twin = results_16bit[dataclasses.replace(faulty, fault=None)]
+    assert twin["float64_run"]["verdict"] == "equivalent", twin["float64_run"]["summary"]
 
 
 def test_seed_missing_backward_reduce_is_localized_to_the_grad_entering_the_tp_region():

@@ -36,6 +36,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 OPTIMIZERS = ("sgd", "adamw")
+FLOAT64_RUN = ("auto", "on", "off")  # RunSettings.float64_run
 MAX_STEPS = 10_000  # steps and micro-batches: beyond this a typo, not a check
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 # above, the weights and the dense reference itself overflow within a few steps (the CLI's too)
@@ -147,7 +148,14 @@ class RunSettings:
     the calls after the N-th. Training runs them with autograd (as its steps' forwards),
     outputs dropped and no backward; a forward-only run without, after which the modules' buffers
     are restored as built (a KV cache). Without them a check sees `steps x micro_batches` forwards
-    (3 x 2 = 6 by default): a path taken from the 7th call on is not checked."""
+    (3 x 2 = 6 by default): a path taken from the 7th call on is not checked.
+
+    float64_run: also run the TP model in float64 against the float64 truth (bounds of
+    `FP64_FLOOR_ULPS` ulps, checker/rank/tolerance.py), after the run in the working dtype, and
+    merge the two (checker/verdict/float64_run.py): most TP bugs are structural and act in float64
+    too, where no 16-bit rounding hides them. "auto": on for the 16-bit dtypes (bfloat16, float16),
+    off for float32 (the time it doubles; float32's own bounds see such bugs) and float64 (the run
+    is one already); "on", "off"."""
 
     dtype: str = "float32"
     steps: int = 3
@@ -160,6 +168,7 @@ class RunSettings:
     clip_grad_norm: float | None = None
     train: bool = True
     warmup: int = 0
+    float64_run: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -215,6 +224,19 @@ class RunSettings:
                 f"warmup must be an integer in 0..{MAX_STEPS} (forward passes before the first "
                 f"checked step), got {warmup!r}"
             )
+        if self.float64_run not in FLOAT64_RUN:
+            raise UsageError(
+                f"float64_run {self.float64_run!r} is not one of {list(FLOAT64_RUN)} (auto: a "
+                "float64 run besides a bfloat16 or float16 one)"
+            )
+
+    @property
+    def wants_float64_run(self) -> bool:
+        """Whether a float64 run of the case follows this one (`float64_run`; never for a run
+        that is in float64 already)."""
+        if self.dtype == "float64" or self.float64_run == "off":
+            return False
+        return self.float64_run == "on" or self.dtype in ("bfloat16", "float16")
 
     @property
     def uses_masters(self) -> bool:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from tpcheck.checker.case import DEFAULT_LR, MAX_LR, OPTIMIZERS, RunSettings
+from tpcheck.checker.case import DEFAULT_LR, FLOAT64_RUN, MAX_LR, OPTIMIZERS, RunSettings
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S
 from tpcheck.errors import UsageError
 from tpcheck.report.output import check_output_path
@@ -104,6 +104,13 @@ RUN_SETTINGS = (
         "sees steps x micro-batches forwards",
         {"type": int, "metavar": "N"},
     ),
+    SettingFlag(
+        "float64_run",
+        "--float64-run",
+        "also run the TP model in float64 against the float64 truth and merge the verdicts (a "
+        "structural bug shows at float64's resolution): auto = with bfloat16/float16, on, off",
+        {"choices": FLOAT64_RUN},
+    ),
 )  # in the order `run` and `verify` listed them (and `run --mode` names the flags it ignores)
 NOT_FLAGS = {"capture"}  # RunSettings fields the command line does not set (see the docstring)
 
@@ -145,6 +152,8 @@ def shown_default(field: str, defaults: Mapping[str, object] | None) -> str:
         return "train, unless no TP parameter requires grad" if value else "forward only"
     if field == "clip_grad_norm" and value is None:
         return "no clipping"
+    if field == "float64_run" and value == "auto":
+        return "auto: on with bfloat16/float16, off with float32/float64"
     return str(value)
 
 

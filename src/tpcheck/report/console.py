@@ -18,6 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from tpcheck.report.float64 import float64_line
+
 # Plain output is not wrapped at rich's default 80 columns: CI logs are wide, and a wrapped case
 # name is harder to grep than a long line.
 PLAIN_WIDTH = 200
@@ -114,6 +116,8 @@ def print_summary(results: list[dict], out: TextIO | None = None) -> None:
         cause = (r.get("diagnosis") or {}).get("cause")
         if cause:
             console.print(f"  cause: {cause}", markup=False)
+        if line := float64_line(r):
+            console.print(f"  {line}", markup=False)
     ok = sum(r["as_expected"] for r in results)
     style = "green" if ok == len(results) else "bold red"
     console.print(Text(f"{ok} of {len(results)} case(s) as expected", style=style))

@@ -13,6 +13,7 @@ import html
 import json
 import re
 
+from tpcheck.report.float64 import float64_line
 from tpcheck.report.plans import counts, module_outputs_code
 
 # "warmup": the collectives of the warm-up forwards (RunSettings.warmup), never expected per step
@@ -254,6 +255,7 @@ def _case_section(i: int, case: dict) -> str:
         )
     parts += [
         _forward_only(case),
+        _float64_run(case),
         _notes(case),
         _diagnosis(case),
         _first_divergence(case),
@@ -285,6 +287,12 @@ def _forward_only(case: dict) -> str:
         f"<p class=note>Forward only: {esc(fo['reason'])}{decode}. No backward, gradient or "
         f"optimizer checks.{notes}</p>"
     )
+
+
+def _float64_run(case: dict) -> str:
+    """The case's float64 run in a line (docs/tolerances.md#the-float64-run)."""
+    line = float64_line(case)
+    return f"<p class=note>{esc(line)}</p>" if line else ""
 
 
 def _notes(case: dict) -> str:

@@ -553,3 +553,43 @@ def test_a_layout_check_is_diagnosed_from_its_reason_with_no_evidence():
     assert (d["signature"], d["location"]) == ("no_placement", "mlp.up")
     assert d["cause"].startswith("its output [8, 32] is no placement of the dense [4, 2, 32]: ")
     assert d["cause"].endswith(CAUSES["no_placement"])
+
+
+def _near(key, seed=6):
+    """Evidence of a replicated tensor off by a rounding-level 1e-6 relative, element by element."""
+    ref = rng(seed).standard_normal(SHAPE)
+    tp = ref * (1 + 1e-6 * rng(seed + 1).uniform(-1, 1, SHAPE))
+    return evidence([tp] * 2, [ref] * 2, "replicate", key=key)
+
+
+def test_an_exact_check_is_never_near_the_bound_whatever_bound_it_carries():
+    ev = _near(("optimizer", 1, "update:w"))
+    f = {"stage": "optimizer", "step": 1, "name": "update:w", "ranks": [0, 1], "error": 1e-6}
+    assert diagnose({**f, "bound": 1e-6, "kind": "exact"}, ev, 2)["signature"] == "mismatch"
+    assert diagnose({**f, "bound": 1e-6, "kind": "calibrated"}, ev, 2)["signature"] == "near_bound"
+
+
+def test_near_bound_is_re_said_once_the_float64_run_fails():
+    """`structural`: at the same check, the float64 run's signature; elsewhere `mismatch` naming
+    where the float64 run failed; any other diagnosis unchanged."""
+    from tpcheck.checker.verdict.diagnose import structural
+
+    here = {"stage": "forward", "step": 1, "name": "act:q_norm", "ranks": [0, 1]}
+    ev = _near(("forward", 1, "act:q_norm"))
+    near = diagnose({**here, "error": 1e-6, "bound": 1e-6}, ev, 2)
+    assert near["signature"] == "near_bound"
+    f64 = {"signature": "partial_sum", "cause": CAUSES["partial_sum"]}
+    same = structural(here, near, here, f64)
+    assert same["signature"] == "partial_sum" and "fails at this check" in same["cause"]
+    assert same["tensor"] == "act:q_norm" and same["evidence"]["float64_run"] == "partial_sum"
+    later = {**here, "name": "act:o_proj"}
+    other = structural(here, near, later, f64)
+    assert other["signature"] == "mismatch" and "first at act:o_proj" in other["cause"]
+    assert "not a tolerance question" in other["cause"]
+    # another signature: kept where the float64 run failed elsewhere or reads it the same
+    permuted = {**near, "signature": "permuted"}
+    assert structural(here, permuted, later, f64) is permuted
+    assert structural(here, permuted, here, {**f64, "signature": "permuted"}) is permuted
+    # at the same check, the float64 run's reading, free of 16-bit rounding, wins
+    offset = structural(here, permuted, here, {"signature": "offset", "cause": CAUSES["offset"]})
+    assert offset["signature"] == "offset" and "numbers read as permuted" in offset["cause"]

@@ -379,6 +379,13 @@ class TorchrunLauncher:
         dist.gather_object(payload, gathered, dst=0)
         return gathered
 
+    def share(self, value):
+        """Rank 0's `value` on every rank (what every rank must decide alike, e.g. the spec of a
+        case's float64 run, which only rank 0's results tell)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def broadcast_code(self, code: int) -> int:
         box = [code]
         dist.broadcast_object_list(box, src=0)

@@ -59,6 +59,7 @@ from tpcheck.checker.rank.loading import (
 )
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.checker.rank.params import compare_params, compare_replay, compare_weights
+from tpcheck.checker.rank.precision import keep_float64
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
 from tpcheck.checker.rank.sides import NoGrad, TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.tolerance import Bound
@@ -519,8 +520,9 @@ def run_case_on_rank(
     `wait_threads`: the intra-op threads rank 0 may use for its float64 passes while the other
     ranks wait for it."""
     t0 = time.perf_counter()
-    engine = Engine(case, group, rendezvous, wait_threads)
-    checks = engine.run()
+    with keep_float64(case.run.dtype == "float64"):  # a float64 run's own casts stay float64
+        engine = Engine(case, group, rendezvous, wait_threads)
+        checks = engine.run()
     kept = engine.cmp.evidence
     sent = kept.sent(evidence.needed_evidence(checks, kept, rendezvous))
     return RankPayload(

@@ -22,7 +22,9 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     load that never happened there)
   nan_inf           NaN/Inf appears on the TP side while the reference is finite
   near_bound        every rank within 1e-3 relative of the reference and the error within 2x the
-                    bound: rounding, not a collective bug
+                    bound: rounding, not a collective bug. Never said of an exact check (bound 0:
+                    no rounding separates the sides), nor once the case's float64 run failed too
+                    (`structural`: the bug acts at float64's resolution)
   held_off_rank     a parameter the plan holds on one rank only (OnRank) exists on another rank
   rng_not_forked    (an RNG check) ranks holding different shards of a mask drew the same mask from
                     the same generator state: the sharded region's draws were not forked per rank
@@ -183,7 +185,8 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
             # copies of one element on several ranks differ, by however little
             signature = "replicas_differ"
         error, bound = first.get("error"), first.get("bound")
-        if signature == "near_bound" and error is not None and bound == 0:
+        exact = bound == 0 or first.get("kind") in ("exact", "replica")
+        if signature == "near_bound" and error is not None and exact:
             # a bitwise check: no rounding separates the two sides
             signature, details = "mismatch", {"error": error, "bound": "bitwise"}
         elif signature == "near_bound" and error is not None and bound and error > NEAR * bound:
@@ -192,6 +195,38 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
     return _diagnosis(first, signature, details)
+
+
+def structural(first: dict, diagnosis: dict, f64_first: dict, f64_diagnosis: dict) -> dict:
+    """The working run's `diagnosis` of its first divergence `first` once the float64 run of the
+    case failed too (first at `f64_first`, diagnosed `f64_diagnosis`). At the same check, the
+    float64 run's signature where the two differ: its numbers are free of 16-bit rounding, which
+    can make a bias counted twice read as `permuted`, a stale shard as `mismatch`. Elsewhere a
+    `near_bound` one is re-said `mismatch`, naming where the float64 run failed: a bug that acts at
+    float64's resolution is structural, never a tolerance question. Any other diagnosis is returned
+    as it is."""
+    if diagnosis is None:
+        return diagnosis
+    same = all(first[k] == f64_first[k] for k in ("stage", "step", "name"))
+    theirs = f64_diagnosis["signature"]
+    readable = same and theirs != "near_bound"
+    if diagnosis["signature"] == "near_bound":
+        where = f"{f64_first['name']} ({f64_first['stage']}, step {f64_first['step']})"
+        signature, cause = (
+            (theirs, f64_diagnosis["cause"]) if readable else ("mismatch", CAUSES["mismatch"])
+        )
+        said = "the float64 run fails " + ("at this check" if same else f"too, first at {where}")
+        said += ": structural, not a tolerance question"
+    elif readable and theirs != diagnosis["signature"]:
+        signature, cause = theirs, f64_diagnosis["cause"]
+        said = (
+            "read in the float64 run, which fails at this check too; the working dtype's "
+            f"numbers read as {diagnosis['signature']}"
+        )
+    else:
+        return diagnosis
+    details = {**diagnosis["evidence"], "float64_run": theirs}
+    return _diagnosis(first, signature, details, cause=f"{cause} ({said})")
 
 
 def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:

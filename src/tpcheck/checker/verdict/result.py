@@ -52,6 +52,9 @@ class CaseResult:
     notes: list[str] | None = None  # what was not checked, and why (every rank's, once each)
     forward_only: dict | None = None  # checked forward only: why, decode passes, notes
     activations: dict | None = None  # written / inferred / not_checked / no_placement (discover.py)
+    # the case's float64 run, merged into this one (float64_run.py): its verdict, summary, ... or
+    # {"skipped": why}; None when none was wanted
+    float64_run: dict | None = None
 
     @property
     def name(self) -> str:
@@ -86,6 +89,7 @@ class CaseResult:
             "forward_only",
             "notes",
             "activations",
+            "float64_run",
         ):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -138,6 +142,7 @@ class CaseResult:
                     "notes",
                     "forward_only",
                     "activations",
+                    "float64_run",
                 )
             },
         )
@@ -175,6 +180,7 @@ SPEC_KEYS = (
     "master_weights",
     "train",
     "warmup",
+    "float64_run",
     "label",
     "expected",
     "device",
