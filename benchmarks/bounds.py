@@ -22,23 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, table, write  # noqa: E402
 
 
-def value_dtype(spec, check: dict) -> str:
-    """The dtype a check's values are rounded to: float32 masters after the step of a 16-bit run."""
-    if (
-        spec.settings.uses_masters
-        and check["stage"] == "optimizer"
-        and check["name"].startswith("param:")
-    ):
-        return "float32"
-    return spec.settings.dtype
-
-
 def sweep(n: int, seed: int) -> dict:
-    import torch
-
     import tpcheck
     from tpcheck.blocks.sampling import random_specs
-    from tpcheck.checker.rank.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL
 
     specs = random_specs(seed, n)
     t0 = time.perf_counter()
@@ -71,11 +57,11 @@ def sweep(n: int, seed: int) -> dict:
                 need = (c["error"] - c["floor"]) / c["ref_error"]
                 cell["max_needed_factor"] = max(cell["max_needed_factor"], need)
                 tail.append((need, c["numel"], where))
-            # numel: the tensor on one rank
-            ulps = FLOOR_ULPS if c["numel"] >= SMALL_NUMEL else SMALL_FLOOR_ULPS
-            scale = c["floor"] / (ulps * torch.finfo(getattr(torch, value_dtype(spec, c))).eps)
-            if scale:
-                cell["max_relative_bound"] = max(cell["max_relative_bound"], c["bound"] / scale)
+            # the bound relative to the magnitude of the elements it judges (the whole tensor's
+            # scale, or the ceiling of the bin judged by magnitude): what a planted error exceeds
+            judged = c.get("magnitude") or c.get("scale")
+            if judged:
+                cell["max_relative_bound"] = max(cell["max_relative_bound"], c["bound"] / judged)
     tail.sort(reverse=True)
     return {
         "n": n,

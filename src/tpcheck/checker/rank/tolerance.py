@@ -30,6 +30,16 @@ Three kinds of comparison, each recorded with the bound it used and why:
   1 ulp of the tensor's scale, 8 under SMALL_NUMEL elements. What this bound can
   see, per dtype and world size, is the detectability table in docs/tolerances.md.
 
+* by magnitude: one element of a tensor far larger than the rest (the "massive activations" of an
+  LLM's residual stream, an outlier input) would set the max above for every element. So a tensor of
+  SMALL_NUMEL elements or more is judged per magnitude bin: its elements are binned by |dense| (bins
+  of BIN_OCTAVES octaves below the tensor's largest, MAGNITUDE_BINS of them, the last holding every
+  smaller element), and the elements of each bin are held to the bound above computed over the
+  elements no larger than the bin's ceiling (cumulative from below: the bin's own and every smaller
+  one; at least MIN_BIN_NUMEL elements, else the next larger bin's), with the floor at the ceiling's
+  ulp. The top bin's bound is the whole tensor's, so no bin is wider than the whole-tensor bound; an
+  outlier widens only its own. Measured like the rest (docs/tolerances.md).
+
 * float64 as the working dtype has no higher-precision truth here, so the bound is
   `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
   relative per operation, a fault is ~1e-1.
@@ -43,6 +53,7 @@ docs/tolerances.md has the derivation, the measured numbers and the detectabilit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +64,8 @@ MAX_FACTOR = 8.0
 SMALL_NUMEL, SMALL_FACTOR = 64, 16.0  # the max over a handful of elements is a noisier statistic
 FLOOR_ULPS, SMALL_FLOOR_ULPS = 1, 8  # ulps of the scale; tensors under SMALL_NUMEL elements
 FP64_FLOOR_ULPS = 2**20
+# bins of |dense|: BIN_OCTAVES octaves each below the largest element, the last holding the rest
+MAGNITUDE_BINS, BIN_OCTAVES, MIN_BIN_NUMEL = 12, 2, SMALL_NUMEL
 
 
 def factor(world_size: int, numel: int = SMALL_NUMEL) -> float:
@@ -72,6 +85,10 @@ class Bound:
     reason: str
     ref_error: float | None = None  # calibrated: max |dense - truth|
     floor: float | None = None  # calibrated: floor_ulps * eps * scale
+    # by magnitude (calibrated, SMALL_NUMEL elements or more): per bin of |dense|, the largest
+    # first, (bound, ref_error, floor, ceiling); None where every bin's is the whole tensor's
+    bins: tuple[tuple[float, float, float, float], ...] | None = None
+    scale: float | None = None  # calibrated: max |truth|
 
 
 EXACT = Bound(0.0, "exact", "bitwise: no arithmetic separates TP from the reference (layout only)")
@@ -98,7 +115,75 @@ def calibrated(
         f"+ {ulps} ulp(s) of scale {scale:.3g}",
         ref_error=err_dense,
         floor=floor,
+        bins=_by_magnitude(dense, truth, dtype, scale) if truth.numel() >= SMALL_NUMEL else None,
+        scale=scale,
     )
+
+
+def top_exponent(dense: torch.Tensor) -> int:
+    """The binary exponent of the tensor's largest magnitude (frexp's: |x| < 2**e), which every
+    rank computes alike from the dense tensor it holds; it places the bins."""
+    return int(torch.frexp(torch.tensor(absmax(dense), dtype=torch.float64)).exponent)
+
+
+def magnitude_bin(values: torch.Tensor, top: int) -> torch.Tensor:
+    """The bin of each element of `values` (a dense tensor or a rank's shard of it): 0 for the
+    largest (|x| within BIN_OCTAVES octaves of 2**top), MAGNITUDE_BINS - 1 for the smallest and
+    for 0."""
+    e = torch.frexp(values.detach().reshape(-1).double()).exponent.long()
+    k = torch.div(top - e, BIN_OCTAVES, rounding_mode="floor").clamp_(0, MAGNITUDE_BINS - 1)
+    return k.masked_fill_(values.detach().reshape(-1) == 0, MAGNITUDE_BINS - 1)
+
+
+def bin_ceiling(top: int, k: int) -> float:
+    """Every element of bin `k` is smaller than this in magnitude."""
+    return math.ldexp(1.0, top - BIN_OCTAVES * k)
+
+
+def per_bin_max(diff: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
+    """max of `diff` (flat, float64, non-negative) over the elements of each bin (0 where none)."""
+    out = torch.zeros(MAGNITUDE_BINS, dtype=torch.float64)
+    return out.scatter_reduce_(0, bins, diff, reduce="amax", include_self=True)
+
+
+def _by_magnitude(dense, truth, dtype, scale: float):
+    """Bound.bins: the calibrated bound per bin of |dense| (see the module docstring); None where
+    every bin would get the whole tensor's."""
+    top = top_exponent(dense)
+    bins = magnitude_bin(dense, top)
+    err = (dense.detach().reshape(-1).double() - truth.detach().reshape(-1).double()).abs_()
+    if not bool(torch.isfinite(err).all()):
+        return None
+    below = per_bin_max(err, bins).flip(0).cummax(0).values.flip(0)  # bin k and every smaller
+    count = torch.bincount(bins, minlength=MAGNITUDE_BINS).flip(0).cumsum(0).flip(0)
+    out, last = [], None
+    for k in range(MAGNITUDE_BINS):
+        if int(count[k]) >= MIN_BIN_NUMEL or last is None:
+            floor = FLOOR_ULPS * eps(dtype) * min(scale, bin_ceiling(top, k))
+            ceiling = bin_ceiling(top, k)
+            last = (MAX_FACTOR * float(below[k]) + floor, float(below[k]), floor, ceiling)
+        out.append(last)
+    return tuple(out) if any(b != out[0] for b in out) else None
+
+
+def bin_errors(tp_local: torch.Tensor, ref: torch.Tensor, dense: torch.Tensor) -> tuple | None:
+    """This rank's max |TP - reference| per bin of |dense| (the bins placed by the full dense
+    tensor, as rank 0 placed them for its bounds); None under SMALL_NUMEL elements."""
+    if dense.numel() < SMALL_NUMEL or tp_local.shape != ref.shape or not ref.numel():
+        return None
+    diff = (tp_local.detach().reshape(-1).double() - ref.detach().reshape(-1).double()).abs_()
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    return tuple(per_bin_max(diff, magnitude_bin(ref, top_exponent(dense))).tolist())
+
+
+def worst_bin(errors: tuple, bins: tuple) -> int:
+    """The bin whose error is the largest share of its bound (an error over a zero bound first)."""
+
+    def share(k: int) -> float:
+        e, b = errors[k], bins[k][0]
+        return e / b if b > 0 else (math.inf if e > 0 else 0.0)
+
+    return max(range(len(bins)), key=share)
 
 
 # The self-test's planted error, relative to the tensor's scale: the largest error the checker
