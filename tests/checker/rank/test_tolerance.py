@@ -154,3 +154,113 @@ def test_matmul_split_in_two_is_accepted_and_a_one_percent_fault_is_not(seed):
     assert bound / float(truth.abs().max()) < 1e-5
     # And a missing reduction (a rank keeps its own partial) is an O(1) error, a fortiori outside.
     assert float((p0 - dense).abs().max()) > 1e4 * bound
+
+
+# ------------------------------------------------------------------ by magnitude (an outlier)
+
+
+def _with_outlier(dtype, seed, outlier=1e3, shape=(16, 24)):
+    """A rounded/float64 pair of O(1) values with one element `outlier`."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(shape, generator=g, dtype=torch.float64)
+    truth[3, 5] = outlier
+    return truth.to(dtype), truth
+
+
+def _judged(errors, bound):
+    """The parent's judgement of a binned check, as result.judge makes it."""
+    from tpcheck.checker.payload import Check
+    from tpcheck.checker.verdict.result import judge
+
+    c = Check(
+        stage="forward",
+        step=1,
+        name="x",
+        rank=0,
+        error=max(errors),
+        diff_vs_dense=max(errors),
+        bound=bound.value,
+        kind="calibrated",
+        reason="",
+        passed=None,
+    )
+    c.bin_errors, c.bins = errors, bound.bins
+    return judge(c), c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_outlier_widens_only_its_own_bin(dtype):
+    """The top bin's bound is the whole-tensor formula; every element of O(1) is held to a bound
+    set by the elements of its own magnitude, ~1000x tighter than the outlier's."""
+    dense, truth = _with_outlier(dtype, 0)
+    b = calibrated(dense, truth, dtype, 2)
+    assert b.bins is not None and len(b.bins) == tolerance.MAGNITUDE_BINS
+    assert b.bins[0][0] == pytest.approx(expected_bound(dense, truth, dtype), rel=1e-12)
+    small = dense.double().abs() < 8
+    # the bin of the O(1) elements: its ceiling is above them, its dense error is theirs
+    k = int(tolerance.magnitude_bin(dense[3:4, 0:1], tolerance.top_exponent(dense)))
+    bound_k, ref_k, floor_k, ceiling_k = b.bins[k]
+    assert ceiling_k > abs(float(dense[3, 0]))
+    err_small = float((dense.double() - truth).abs()[small].max())
+    assert ref_k <= err_small and bound_k < b.bins[0][0] / 100
+    # bounds never grow toward smaller bins, and none is wider than the whole tensor's
+    values = [x[0] for x in b.bins]
+    assert values == sorted(values, reverse=True)
+
+
+def test_an_error_of_one_ulp_of_the_outlier_is_flagged_on_small_elements_only():
+    """TP off by 0.5 on every O(1) element: the whole-tensor bound (wide from the outlier) passes
+    it, the magnitude bins do not; one ulp on the outlier itself passes."""
+    dtype = torch.bfloat16
+    dense, truth = _with_outlier(dtype, 1)
+    b = calibrated(dense, truth, dtype, 2)
+    tp = dense.clone()
+    tp[dense.abs() < 8] += 0.5
+    errors = tolerance.bin_errors(tp, dense, dense)
+    assert max(errors) <= b.value  # what a whole-tensor bound says: within
+    passed, c = _judged(errors, b)
+    assert not passed and c.magnitude is not None and c.error == pytest.approx(0.5, rel=1e-2)
+    on_outlier = dense.clone()
+    on_outlier[3, 5] += 4  # one bfloat16 ulp of 1e3
+    assert _judged(tolerance.bin_errors(on_outlier, dense, dense), b)[0]
+
+
+def test_bins_need_64_elements_else_they_take_a_larger_bins_bound():
+    """Fewer than MIN_BIN_NUMEL elements at and below a bin: the bound of the first larger bin
+    that has them (the max over a handful of errors is too noisy to bound with)."""
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(2)
+    truth = torch.randn(256, generator=g, dtype=torch.float64)
+    truth[:10] *= 1e-6  # ten tiny elements: alone in their bins
+    dense = truth.to(dtype)
+    b = calibrated(dense, truth, dtype, 2)
+    top = tolerance.top_exponent(dense)
+    k_tiny = int(tolerance.magnitude_bin(dense[:1], top))
+    count = torch.bincount(tolerance.magnitude_bin(dense, top), minlength=tolerance.MAGNITUDE_BINS)
+    first_enough = max(
+        k
+        for k in range(tolerance.MAGNITUDE_BINS)
+        if int(count[k:].sum()) >= tolerance.MIN_BIN_NUMEL
+    )
+    assert k_tiny > first_enough
+    assert b.bins[k_tiny] == b.bins[first_enough]
+
+
+def test_small_tensors_and_float64_are_judged_whole():
+    dense, truth = _pair(torch.bfloat16, 4, (63,))
+    assert calibrated(dense, truth, torch.bfloat16, 2).bins is None
+    assert tolerance.bin_errors(dense, dense, dense) is None
+    big = torch.randn(128, dtype=torch.float64)
+    assert calibrated(big, big, torch.float64, 2).bins is None
+
+
+def test_uniform_magnitudes_need_no_bins():
+    """Every element in the top bin (all of one octave pair): no bins, the whole-tensor bound."""
+    truth = torch.full((128,), 1.5, dtype=torch.float64) + torch.rand(128, dtype=torch.float64)
+    assert calibrated(truth.float(), truth, torch.float32, 2).bins is None
+
+
+def test_a_bin_with_an_error_over_a_zero_bound_is_the_worst():
+    bins = ((1.0, 0.1, 0.2, 4.0), (0.0, 0.0, 0.0, 1.0))
+    assert tolerance.worst_bin((0.9, 1e-30), bins) == 1
+    assert tolerance.worst_bin((0.9, 0.0), bins) == 0

@@ -59,7 +59,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+            x.dtype
+        ) * self.weight
 
 
 class DenseBlock(nn.Module):
