@@ -35,9 +35,9 @@ def _assert_as_listed(runs, results):
         assert r["verdict"] == want, (name, world, dtype, r["summary"])
         if want == "not equivalent":
             first = r["first_divergence"]
-            # at the first tensor the fault touches, by several times its bound
+            # at the first tensor the fault touches, by twice its bound or more
             assert (first["stage"], first["name"]) == ("forward", "output"), first
-            assert first["error"] > 3 * first["bound"], first
+            assert first["error"] > 2 * first["bound"], first
         else:
             assert r["self_test"]["failures"] == []
 
@@ -45,11 +45,11 @@ def _assert_as_listed(runs, results):
 def test_one_outlier_does_not_blind_the_bounds():
     results = _verdicts(RUNS)
     _assert_as_listed(RUNS, results)
-    # the correct bfloat16 block's output is judged by magnitude: its tightest bin is far below
-    # the whole tensor's bound (the outlier's ulp)
+    # the correct bfloat16 block's output is judged by magnitude: the rows of O(1) values get an
+    # O(0.1) bound, where the whole tensor's is over 1 ulp of the outlier (7.8)
     out = [c for c in results[0]["checks"] if c["name"] == "output" and c["stage"] == "forward"]
     assert len(out) >= 2 and all(c["scale"] == pytest.approx(1e3, rel=1e-2) for c in out)
-    assert all(c["magnitude"] <= 8 and c["bound"] < 0.1 for c in out)
+    assert all(c["magnitude"] <= 8 and c["bound"] < 0.3 for c in out)
 
 
 @pytest.mark.slow

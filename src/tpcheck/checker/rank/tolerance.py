@@ -32,13 +32,17 @@ Three kinds of comparison, each recorded with the bound it used and why:
 
 * by magnitude: one element of a tensor far larger than the rest (the "massive activations" of an
   LLM's residual stream, an outlier input) would set the max above for every element. So a tensor of
-  SMALL_NUMEL elements or more is judged per magnitude bin: its elements are binned by |dense| (bins
-  of BIN_OCTAVES octaves below the tensor's largest, MAGNITUDE_BINS of them, the last holding every
-  smaller element), and the elements of each bin are held to the bound above computed over the
-  elements no larger than the bin's ceiling (cumulative from below: the bin's own and every smaller
-  one; at least MIN_BIN_NUMEL elements, else the next larger bin's), with the floor at the ceiling's
-  ulp. The top bin's bound is the whole tensor's, so no bin is wider than the whole-tensor bound; an
-  outlier widens only its own. Measured like the rest (docs/tolerances.md).
+  SMALL_NUMEL elements or more is judged per magnitude bin. An element's magnitude is the largest
+  |dense| of its row (the last dimension: a token's hidden vector, a weight's output row): the
+  rounding an element carries comes from the terms that made it, and those scale with its row (an
+  element near zero in a row that holds an outlier carries the outlier's rounding). Rows are binned
+  by that magnitude, BIN_OCTAVES octaves a bin below the tensor's largest, MAGNITUDE_BINS bins, the
+  last holding every smaller row; the elements of a bin are held to the bound above computed over
+  every element of magnitude up to the bin's (its bin and all smaller ones, at least MIN_BIN_NUMEL
+  elements, else the next larger bin's), the floor an ulp of the largest of them. The top
+  bin's bound is the whole tensor's, so no bin's is wider; an outlier widens only its own row's.
+  A tensor of one row (a bias, a norm weight, the loss) is judged whole. Measured like the rest
+  (docs/tolerances.md).
 
 * float64 as the working dtype has no higher-precision truth here, so the bound is
   `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
@@ -85,8 +89,9 @@ class Bound:
     reason: str
     ref_error: float | None = None  # calibrated: max |dense - truth|
     floor: float | None = None  # calibrated: floor_ulps * eps * scale
-    # by magnitude (calibrated, SMALL_NUMEL elements or more): per bin of |dense|, the largest
-    # first, (bound, ref_error, floor, ceiling); None where every bin's is the whole tensor's
+    # by magnitude (calibrated, SMALL_NUMEL elements or more): per bin of magnitude, the largest
+    # first, (bound, ref_error, floor, magnitude: the largest row magnitude the bin's bound covers);
+    # None where every bin's is the whole tensor's
     bins: tuple[tuple[float, float, float, float], ...] | None = None
     scale: float | None = None  # calibrated: max |truth|
 
@@ -126,18 +131,21 @@ def top_exponent(dense: torch.Tensor) -> int:
     return int(torch.frexp(torch.tensor(absmax(dense), dtype=torch.float64)).exponent)
 
 
-def magnitude_bin(values: torch.Tensor, top: int) -> torch.Tensor:
-    """The bin of each element of `values` (a dense tensor or a rank's shard of it): 0 for the
-    largest (|x| within BIN_OCTAVES octaves of 2**top), MAGNITUDE_BINS - 1 for the smallest and
-    for 0."""
-    e = torch.frexp(values.detach().reshape(-1).double()).exponent.long()
+def row_magnitude(dense: torch.Tensor) -> torch.Tensor:
+    """Each element's magnitude for the bins: the largest |dense| of its row (last dimension), in
+    float64, in the dense layout (a rank shards it through its placement, as the reference)."""
+    a = dense.detach().double().abs()
+    return a.amax(-1, keepdim=True).expand_as(a) if a.dim() else a
+
+
+def magnitude_bin(magnitude: torch.Tensor, top: int) -> torch.Tensor:
+    """The bin of each element of `magnitude` (flattened; `row_magnitude`'s, or a rank's shard of
+    it): 0 for the largest (within BIN_OCTAVES octaves of 2**top), MAGNITUDE_BINS - 1 for the
+    smallest and for 0."""
+    m = magnitude.detach().reshape(-1).double()
+    e = torch.frexp(m).exponent.long()
     k = torch.div(top - e, BIN_OCTAVES, rounding_mode="floor").clamp_(0, MAGNITUDE_BINS - 1)
-    return k.masked_fill_(values.detach().reshape(-1) == 0, MAGNITUDE_BINS - 1)
-
-
-def bin_ceiling(top: int, k: int) -> float:
-    """Every element of bin `k` is smaller than this in magnitude."""
-    return math.ldexp(1.0, top - BIN_OCTAVES * k)
+    return k.masked_fill_(m == 0, MAGNITUDE_BINS - 1)
 
 
 def per_bin_max(diff: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
@@ -147,33 +155,40 @@ def per_bin_max(diff: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
 
 
 def _by_magnitude(dense, truth, dtype, scale: float):
-    """Bound.bins: the calibrated bound per bin of |dense| (see the module docstring); None where
+    """Bound.bins: the calibrated bound per bin of magnitude (see the module docstring); None where
     every bin would get the whole tensor's."""
     top = top_exponent(dense)
-    bins = magnitude_bin(dense, top)
+    magnitude = row_magnitude(dense).reshape(-1)
+    bins = magnitude_bin(magnitude, top)
     err = (dense.detach().reshape(-1).double() - truth.detach().reshape(-1).double()).abs_()
     if not bool(torch.isfinite(err).all()):
         return None
-    below = per_bin_max(err, bins).flip(0).cummax(0).values.flip(0)  # bin k and every smaller
+
+    def cumulative(per_bin):  # bin k and every smaller one
+        return per_bin.flip(0).cummax(0).values.flip(0)
+
+    below = cumulative(per_bin_max(err, bins))
+    largest = cumulative(per_bin_max(magnitude, bins))
     count = torch.bincount(bins, minlength=MAGNITUDE_BINS).flip(0).cumsum(0).flip(0)
     out, last = [], None
     for k in range(MAGNITUDE_BINS):
         if int(count[k]) >= MIN_BIN_NUMEL or last is None:
-            floor = FLOOR_ULPS * eps(dtype) * min(scale, bin_ceiling(top, k))
-            ceiling = bin_ceiling(top, k)
-            last = (MAX_FACTOR * float(below[k]) + floor, float(below[k]), floor, ceiling)
+            # the floor: an ulp of the largest element judged (the whole tensor's scale at the top)
+            m = scale if last is None else float(largest[k])
+            floor = FLOOR_ULPS * eps(dtype) * m
+            last = (MAX_FACTOR * float(below[k]) + floor, float(below[k]), floor, m)
         out.append(last)
     return tuple(out) if any(b != out[0] for b in out) else None
 
 
-def bin_errors(tp_local: torch.Tensor, ref: torch.Tensor, dense: torch.Tensor) -> tuple | None:
-    """This rank's max |TP - reference| per bin of |dense| (the bins placed by the full dense
-    tensor, as rank 0 placed them for its bounds); None under SMALL_NUMEL elements."""
-    if dense.numel() < SMALL_NUMEL or tp_local.shape != ref.shape or not ref.numel():
-        return None
+def bin_errors(
+    tp_local: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, top: int
+) -> tuple:
+    """This rank's max |TP - reference| per bin, `magnitude` being the shard of the dense tensor's
+    `row_magnitude` that `ref` is of (the bins placed as rank 0 placed them for its bounds)."""
     diff = (tp_local.detach().reshape(-1).double() - ref.detach().reshape(-1).double()).abs_()
     diff = torch.nan_to_num(diff, nan=math.inf)
-    return tuple(per_bin_max(diff, magnitude_bin(ref, top_exponent(dense))).tolist())
+    return tuple(per_bin_max(diff, magnitude_bin(magnitude, top)).tolist())
 
 
 def worst_bin(errors: tuple, bins: tuple) -> int:

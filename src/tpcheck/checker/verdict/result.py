@@ -279,7 +279,7 @@ def _worst_bin(check: Check) -> None:
     """The figures of the bin whose error is the largest share of its bound become the check's
     (the bins are dropped: judged once); `magnitude` names the bin where it is not the top one."""
     k = tolerance.worst_bin(check.bin_errors, check.bins)
-    bound, ref_error, floor, ceiling = check.bins[k]
+    bound, ref_error, floor, magnitude = check.bins[k]
     check.error, check.bound, check.ref_error, check.floor = (
         check.bin_errors[k],
         bound,
@@ -287,11 +287,12 @@ def _worst_bin(check: Check) -> None:
         floor,
     )
     if k > 0:
-        check.magnitude = ceiling
+        check.magnitude = magnitude
         check.reason = (
-            f"{tolerance.MAX_FACTOR:g} x the dense error vs float64 over the elements with |dense| "
-            f"< {ceiling:.3g} ({ref_error:.3g}) + {tolerance.FLOOR_ULPS} ulp(s) of {ceiling:.3g}: "
-            f"this tensor judged by magnitude ({check.reason})"
+            f"{tolerance.MAX_FACTOR:g} x the dense error vs float64 ({ref_error:.3g}) over the "
+            f"rows "
+            f"whose largest |dense| is at most {magnitude:.3g} + {tolerance.FLOOR_ULPS} ulp(s) of "
+            f"it: judged by magnitude, the tensor's largest row being wider ({check.reason})"
         )
     check.bin_errors = check.bins = None
 
