@@ -57,6 +57,7 @@ docs/tolerances.md has the derivation, the measured numbers and the detectabilit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -122,6 +123,19 @@ def calibrated(
         floor=floor,
         bins=_by_magnitude(dense, truth, dtype, scale) if truth.numel() >= SMALL_NUMEL else None,
         scale=scale,
+    )
+
+
+def plus_floor(bound: Bound, extra: float, why: str) -> Bound:
+    """`bound` with `extra` added to its floor (and to every magnitude bin's), `why` in its
+    reason."""
+    bins = bound.bins and tuple((b + extra, r, f + extra, m) for b, r, f, m in bound.bins)
+    return dataclasses.replace(
+        bound,
+        value=bound.value + extra,
+        floor=(bound.floor or 0.0) + extra,
+        bins=bins,
+        reason=f"{bound.reason} + {why} ({extra:.3g})",
     )
 
 
