@@ -103,7 +103,9 @@ class Comparator:
         """A calibrated check of SMALL_NUMEL elements or more is judged per bin of magnitude
         (tolerance.py): this rank's errors per bin, and the bounds per bin where rank 0 made them
         here (elsewhere the parent takes them from rank 0's check)."""
-        if bound.kind != "calibrated" or dense.numel() < tolerance.SMALL_NUMEL or not ref.numel():
+        if check.stage not in tolerance.BY_MAGNITUDE_STAGES or bound.kind != "calibrated":
+            return
+        if dense.numel() < tolerance.SMALL_NUMEL or not ref.numel():
             return
         if tp_local.shape != ref.shape:
             return
