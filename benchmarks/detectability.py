@@ -4,6 +4,7 @@ the targets. Results: benchmarks/results/detectability.json; the table in docs/t
 
     .venv/bin/python benchmarks/detectability.py            # worlds 2 4 8, 2 seeds
     .venv/bin/python benchmarks/detectability.py --worlds 1 2 3 4 5 6 7 8
+    .venv/bin/python benchmarks/detectability.py --outlier 1000   # one input element of 1e3
 """
 
 from __future__ import annotations
@@ -21,12 +22,22 @@ def main() -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--outlier",
+        type=float,
+        default=0.0,
+        help="one input element of this size (float16: at most 100); results in "
+        "detectability_outlier.json",
+    )
     args = p.parse_args()
     import tpcheck
     from tpcheck.faults.detectability import probes, target, thresholds
 
     run = probes(
-        dtypes=args.dtypes, worlds=args.worlds, seeds=args.seeds[:1] if args.quick else args.seeds
+        dtypes=args.dtypes,
+        worlds=args.worlds,
+        seeds=args.seeds[:1] if args.quick else args.seeds,
+        outlier=args.outlier,
     )
     specs = [pr.spec() for pr in run]
     t0 = time.perf_counter()
@@ -65,7 +76,8 @@ def main() -> None:
         )
     print(table(["bug", "dtype", "world", "smallest flagged", "target", ""], rows))
     print(f"{len(specs)} runs in {seconds:.0f} s")
-    write("detectability", {"seconds": seconds, "rows": payload})
+    name = "detectability_outlier" if args.outlier else "detectability"
+    write(name, {"seconds": seconds, "outlier": args.outlier, "rows": payload})
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ def records_zero(monkeypatch):
 
 
 def tolerance_times_1000(monkeypatch):
-    """Every calibrated bound 1000 times as wide."""
+    """Every calibrated bound 1000 times as wide (each magnitude bin's too)."""
     calibrated = tolerance.calibrated
 
     def loose(*args, **kwargs):
         bound = calibrated(*args, **kwargs)
-        return dataclasses.replace(bound, value=bound.value * 1000)
+        bins = bound.bins and tuple((b * 1000, *rest) for b, *rest in bound.bins)
+        return dataclasses.replace(bound, value=bound.value * 1000, bins=bins)
 
     monkeypatch.setattr(tolerance, "calibrated", loose)

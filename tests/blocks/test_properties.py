@@ -1,7 +1,7 @@
 """Property tests: a correct MLP is never flagged and the seed's two faults always are, over random
 shapes, world sizes {1, 2, 4}, seeds, dtypes, optimizers and sequence parallelism; and no correct
 case of any block is flagged over random cases from `tpcheck.blocks.sampling` (fixed seeds, printed;
-in the slow test the 2,000 cases that docs/tolerances.md reports;
+in the slow tests the 2,000 cases and the 500 with an outlier that docs/tolerances.md reports;
 TPCHECK_SWEEP_SEED=random explores)."""
 
 import os
@@ -96,8 +96,8 @@ def _sweep_seed(default: int) -> int:
     return random.randrange(2**31) if value == "random" else int(value)
 
 
-def _no_false_alarm(n: int, seed: int) -> None:
-    specs = random_specs(seed, n)
+def _no_false_alarm(n: int, seed: int, **kw) -> None:
+    specs = random_specs(seed, n, **kw)
     results = check(specs)
     false_alarms = [r for r in results if r["verdict"] != "equivalent"]
     worst = max(
@@ -131,3 +131,11 @@ def test_no_false_alarm_on_2000_random_correct_cases():
     """The sweep behind the bound's factor, as docs/tolerances.md reports it (2,000 random correct
     cases, seed 11; TPCHECK_SWEEP_SEED draws another set)."""
     _no_false_alarm(2000, _sweep_seed(11))
+
+
+@pytest.mark.slow
+def test_no_false_alarm_on_500_random_correct_cases_with_an_outlier():
+    """The hidden-state blocks (mlp, attention, layer) with one input element of 1e2-3e3 (1e1.5-1e2
+    in float16), as docs/tolerances.md reports it (500 cases, seed 11): bounds judged by magnitude
+    keep no false alarm where one element dwarfs the rest."""
+    _no_false_alarm(500, _sweep_seed(11), outliers=True)

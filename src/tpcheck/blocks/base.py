@@ -100,11 +100,14 @@ def prefixed(prefix: str, placements: dict) -> dict:
 
 
 def hidden_batch(cfg: ModelConfig):
-    """x and an MSE target, both [s, b, h], drawn in the seed's order."""
+    """x and an MSE target, both [s, b, h], drawn in the seed's order; `cfg.outlier`, where set, in
+    one element of x (the middle token of the last sequence, a third into the hidden dim)."""
 
     def make(g: torch.Generator, dtype: torch.dtype):
         x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g)
         target = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g)
+        if cfg.outlier:
+            x[cfg.seq // 2, cfg.batch - 1, cfg.hidden // 3] = cfg.outlier
         return {"x": x.to(dtype)}, target.to(dtype)
 
     return make

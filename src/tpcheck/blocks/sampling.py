@@ -10,6 +10,7 @@ noisy to mean anything.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from tpcheck.blocks import BLOCKS
@@ -22,10 +23,21 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the blocks that train; the decode block (checked forward only, no SP) has its own tests
 # (tests/faults/test_decode_block.py) and stays out, so a seed draws the cases it always drew
 TRAINED = tuple(b for b in BLOCKS if b != "decode")
+# the blocks whose input is a hidden state [s, b, h], where an outlier can be planted
+HIDDEN_INPUT = ("mlp", "attention", "layer")
 
 
-def random_spec(rng: random.Random, *, worlds=WORLDS, dtypes=DTYPES, blocks=TRAINED) -> CaseSpec:
-    """One random correct case (no fault) that the built-in blocks can build."""
+def random_spec(
+    rng: random.Random, *, worlds=WORLDS, dtypes=DTYPES, blocks=TRAINED, outliers=False
+) -> CaseSpec:
+    """One random correct case (no fault) that the built-in blocks can build; `outliers`: a hidden
+    state block whose input holds one element of magnitude 10^2-10^3.5 (10^1.5-10^2 in float16,
+    whose MSE loss overflows beyond: 1e3 squared is over its largest 65504), either sign."""
+    if outliers:
+        spec = random_spec(rng, worlds=worlds, dtypes=dtypes, blocks=HIDDEN_INPUT)
+        low, high = (1.5, 2) if spec.settings.dtype == "float16" else (2, 3.5)
+        value = rng.choice((-1, 1)) * 10 ** rng.uniform(low, high)
+        return dataclasses.replace(spec, overrides=(*spec.overrides, ("outlier", value)))
     block, world, sp = rng.choice(blocks), rng.choice(worlds), rng.random() < 0.5
     seq = world * rng.randint(1, 3) if sp else rng.randint(1, 6)
     batch = rng.randint(2 if seq == 1 else 1, 2)  # >= 2 tokens: the LM ignores every 5th label

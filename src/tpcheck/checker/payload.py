@@ -44,6 +44,14 @@ class Check:
     # what loaded the tensor, where it was not tpcheck through the plan: a weights check of a case
     # with its own `load_tp` ("your load_tp (case.py:34)"), named by the summary of a failing one
     loaded_by: str | None = None
+    # calibrated checks of SMALL_NUMEL elements or more, judged by magnitude (tolerance.py): this
+    # rank's max |TP - dense| per bin and rank 0's bound per bin (bound, ref_error, floor,
+    # magnitude), until the parent judges the check (then only the judged bin's figures are kept:
+    # `magnitude` is the largest row magnitude it covers, where it is not the whole tensor's)
+    bin_errors: tuple | None = None
+    bins: tuple | None = None
+    magnitude: float | None = None
+    scale: float | None = None  # calibrated: max |float64 truth| over the whole tensor
 
 
 # (stage, step, name): where a check's evidence is kept, on a rank and in its payload

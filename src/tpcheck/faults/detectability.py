@@ -30,6 +30,8 @@ LR_SIZES = (1e-6, 1e-4, 1e-2, 0.5)
 TARGETS = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 0.03, "float16": 0.03}
 TARGET_16BIT_WORLD8 = 0.1
 TARGET_LR = 0.5
+# the largest outlier a float16 probe takes: its square must stay under float16's 65504 in the loss
+FLOAT16_OUTLIER = 100.0
 
 
 def target(kind: str, dtype: str, world: int) -> float:
@@ -47,16 +49,19 @@ class Probe:
     world: int
     size: float
     seed: int
+    outlier: float = 0.0  # one input element set to this (ModelConfig.outlier; 0: none)
 
     def spec(self, preset: str = "tiny") -> CaseSpec:  # tiny: hidden 32, ffn 64
         """The planted case, registered in this process (register before the ranks fork)."""
+        # heads: unused by the MLP; divisible up to 8
+        overrides = (("heads", 8), ("kv_heads", 8))
         base = CaseSpec(
             block="mlp",
             preset=preset,
             world_size=self.world,
             run=RunSettings(dtype=self.dtype, seed=self.seed),
-            overrides=(("heads", 8), ("kv_heads", 8)),
-        )  # unused by the MLP; divisible up to 8
+            overrides=overrides + ((("outlier", self.outlier),) if self.outlier else ()),
+        )
         case = BLOCKS["mlp"].case(base, config_for(base))
         if self.kind == "partial":
             plant = inj.intercept(
@@ -69,6 +74,7 @@ class Probe:
         else:
             plant = inj.lr_scaled_on_last_rank(lambda w: 1 + self.size)
         label = f"{self.kind}x(1+{self.size:g})/{self.dtype}/tp{self.world}/seed{self.seed}"
+        label += f"/outlier{self.outlier:g}" if self.outlier else ""
         spec = file_spec(register(plant(case, base)), self.world, label=label)
         return dataclasses.replace(spec, expected="not equivalent")
 
@@ -80,13 +86,17 @@ def probes(
     seeds=(1, 2),
     partial_sizes=PARTIAL_SIZES,
     lr_sizes=LR_SIZES,
+    outlier: float = 0.0,
 ) -> list[Probe]:
+    """Every probe of the grid; `outlier`: one input element of that size (at most
+    FLOAT16_OUTLIER in float16, whose MSE loss overflows beyond)."""
     out = []
     for kind, dtype, world, seed in itertools.product(kinds, dtypes, worlds, seeds):
         if kind == "partial" and world < 2:
             continue  # one rank: no partial sums
+        big = min(outlier, FLOAT16_OUTLIER) if dtype == "float16" else outlier
         for size in partial_sizes if kind == "partial" else lr_sizes:
-            out.append(Probe(kind, dtype, world, size, seed))
+            out.append(Probe(kind, dtype, world, size, seed, big))
     return out
 
 

@@ -37,6 +37,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
+    # one element of a hidden-state input [s, b, h] set to this value (0: none): the "massive
+    # activation" of an LLM's residual stream, for measuring bounds and detectability with outliers
+    outlier: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("dropout", "attention_dropout"):

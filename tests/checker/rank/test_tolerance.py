@@ -154,3 +154,128 @@ def test_matmul_split_in_two_is_accepted_and_a_one_percent_fault_is_not(seed):
     assert bound / float(truth.abs().max()) < 1e-5
     # And a missing reduction (a rank keeps its own partial) is an O(1) error, a fortiori outside.
     assert float((p0 - dense).abs().max()) > 1e4 * bound
+
+
+# ------------------------------------------------------------------ by magnitude (an outlier)
+
+
+def _with_outlier(dtype, seed, outlier=1e3, shape=(16, 24)):
+    """A rounded/float64 pair of O(1) values with one element `outlier` (row 3)."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(shape, generator=g, dtype=torch.float64)
+    truth[3, 5] = outlier
+    return truth.to(dtype), truth
+
+
+def _errors(tp, dense):
+    """This rank's errors per bin of a replicated tensor (the dense layout)."""
+    top = tolerance.top_exponent(dense)
+    return tolerance.bin_errors(tp, dense, tolerance.row_magnitude(dense), top)
+
+
+def _judged(errors, bound):
+    """The parent's judgement of a binned check, as result.judge makes it."""
+    from tpcheck.checker.payload import Check
+    from tpcheck.checker.verdict.result import judge
+
+    c = Check(
+        stage="forward",
+        step=1,
+        name="x",
+        rank=0,
+        error=max(errors),
+        diff_vs_dense=max(errors),
+        bound=bound.value,
+        kind="calibrated",
+        reason="",
+        passed=None,
+    )
+    c.bin_errors, c.bins = errors, bound.bins
+    return judge(c), c
+
+
+def test_an_element_is_as_large_as_its_rows_largest():
+    x = torch.tensor([[1.0, -1000.0, 0.0], [0.5, 0.25, -0.125]])
+    assert tolerance.row_magnitude(x).tolist() == [[1000.0] * 3, [0.5] * 3]
+    assert tolerance.row_magnitude(torch.tensor(-3.0)).item() == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_outlier_widens_only_its_own_rows_bin(dtype):
+    """The top bin's bound is the whole-tensor formula; the rows of O(1) values are held to a
+    bound set by the rows of their own magnitude, ~1000x tighter than the outlier row's."""
+    dense, truth = _with_outlier(dtype, 0)
+    b = calibrated(dense, truth, dtype, 2)
+    assert b.bins is not None and len(b.bins) == tolerance.MAGNITUDE_BINS
+    assert b.bins[0][0] == pytest.approx(expected_bound(dense, truth, dtype), rel=1e-12)
+    top = tolerance.top_exponent(dense)
+    rows = tolerance.magnitude_bin(tolerance.row_magnitude(dense), top).reshape(dense.shape)
+    assert (rows[3] == 0).all() and (rows[torch.arange(16) != 3] > 0).all()
+    k = int(rows[0, 0])
+    bound_k, ref_k, floor_k, magnitude_k = b.bins[k]
+    assert magnitude_k >= float(dense[0].double().abs().max())
+    others = (dense.double() - truth).abs()[torch.arange(16) != 3]
+    assert ref_k <= float(others.max()) and bound_k < b.bins[0][0] / 50  # ~90x here
+    # bounds never grow toward smaller bins, and none is wider than the whole tensor's
+    values = [x[0] for x in b.bins]
+    assert values == sorted(values, reverse=True)
+
+
+def test_an_error_on_the_rows_without_the_outlier_is_flagged():
+    """TP off by 0.5 on every element outside the outlier's row: the whole-tensor bound (wide from
+    the outlier) passes it, the bins do not; 0.5 on the outlier's row itself passes (its elements
+    carry the outlier's rounding)."""
+    dtype = torch.bfloat16
+    dense, truth = _with_outlier(dtype, 1)
+    b = calibrated(dense, truth, dtype, 2)
+    tp = dense.clone()
+    tp[torch.arange(16) != 3] += 0.5
+    errors = _errors(tp, dense)
+    assert max(errors) <= b.value  # what a whole-tensor bound says: within
+    passed, c = _judged(errors, b)
+    assert not passed and c.magnitude is not None and c.error == pytest.approx(0.5, rel=0.05)
+    on_outlier_row = dense.clone()
+    on_outlier_row[3] += 0.5
+    assert _judged(_errors(on_outlier_row, dense), b)[0]
+
+
+def test_bins_need_64_elements_else_they_take_a_larger_bins_bound():
+    """Fewer than MIN_BIN_NUMEL elements at and below a bin: the bound of the first larger bin
+    that has them (the max over a handful of errors is too noisy to bound with)."""
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(2)
+    truth = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    truth[:2] *= 1e-6  # two tiny rows (16 elements): alone in their bin
+    truth[2:34] *= 1e-2  # 32 small rows (256 elements): a bin of their own
+    dense = truth.to(dtype)
+    b = calibrated(dense, truth, dtype, 2)
+    top = tolerance.top_exponent(dense)
+    bins = tolerance.magnitude_bin(tolerance.row_magnitude(dense), top)
+    k_tiny = int(bins[0])
+    count = torch.bincount(bins, minlength=tolerance.MAGNITUDE_BINS)
+    enough = [k for k in range(tolerance.MAGNITUDE_BINS) if count[k:].sum() >= 64]
+    first_enough = max(enough)
+    assert k_tiny > first_enough > 0
+    assert b.bins[k_tiny] == b.bins[first_enough] != b.bins[0]
+
+
+def test_small_tensors_one_row_and_float64_are_judged_whole():
+    dense, truth = _pair(torch.bfloat16, 4, (63,))
+    assert calibrated(dense, truth, torch.bfloat16, 2).bins is None
+    one_row = torch.randn(1, 128, dtype=torch.float64)
+    one_row[0, 5] = 1e3
+    assert calibrated(one_row.bfloat16(), one_row, torch.bfloat16, 2).bins is None
+    big = torch.randn(8, 16, dtype=torch.float64)
+    assert calibrated(big, big, torch.float64, 2).bins is None
+
+
+def test_uniform_rows_need_no_bins():
+    """Every row's largest element in the top bin: no bins, the whole-tensor bound."""
+    truth = torch.full((16, 8), 1.5, dtype=torch.float64) + torch.rand(16, 8, dtype=torch.float64)
+    assert calibrated(truth.float(), truth, torch.float32, 2).bins is None
+
+
+def test_a_bin_with_an_error_over_a_zero_bound_is_the_worst():
+    bins = ((1.0, 0.1, 0.2, 4.0), (0.0, 0.0, 0.0, 1.0))
+    assert tolerance.worst_bin((0.9, 1e-30), bins) == 1
+    assert tolerance.worst_bin((0.9, 0.0), bins) == 0

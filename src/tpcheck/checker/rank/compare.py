@@ -87,6 +87,7 @@ class Comparator:
         # what only this comparison knows, set before the check leaves here (`_record`, which makes
         # every check and control alike, takes what they share)
         check.numel, check.loaded_by = ref.numel(), loaded_by
+        self._by_magnitude(check, tp_local, ref, dense, bound, placement)
         if reason is not None:
             check.reason = reason
         if seq is not None:
@@ -97,6 +98,22 @@ class Comparator:
         self._control(check, ref, dense, bound, placement)
         self._hold_replicas(check, tp_local, dense, placement)
         return check
+
+    def _by_magnitude(self, check: Check, tp_local, ref, dense, bound, placement) -> None:
+        """A calibrated check of SMALL_NUMEL elements or more is judged per bin of magnitude
+        (tolerance.py): this rank's errors per bin, and the bounds per bin where rank 0 made them
+        here (elsewhere the parent takes them from rank 0's check)."""
+        if check.stage not in tolerance.BY_MAGNITUDE_STAGES or bound.kind != "calibrated":
+            return
+        if dense.numel() < tolerance.SMALL_NUMEL or not ref.numel():
+            return
+        if tp_local.shape != ref.shape:
+            return
+        rank, world = self.group.rank, self.group.world_size
+        magnitude = placement.shard(tolerance.row_magnitude(dense), rank, world)
+        top = tolerance.top_exponent(dense)
+        check.bin_errors = tolerance.bin_errors(tp_local, ref, magnitude, top)
+        check.bins = bound.bins
 
     def _hold_replicas(self, check: Check, tp_local, dense, placement: Placement) -> None:
         """What of `tp_local` other ranks hold too, kept for `flush_replicas` (compared bitwise)."""
@@ -290,6 +307,7 @@ class Comparator:
             seq=self.seq,
             ref_error=bound.ref_error,
             floor=bound.floor,
+            scale=bound.scale,
             control=control,
         )
         self.checks.append(check)
@@ -328,6 +346,7 @@ class Comparator:
             placement,
             control=True,
         )
+        self._by_magnitude(check, planted, ref, dense, bound, placement)
         lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
         near = ref.detach().reshape(-1)[lo : i + 4]
         self._keep_evidence(check, planted.reshape(-1)[lo : i + 4], near, near)

@@ -30,6 +30,25 @@ Three kinds of comparison, each recorded with the bound it used and why:
   1 ulp of the tensor's scale, 8 under SMALL_NUMEL elements. What this bound can
   see, per dtype and world size, is the detectability table in docs/tolerances.md.
 
+* by magnitude: one element of a tensor far larger than the rest (the "massive activations" of an
+  LLM's residual stream, an outlier input) would set the max above for every element. So a tensor of
+  SMALL_NUMEL elements or more is judged per magnitude bin. An element's magnitude is the largest
+  |dense| of its row (the last dimension: a token's hidden vector, a weight's output row): the
+  rounding an element carries comes from the terms that made it, and those scale with its row (an
+  element near zero in a row that holds an outlier carries the outlier's rounding). Rows are binned
+  by that magnitude, BIN_OCTAVES octaves a bin below the tensor's largest, MAGNITUDE_BINS bins, the
+  last holding every smaller row; the elements of a bin are held to the bound above computed over
+  every element of magnitude up to the bin's (its bin and all smaller ones, at least MIN_BIN_NUMEL
+  elements, else the next larger bin's), the floor an ulp of the largest of them. The top
+  bin's bound is the whole tensor's, so no bin's is wider; an outlier widens only its own row's.
+  A tensor of one row (a bias, a norm weight, the loss) is judged whole. Only activations and
+  their gradients (BY_MAGNITUDE_STAGES) are binned: there a row is a token, computed from that
+  token's terms. A parameter's gradient sums over every token and TP all-reduces it from partial
+  sums (GQA's KV heads: one partial per rank's query heads), each rounded at its own size, which
+  the row's magnitude does not bound: binned, correct cases failed (measured: 2 in 2,000, a
+  replicated KV head's gradient rows 16x below the tensor's largest, 12x the dense error there).
+  Measured like the rest (docs/tolerances.md).
+
 * float64 as the working dtype has no higher-precision truth here, so the bound is
   `FP64_FLOOR_ULPS * eps * scale` (about 1e-10 relative): reduction-order noise in float64 is ~1e-16
   relative per operation, a fault is ~1e-1.
@@ -43,6 +62,8 @@ docs/tolerances.md has the derivation, the measured numbers and the detectabilit
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +74,11 @@ MAX_FACTOR = 8.0
 SMALL_NUMEL, SMALL_FACTOR = 64, 16.0  # the max over a handful of elements is a noisier statistic
 FLOOR_ULPS, SMALL_FLOOR_ULPS = 1, 8  # ulps of the scale; tensors under SMALL_NUMEL elements
 FP64_FLOOR_ULPS = 2**20
+# bins of |dense|: BIN_OCTAVES octaves each below the largest element, the last holding the rest
+MAGNITUDE_BINS, BIN_OCTAVES, MIN_BIN_NUMEL = 6, 4, SMALL_NUMEL
+# the stages whose tensors are judged by magnitude: activations and their gradients, whose rows are
+# tokens (see the module docstring for why not parameter gradients and weights)
+BY_MAGNITUDE_STAGES = ("forward", "backward")
 
 
 def factor(world_size: int, numel: int = SMALL_NUMEL) -> float:
@@ -72,6 +98,11 @@ class Bound:
     reason: str
     ref_error: float | None = None  # calibrated: max |dense - truth|
     floor: float | None = None  # calibrated: floor_ulps * eps * scale
+    # by magnitude (calibrated, SMALL_NUMEL elements or more): per bin of magnitude, the largest
+    # first, (bound, ref_error, floor, magnitude: the largest row magnitude the bin's bound covers);
+    # None where every bin's is the whole tensor's
+    bins: tuple[tuple[float, float, float, float], ...] | None = None
+    scale: float | None = None  # calibrated: max |truth|
 
 
 EXACT = Bound(0.0, "exact", "bitwise: no arithmetic separates TP from the reference (layout only)")
@@ -98,7 +129,98 @@ def calibrated(
         f"+ {ulps} ulp(s) of scale {scale:.3g}",
         ref_error=err_dense,
         floor=floor,
+        bins=_by_magnitude(dense, truth, dtype, scale) if truth.numel() >= SMALL_NUMEL else None,
+        scale=scale,
     )
+
+
+def plus_floor(bound: Bound, extra: float, why: str) -> Bound:
+    """`bound` with `extra` added to its floor (and to every magnitude bin's), `why` in its
+    reason."""
+    bins = bound.bins and tuple((b + extra, r, f + extra, m) for b, r, f, m in bound.bins)
+    return dataclasses.replace(
+        bound,
+        value=bound.value + extra,
+        floor=(bound.floor or 0.0) + extra,
+        bins=bins,
+        reason=f"{bound.reason} + {why} ({extra:.3g})",
+    )
+
+
+def top_exponent(dense: torch.Tensor) -> int:
+    """The binary exponent of the tensor's largest magnitude (frexp's: |x| < 2**e), which every
+    rank computes alike from the dense tensor it holds; it places the bins."""
+    return int(torch.frexp(torch.tensor(absmax(dense), dtype=torch.float64)).exponent)
+
+
+def row_magnitude(dense: torch.Tensor) -> torch.Tensor:
+    """Each element's magnitude for the bins: the largest |dense| of its row (last dimension), in
+    float64, in the dense layout (a rank shards it through its placement, as the reference)."""
+    a = dense.detach().double().abs()
+    return a.amax(-1, keepdim=True).expand_as(a) if a.dim() else a
+
+
+def magnitude_bin(magnitude: torch.Tensor, top: int) -> torch.Tensor:
+    """The bin of each element of `magnitude` (flattened; `row_magnitude`'s, or a rank's shard of
+    it): 0 for the largest (within BIN_OCTAVES octaves of 2**top), MAGNITUDE_BINS - 1 for the
+    smallest and for 0."""
+    m = magnitude.detach().reshape(-1).double()
+    e = torch.frexp(m).exponent.long()
+    k = torch.div(top - e, BIN_OCTAVES, rounding_mode="floor").clamp_(0, MAGNITUDE_BINS - 1)
+    return k.masked_fill_(m == 0, MAGNITUDE_BINS - 1)
+
+
+def per_bin_max(diff: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
+    """max of `diff` (flat, float64, non-negative) over the elements of each bin (0 where none)."""
+    out = torch.zeros(MAGNITUDE_BINS, dtype=torch.float64)
+    return out.scatter_reduce_(0, bins, diff, reduce="amax", include_self=True)
+
+
+def _by_magnitude(dense, truth, dtype, scale: float):
+    """Bound.bins: the calibrated bound per bin of magnitude (see the module docstring); None where
+    every bin would get the whole tensor's."""
+    top = top_exponent(dense)
+    magnitude = row_magnitude(dense).reshape(-1)
+    bins = magnitude_bin(magnitude, top)
+    err = (dense.detach().reshape(-1).double() - truth.detach().reshape(-1).double()).abs_()
+    if not bool(torch.isfinite(err).all()):
+        return None
+
+    def cumulative(per_bin):  # bin k and every smaller one
+        return per_bin.flip(0).cummax(0).values.flip(0)
+
+    below = cumulative(per_bin_max(err, bins))
+    largest = cumulative(per_bin_max(magnitude, bins))
+    count = torch.bincount(bins, minlength=MAGNITUDE_BINS).flip(0).cumsum(0).flip(0)
+    out, last = [], None
+    for k in range(MAGNITUDE_BINS):
+        if int(count[k]) >= MIN_BIN_NUMEL or last is None:
+            # the floor: an ulp of the largest element judged (the whole tensor's scale at the top)
+            m = scale if last is None else float(largest[k])
+            floor = FLOOR_ULPS * eps(dtype) * m
+            last = (MAX_FACTOR * float(below[k]) + floor, float(below[k]), floor, m)
+        out.append(last)
+    return tuple(out) if any(b != out[0] for b in out) else None
+
+
+def bin_errors(
+    tp_local: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor, top: int
+) -> tuple:
+    """This rank's max |TP - reference| per bin, `magnitude` being the shard of the dense tensor's
+    `row_magnitude` that `ref` is of (the bins placed as rank 0 placed them for its bounds)."""
+    diff = (tp_local.detach().reshape(-1).double() - ref.detach().reshape(-1).double()).abs_()
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    return tuple(per_bin_max(diff, magnitude_bin(magnitude, top)).tolist())
+
+
+def worst_bin(errors: tuple, bins: tuple) -> int:
+    """The bin whose error is the largest share of its bound (an error over a zero bound first)."""
+
+    def share(k: int) -> float:
+        e, b = errors[k], bins[k][0]
+        return e / b if b > 0 else (math.inf if e > 0 else 0.0)
+
+    return max(range(len(bins)), key=share)
 
 
 # The self-test's planted error, relative to the tensor's scale: the largest error the checker

@@ -157,7 +157,10 @@ def check_json(check: Check) -> dict:
     """A check as the report holds it: every field but `control` (the report lists no control) and
     `loaded_by` where nothing but tpcheck loaded the tensor."""
     out = dict(vars(check))  # flat: asdict's deep copy is slow
-    del out["control"]
+    del out["control"], out["bin_errors"], out["bins"]  # judged: the worst bin's figures are kept
+    for key in ("magnitude", "scale"):
+        if out[key] is None:
+            del out[key]
     if out["loaded_by"] is None:
         del out["loaded_by"]
     return out
@@ -266,8 +269,34 @@ def _no_bound(spec: CaseSpec, run: RunSettings, seconds: float, unbounded: list[
 
 
 def judge(check: Check) -> bool:
-    """A check passes when its error is within its bound (a NaN error never passes)."""
+    """A check passes when its error is within its bound (a NaN error never passes); one judged by
+    magnitude (tolerance.py) when every bin's error is within that bin's bound: its error and bound
+    are then the worst bin's."""
+    if check.bins is not None and check.bin_errors is not None:
+        _worst_bin(check)
     return check.error <= check.bound
+
+
+def _worst_bin(check: Check) -> None:
+    """The figures of the bin whose error is the largest share of its bound become the check's
+    (the bins are dropped: judged once); `magnitude` names the bin where it is not the top one."""
+    k = tolerance.worst_bin(check.bin_errors, check.bins)
+    bound, ref_error, floor, magnitude = check.bins[k]
+    check.error, check.bound, check.ref_error, check.floor = (
+        check.bin_errors[k],
+        bound,
+        ref_error,
+        floor,
+    )
+    if k > 0:
+        check.magnitude = magnitude
+        check.reason = (
+            f"{tolerance.MAX_FACTOR:g} x the dense error vs float64 ({ref_error:.3g}) over the "
+            f"rows "
+            f"whose largest |dense| is at most {magnitude:.3g} + {tolerance.FLOOR_ULPS} ulp(s) of "
+            f"it: judged by magnitude, the tensor's largest row being wider ({check.reason})"
+        )
+    check.bin_errors = check.bins = None
 
 
 def self_test(checks: list[Check], controls: list[Check], evidence: list[dict]) -> dict:
@@ -396,12 +425,14 @@ def _fill_bounds(checks: list[Check]) -> list[Check]:
                 if ref is None or ref.bound is None or ref.kind == "exact":
                     missing.append(c)
                     continue
-                c.bound, c.reason, c.kind, c.ref_error, c.floor = (
+                c.bound, c.reason, c.kind, c.ref_error, c.floor, c.bins, c.scale = (
                     ref.bound,
                     ref.reason,
                     ref.kind,
                     ref.ref_error,
                     ref.floor,
+                    ref.bins,
+                    ref.scale,
                 )
     return missing
 
