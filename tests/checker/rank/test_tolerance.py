@@ -279,3 +279,21 @@ def test_a_bin_with_an_error_over_a_zero_bound_is_the_worst():
     bins = ((1.0, 0.1, 0.2, 4.0), (0.0, 0.0, 0.0, 1.0))
     assert tolerance.worst_bin((0.9, 1e-30), bins) == 1
     assert tolerance.worst_bin((0.9, 0.0), bins) == 0
+
+
+def test_rows_within_the_tensors_rounding_noise_take_a_larger_bins_bound():
+    """Rows zero in exact arithmetic (a gradient no path reaches, up to rounding) are noise: their
+    TP values carry rounding from the terms around them, not their own, so they never get a bound
+    of their own size; rows above the noise still do."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(5)
+    truth = torch.randn(32, 16, generator=g, dtype=torch.float64)
+    truth[:8] = 1e-12 * torch.randn(8, 16, generator=g, dtype=torch.float64)  # noise rows
+    truth[8:24] *= 1e-2  # real rows, 100x below the rest
+    dense = truth.to(dtype)
+    b = calibrated(dense, truth, dtype, 2)
+    top = tolerance.top_exponent(dense)
+    rows = tolerance.magnitude_bin(tolerance.row_magnitude(dense), top).reshape(dense.shape)
+    noise, small = int(rows[0, 0]), int(rows[8:24].max())  # the smallest bin of real rows
+    assert noise > small > 0
+    assert b.bins[noise] == b.bins[small] and b.bins[small][0] < b.bins[0][0] / 20

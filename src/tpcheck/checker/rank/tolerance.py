@@ -38,8 +38,10 @@ Three kinds of comparison, each recorded with the bound it used and why:
   element near zero in a row that holds an outlier carries the outlier's rounding). Rows are binned
   by that magnitude, BIN_OCTAVES octaves a bin below the tensor's largest, MAGNITUDE_BINS bins, the
   last holding every smaller row; the elements of a bin are held to the bound above computed over
-  every element of magnitude up to the bin's (its bin and all smaller ones, at least MIN_BIN_NUMEL
-  elements, else the next larger bin's), the floor an ulp of the largest of them. The top
+  every element of magnitude up to the bin's (its bin and all smaller ones), the floor an ulp of
+  the largest of them; a bin of fewer than MIN_BIN_NUMEL elements, or whose rows are no larger than
+  the whole tensor's largest dense error (noise: a value zero in exact arithmetic carries the
+  rounding of the terms around it, not its own), takes the next larger bin's bound. The top
   bin's bound is the whole tensor's, so no bin's is wider; an outlier widens only its own row's.
   A tensor of one row (a bias, a norm weight, the loss) is judged whole. Only activations and
   their gradients (BY_MAGNITUDE_STAGES) are binned: there a row is a token, computed from that
@@ -194,7 +196,11 @@ def _by_magnitude(dense, truth, dtype, scale: float):
     count = torch.bincount(bins, minlength=MAGNITUDE_BINS).flip(0).cumsum(0).flip(0)
     out, last = [], None
     for k in range(MAGNITUDE_BINS):
-        if int(count[k]) >= MIN_BIN_NUMEL or last is None:
+        # a bin of its own: enough elements, and rows larger than the tensor's largest rounding
+        # error (rows below it are noise, not values: a gradient that is zero in exact arithmetic
+        # is the rounding carried in from elsewhere, as large on the TP side as the tensor's)
+        own = int(count[k]) >= MIN_BIN_NUMEL and float(largest[k]) > float(below[0])
+        if own or last is None:
             # the floor: an ulp of the largest element judged (the whole tensor's scale at the top)
             m = scale if last is None else float(largest[k])
             floor = FLOOR_ULPS * eps(dtype) * m
