@@ -21,10 +21,16 @@ def summarize(entries: list[dict], world: int) -> dict:
 
 
 def check_ledger(
-    entries: list[dict], expected: tuple | None, world: int, steps: int, micro: int
+    entries: list[dict],
+    expected: tuple | None,
+    world: int,
+    steps: int,
+    micro: int,
+    extra_forwards: int = 0,
 ) -> dict:
     """Problems (missing / extra / asymmetric collectives) against `expected` = (phase, op, site)
-    per micro-batch for forward/backward and per step for the optimizer phase."""
+    per micro-batch for forward/backward and per step for the optimizer phase; `extra_forwards`:
+    forwards without a backward besides those (the eval-mode forward of a training run)."""
     observed = {r: Counter() for r in range(world)}
     for e in entries:
         observed[e["rank"]][(e["phase"], e["op"], e["site"])] += 1
@@ -40,7 +46,9 @@ def check_ledger(
     want = Counter()
     if expected is not None and world > 1:
         for phase, op, site in expected:
-            want[(phase, op, site)] += steps * (micro if phase != "optimizer" else 1)
+            want[(phase, op, site)] += steps * (micro if phase != "optimizer" else 1) + (
+                extra_forwards if phase == "forward" else 0
+            )
         for key in sorted(set(want) | set(observed[0])):
             have, need = observed[0][key], want[key]
             if have != need:
