@@ -205,13 +205,16 @@ class BufferChecks:
 
 @contextlib.contextmanager
 def evaluating(models: list[nn.Module]) -> Iterator[None]:
-    """Every module of `models` in eval mode; each module's own mode restored after."""
+    """Every module of `models` in eval mode (through `eval()`, which a module may extend: the
+    adapters' hidden parallelized module); each module's own mode restored after."""
     modes = [(m, m.training) for model in models for m in model.modules()]
     for model in models:
         model.eval()
     try:
         yield
     finally:
+        for model in models:
+            model.train(True)
         for m, training in modes:
             m.training = training
 

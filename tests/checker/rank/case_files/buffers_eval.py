@@ -16,6 +16,10 @@ running_mean differs, and `model.eval()` normalizes with them.
 caches (non-persistent), computed in each module's constructor; the TP module keeps one more buffer
 (a scratch counter) that the dense one has not. `rotary_misfit`: its TP module keeps the caches for
 its own shard of the sequence only (a shape no placement of the dense cache has).
+
+`dropout_eval`: the same MLP with dropout on its (replicated) output, `nn.Dropout` on both sides.
+`dropout_always`: its TP module calls `F.dropout(..., training=True)`, as code that forgot to pass
+`self.training` does: right in training, it still drops in eval mode.
 """
 
 import torch
@@ -263,3 +267,48 @@ def _rotary_case(name, misfit):
 
 rotary = _rotary_case("rotary_caches", misfit=False)
 rotary_misfit = _rotary_case("rotary_cache_misfit", misfit=True)
+
+
+# ------------------------------------------------------------------ dropout in eval mode
+
+
+class DenseDropoutMLP(DenseRotaryMLP):
+    def __init__(self, dtype=None):
+        super().__init__(dtype)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):  # [s, b, h]
+        x = rotate(x, self.rope_cos, self.rope_sin)
+        return x + self.drop(self.fc2(F.gelu(self.fc1(x))))
+
+
+class TPDropoutMLP(TPRotaryMLP):
+    """Dropout after the all-reduce: a replicated region, the same mask on every rank."""
+
+    def __init__(self, group, dtype=None, always=False):
+        super().__init__(group, dtype)
+        self.drop, self.always = nn.Dropout(0.25), always
+
+    def forward(self, x):
+        x = rotate(x, self.rope_cos, self.rope_sin)
+        partial = F.linear(F.gelu(self.fc1(CopyToTP.apply(x, self.pg))), self.fc2.weight)
+        out = ReduceFromTP.apply(partial, self.pg) + self.fc2.bias  # [s, b, h]
+        if self.always:  # the planted bug: drops in eval mode too
+            return x + F.dropout(out, 0.25, training=True)
+        return x + self.drop(out)
+
+
+def _dropout_case(name, always):
+    return Case(
+        name=name,
+        build_dense=DenseDropoutMLP,
+        build_tp=lambda group, dtype: TPDropoutMLP(group, dtype, always),
+        plan=MLP_PLAN,
+        make_batch=make_batch,
+        init=init,
+        run=RunSettings(steps=2),
+    )
+
+
+dropout_eval = _dropout_case("dropout_eval", always=False)
+dropout_always = _dropout_case("dropout_always", always=True)
