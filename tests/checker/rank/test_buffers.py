@@ -18,7 +18,7 @@ from mutants import records_zero
 from tpcheck import Plan, Replicate, Shard
 from tpcheck.api import check
 from tpcheck.checker.rank import buffers, engine
-from tpcheck.checker.usercode import file_spec, load_module
+from tpcheck.checker.usercode import file_spec, load_module, register
 from tpcheck.errors import UsageError
 
 CASES = Path(__file__).parent / "case_files" / "buffers_eval.py"
@@ -154,6 +154,35 @@ def test_a_comparison_that_records_zero_ends_in_error(monkeypatch):
 
 
 # ------------------------------------------------------------------ names, placements, the plan
+
+
+def _renamed_cache(group, dtype):
+    """The rotary TP module with its cos cache kept under a name of its own."""
+    module = load_module(str(CASES)).TPRotaryMLP(group, dtype)
+    module.cos = module._buffers.pop("rope_cos")  # what its forward rotates with
+    module.register_buffer("cos_cache", module.cos, persistent=False)
+    return module
+
+
+def test_a_renamed_buffer_is_compared_once_named_and_noted_until_then():
+    rotary = load_module(str(CASES)).rotary
+    plan = dataclasses.replace(rotary.plan, tp_names={"rope_cos": "cos_cache"})
+    named = dataclasses.replace(rotary, name="renamed", build_tp=_renamed_cache, plan=plan)
+    silent = dataclasses.replace(named, name="renamed_silent", plan=rotary.plan)
+    r = {
+        x["name"].split("/")[0]: x
+        for x in check([file_spec(register(c), 2) for c in (named, silent)])
+    }
+    ok, noted = r["renamed"], r["renamed_silent"]
+    assert ok["verdict"] == "equivalent", ok["summary"]
+    assert {n for _, n in _buffer_checks(ok)} == {"buffer:rope_cos", "buffer:rope_sin"}
+    assert noted["verdict"] == "equivalent", noted["summary"]
+    assert {n for _, n in _buffer_checks(noted)} == {"buffer:rope_sin"}
+    assert noted["notes"] == [
+        "buffer 'rope_cos': the dense module has it, the TP module none (not compared; if it is "
+        "there under another name, name it in the tp_names of the plan or case)",
+        "TP buffer(s) ['calls', 'cos_cache']: no dense buffer stands for them (not compared)",
+    ]
 
 
 def test_a_tp_buffer_is_found_under_a_renamed_module_or_a_wrapper():

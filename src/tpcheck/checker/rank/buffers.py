@@ -7,9 +7,9 @@ buffers: a buffer the TP forward updates follows its own course, as in training,
 with the dense module's at step 0 (as built, beside the weights) and after every step's optimizer
 stage, stage "buffers", check `buffer:<dense name>`:
 - which TP buffer is which dense one (`BufferChecks.start`, agreed over the ranks through the
-  store): the plan's `tp_names` (a buffer may be named there), else the name under the TP module the
-  parameters of its module were matched to (`fc1` -> `up_proj`, checker/rank/names.py), the same
-  name, or the same name once wrapper segments are dropped;
+  store): the plan's `tp_names` (a buffer may be named there, or in a `Case.tp_names` dict), else
+  the name under the TP module the parameters of its module were matched to (`fc1` -> `up_proj`,
+  checker/rank/names.py), the same name, or the same name once wrapper segments are dropped;
 - where it lives: the written plan's `Plan.buffers`, else the first placement its shape admits
   (inference.py's candidates) whose shard of the dense buffer has the TP buffer's shape on every
   rank, one whose values match too preferred: Replicate() where the TP module holds the whole
@@ -124,7 +124,7 @@ def decide(
             where = "none" if not holders else f"one on rank(s) {holders} only"
             notes.append(
                 f"buffer {d!r}: the dense module has it, the TP module {where} (not compared; "
-                "name it in Plan(tp_names=...) if it is there under another name)"
+                "if it is there under another name, name it in the tp_names of the plan or case)"
             )
             continue
         names = {v[0] for v in views}
@@ -156,7 +156,10 @@ class BufferChecks:
         plan, group = e.plan, e.group
         dense = dict(e.dense.named_buffers())
         tp = dict(e.tp.named_buffers())
-        mine = propose(dense, tp, plan.tp_names, plan.buffers, group.rank, group.world_size)
+        # a case with no plan written may name a buffer in its tp_names dict
+        given = e.case.tp_names if isinstance(e.case.tp_names, dict) else {}
+        renames = {**given, **plan.tp_names}
+        mine = propose(dense, tp, renames, plan.buffers, group.rank, group.world_size)
         said = [
             json.loads(text)
             for text in e.rendezvous.exchange(
