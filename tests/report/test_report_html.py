@@ -45,10 +45,9 @@ def test_page_shows_verdicts_diagnosis_and_ledger(seed_run):
     assert page.count('class="v v-not-equivalent"') >= 2 and 'class="v v-equivalent"' in page
     assert "<h4>Diagnosis</h4>" in page and "partial_sum" in page
     assert "<h4>First divergent tensor</h4>" in page
-    # the forward all-reduce the fault removed (the step's forward and the eval-mode forward's), in
-    # the ledger table and in the ledger check
+    # the forward all-reduce the fault removed, in the ledger table and in the ledger check
     assert (
-        "missing collective: all_reduce at &#x27;down&#x27; in forward: expected 2, issued 0"
+        "missing collective: all_reduce at &#x27;down&#x27; in forward: expected 1, issued 0"
         in page
     )
 

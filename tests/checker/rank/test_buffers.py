@@ -164,6 +164,32 @@ def _renamed_cache(group, dtype):
     return module
 
 
+def _growing_cache(group, dtype):
+    """The rotary TP module whose first forward grows its cos cache by a row (a cache extended on
+    the fly; it rotates with the rows it had): from step 1 on no shard of the dense cache."""
+    module = load_module(str(CASES)).TPRotaryMLP(group, dtype)
+    forward = module.forward
+
+    def grow_then_forward(x):
+        if module.cos is None:
+            module.cos = module.rope_cos  # what its forward rotates with
+            module.rope_cos = torch.cat([module.cos, module.cos[:1]])
+        return forward(x)
+
+    module.forward = grow_then_forward
+    return module
+
+
+def test_a_buffer_resized_after_step_0_fails_there():
+    rotary = load_module(str(CASES)).rotary
+    grown = dataclasses.replace(rotary, name="grown", build_tp=_growing_cache)
+    (r,) = check([file_spec(register(grown), 2)])
+    assert r["verdict"] == "not equivalent", r["summary"]
+    assert _first(r) == ("buffers", 1, "buffer:rope_cos")
+    assert {n for _, _, n in _failed(r)} == {"buffer:rope_cos"}
+    assert r["self_test"]["failures"] == []
+
+
 def test_a_renamed_buffer_is_compared_once_named_and_noted_until_then():
     rotary = load_module(str(CASES)).rotary
     plan = dataclasses.replace(rotary.plan, tp_names={"rope_cos": "cos_cache"})

@@ -62,21 +62,6 @@ def test_micro_batches_multiply_forward_and_backward_not_optimizer():
     ]
 
 
-def test_an_extra_forward_adds_its_forward_collectives_only():
-    """A training run's eval-mode forward (checker/rank/buffers.py): its forward collectives once
-    more, no backward or optimizer ones; without them counted, the same ledger is an extra."""
-    entries = ledger(2, steps=2, micro=3) + [entry(r, *FWD) for r in range(2)]
-    r = check_ledger(entries, EXPECTED, 2, steps=2, micro=3, extra_forwards=1)
-    assert r["problems"] == []
-    assert {e["phase"]: e["count"] for e in r["expected"]} == {
-        "forward": 7,
-        "backward": 6,
-        "optimizer": 2,
-    }
-    r = check_ledger(entries, EXPECTED, 2, steps=2, micro=3)
-    assert [(p["kind"], p["expected"], p["observed"]) for p in r["problems"]] == [("extra", 6, 7)]
-
-
 def test_missing_collective_on_every_rank():
     # The forward all-reduce was dropped in the second
     # step on both ranks: symmetric, so only "missing".

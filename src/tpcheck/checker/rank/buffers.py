@@ -23,7 +23,8 @@ stage, stage "buffers", check `buffer:<dense name>`:
 The eval-mode forward (`eval_forward`): at the last step, after its training forwards (the running
 statistics are those training left), every side in `.eval()` and without autograd, as the forward
 without autograd is run (engine.py `_no_grad_forward`), its output compared as "output:eval"
-(forward stage), each module's own mode restored after. Eval mode draws no dropout: the dense side
+(forward stage), each module's own mode restored after; its collectives checked alike on every
+rank, not counted against a case's expected ones. Eval mode draws no dropout: the dense side
 draws nothing, and a TP draw there is one the dense side did not make (rng.py).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -191,7 +193,8 @@ class BufferChecks:
                 continue
             shape = _shard_shape(placement, ref, rank, world)
             if shape != tuple(local.shape):  # resized since step 0: never equal, on this rank
-                local = torch.full(shape or ref.shape, float("nan"), dtype=torch.float64)
+                like = ref.dtype if ref.is_floating_point() else torch.float64
+                local = torch.full(shape or ref.shape, math.nan, dtype=like, device=ref.device)
             floating = ref.is_floating_point()
             e.cmp.compare(
                 "buffers",
@@ -224,6 +227,11 @@ def evaluating(models: list[nn.Module]) -> Iterator[None]:
 
 def eval_forward(e: Engine, step: int, inputs: dict) -> None:
     """The forward in eval mode, without autograd, of every side; its output compared as
-    "output:eval" (the forward without autograd's own comparison, engine.py)."""
+    "output:eval" (the forward without autograd's own comparison, engine.py). Its collectives are
+    held alike on every rank (a checkpoint after it), then left out of the ledger: a case's expected
+    collectives are those of a training forward, its loss's included."""
+    issued = len(e.tap.ledger)
     with evaluating([m for m in (e.dense, e.truth, e.tp) if m is not None]):
         e._no_grad_forward(step, inputs, EVAL_OUTPUT)
+    e.sync(f"the forward in eval mode of step {step}")
+    del e.tap.ledger[issued:]

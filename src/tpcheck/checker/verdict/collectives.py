@@ -21,16 +21,10 @@ def summarize(entries: list[dict], world: int) -> dict:
 
 
 def check_ledger(
-    entries: list[dict],
-    expected: tuple | None,
-    world: int,
-    steps: int,
-    micro: int,
-    extra_forwards: int = 0,
+    entries: list[dict], expected: tuple | None, world: int, steps: int, micro: int
 ) -> dict:
     """Problems (missing / extra / asymmetric collectives) against `expected` = (phase, op, site)
-    per micro-batch for forward/backward and per step for the optimizer phase; `extra_forwards`:
-    forwards without a backward besides those (the eval-mode forward of a training run)."""
+    per micro-batch for forward/backward and per step for the optimizer phase."""
     observed = {r: Counter() for r in range(world)}
     for e in entries:
         observed[e["rank"]][(e["phase"], e["op"], e["site"])] += 1
@@ -46,9 +40,7 @@ def check_ledger(
     want = Counter()
     if expected is not None and world > 1:
         for phase, op, site in expected:
-            want[(phase, op, site)] += steps * (micro if phase != "optimizer" else 1) + (
-                extra_forwards if phase == "forward" else 0
-            )
+            want[(phase, op, site)] += steps * (micro if phase != "optimizer" else 1)
         for key in sorted(set(want) | set(observed[0])):
             have, need = observed[0][key], want[key]
             if have != need:

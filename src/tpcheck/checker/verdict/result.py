@@ -205,10 +205,10 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     entries = [asdict(e) for p in payloads for e in p.ledger]
     evidence = [p.evidence for p in payloads]
     forward_only = payloads[0].forward_only
-    # per step as the ledger counts micro-batches; a training run adds an eval forward (buffers.py)
-    expected, per_step, evals = payloads[0].expected_collectives, run.micro_batches, 1
+    # per step, as the ledger counts micro-batches: the forward passes, no backward or optimizer
+    expected, per_step = payloads[0].expected_collectives, run.micro_batches
     if forward_only is not None:
-        per_step, evals = 1 + forward_only["decode_steps"], 0
+        per_step = 1 + forward_only["decode_steps"]
         expected = expected and tuple(e for e in expected if e[0] == "forward")
     result = CaseResult(
         spec=spec,
@@ -218,7 +218,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         summary="",
         seconds=seconds,
         checks=checks,
-        ledger=check_ledger(entries, expected, spec.world_size, run.steps, per_step, evals),
+        ledger=check_ledger(entries, expected, spec.world_size, run.steps, per_step),
         self_test=self_test(checks, [c for c in every if c.control], evidence),
         inferred_plan=payloads[0].inferred_plan,
         notes=list(dict.fromkeys(n for p in payloads for n in p.notes)) or None,
