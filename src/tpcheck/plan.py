@@ -336,16 +336,19 @@ def as_placement(p, what: str) -> Placement:
 class Plan:
     """Per dense parameter, its placement; optionally placements of named activations (module
     outputs) for localizing the first divergent tensor -- the outputs not named are inferred by the
-    checker where the layout decides it, so naming one only fixes its placement. Parameters absent
+    checker where the layout decides it, so naming one only fixes its placement -- and of named
+    buffers (`named_buffers()`: running statistics, caches; those not named are inferred from their
+    shapes and values, replicated where the TP module holds the whole). Parameters absent
     from `params` are an error, not a silent default: a forgotten entry is how layouts go wrong."""
 
     params: dict[str, Placement]
     activations: dict[str, Placement] = field(default_factory=dict)
-    # Renames from dense parameter names to TP parameter names, when they differ.
+    # Renames from dense parameter (or buffer) names to TP names, when they differ.
     tp_names: dict[str, str] = field(default_factory=dict)
+    buffers: dict[str, Placement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for what in ("params", "activations"):
+        for what in ("params", "activations", "buffers"):
             table = getattr(self, what)
             if not isinstance(table, dict):
                 raise UsageError(
@@ -380,6 +383,21 @@ class Plan:
             validate(
                 self.params[name], tuple(p.shape), world, f"parameter {name!r} {list(p.shape)}"
             )
+        buffers = dict(dense.named_buffers())
+        if unknown := sorted(set(self.buffers) - set(buffers)):
+            hints = [
+                f"{' or '.join(map(repr, c))} for {k!r}"
+                for k in unknown
+                if (c := closest(k, list(buffers)))
+            ]
+            raise UsageError(
+                f"plan names buffer(s) {unknown} that the dense module does not have"
+                + (f" (did you mean {'; '.join(hints)}?)" if hints else "")
+                + f"; dense buffers are {sorted(buffers)[:LISTED_PARAMS]} (dense.named_buffers())"
+            )
+        for name, placement in self.buffers.items():
+            shape = tuple(buffers[name].shape)
+            validate(placement, shape, world, f"buffer {name!r} {list(shape)}")
 
 
 # the dense parameters an unknown-key message lists in full; a bigger model's are counted

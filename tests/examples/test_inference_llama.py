@@ -70,7 +70,8 @@ def test_correct_is_equivalent_checked_forward_only_and_says_why(results):
     assert "forward only: no TP parameter requires grad" in ok["summary"]
     assert ok["spec"]["train"] is False  # what ran
     stages = {c["stage"] for c in ok["checks"]}
-    assert stages == {"weights", "forward", "replicas"}  # no target: no loss; nothing trained
+    # no target: no loss; nothing trained; the buffers (rotary tables, KV caches) as built
+    assert stages == {"weights", "buffers", "forward", "replicas"}
     names = {c["name"] for c in ok["checks"]}
     for step_name in ("output", "output:decode1", "output:decode2", "output:decode3"):
         assert step_name in names

@@ -192,6 +192,29 @@ class LocalShards(nn.Module):
         for key, p in self.shards.items():
             yield prefix + key.replace("__", "."), p
 
+    def train(self, mode: bool = True):
+        """The parallelized module (outside the module tree) follows: `eval()` puts its modules in
+        eval mode (no dropout, a norm's running statistics), the next `train()` gives each back its
+        own mode (a HuggingFace model is built in eval mode)."""
+        super().train(mode)
+        if self.parallel is None:
+            return self
+        if not mode:
+            self._hidden_modes = [(m, m.training) for m in self.parallel.modules()]
+            self.parallel.train(False)
+        elif (kept := self.__dict__.pop("_hidden_modes", None)) is not None:
+            for m, training in kept:
+                m.training = training
+        else:
+            self.parallel.train(True)
+        return self
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The parallelized module's buffers (rotary caches, running statistics) under the dense
+        names, as the checker compares them (checker/rank/buffers.py)."""
+        if self.parallel is not None:
+            yield from self.parallel.named_buffers(prefix, recurse, remove_duplicate)
+
     def _params(self) -> dict[str, torch.Tensor]:
         from torch.distributed.tensor import DTensor
 

@@ -15,9 +15,11 @@ VERDICTS: tuple[Verdict, ...] = get_args(Verdict)
 # what a case may expect
 VERDICTS_EXPECTED: tuple[Verdict, ...] = ("equivalent", "not equivalent", "hang")
 # the order of a step: the loaded weights (step 0), each micro-batch's forward, loss and backward,
-# the step's gradients, the optimizer's state, update and weights; replicas: the
-# same tensor across ranks
-Stage = Literal["weights", "forward", "loss", "backward", "grads", "optimizer", "replicas"]
+# the step's gradients, the optimizer's state, update and weights, the module's buffers (step 0 too:
+# as built); replicas: the same tensor across ranks
+Stage = Literal[
+    "weights", "forward", "loss", "backward", "grads", "optimizer", "buffers", "replicas"
+]
 STAGES: tuple[Stage, ...] = get_args(Stage)
 # ok | usage (bad input) | error (raised) | crash (died) | hang (a wait timed out) | aborted
 # (stopped after another rank's failure)

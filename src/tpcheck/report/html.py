@@ -228,8 +228,9 @@ def _heatmap(cases: list[dict]) -> str:
 
     return (
         "<h2>Error relative to bound</h2><p class=muted>Each cell: log10(error / bound), the "
-        "maximum over ranks, steps and stages (loaded weights, optimizer updates, cross-rank "
-        "replica agreement). 0 is the bound: green is inside it, red is a failure; the scale is "
+        "maximum over ranks, steps and stages (loaded weights, optimizer updates, buffers, "
+        "cross-rank replica agreement). 0 is the bound: green is inside it, red is a failure; "
+        "the scale is "
         f"capped at ±{plots.CAP:g} decades. Exact (bitwise) checks have bound 0: a match is at the "
         "floor, any difference at the ceiling. Grey: not checked (the case stopped before). A "
         "block with many tensors is cut into panels, one under the other, by stage.</p>"

@@ -22,7 +22,15 @@ from matplotlib.figure import Figure
 
 # Where a tensor sits in the flow of a step; a stage not
 # listed (replicas, or one added later) sorts first.
-STAGE_ORDER = {"weights": 0, "forward": 1, "loss": 2, "backward": 3, "grads": 4, "optimizer": 5}
+STAGE_ORDER = {
+    "weights": 0,
+    "forward": 1,
+    "loss": 2,
+    "backward": 3,
+    "grads": 4,
+    "optimizer": 5,
+    "buffers": 6,
+}
 EXACT_EPS = 1e-300  # stands in for a bound of 0 (exact checks): any nonzero error is off the scale
 CAP = 6.0  # colour range [-CAP, +CAP] decades around the bound
 MAX_ANNOTATED_CELLS = 400  # beyond this the numbers in the cells are unreadable; colours only

@@ -64,12 +64,19 @@ def test_no_grad_forward_catches_an_inference_only_bug_and_the_correct_twin_pass
     assert _checks(ok, "output:no_grad") and {c["name"] for c in _checks(ok, "act:")} == {"act:fc1"}
     caught = results["no_grad_bad"]
     assert caught["verdict"] == "not equivalent"
-    assert {c["name"] for c in caught["checks"] if not c["passed"]} == {"output:no_grad"}
+    # every step's forward without autograd; the last step's in eval mode is one too
+    failed = {(c["name"], c["step"]) for c in caught["checks"] if not c["passed"]}
+    assert {name for name, _ in failed} == {"output:no_grad", "output:eval"}
     assert caught["first_divergence"]["name"] == "output:no_grad"
     # each rank holds its own partial sum
     assert caught["diagnosis"]["signature"] == "replicas_differ"
-    # without the no-grad forward the same bug passes: the check is what sees it
-    assert results["no_grad_blind"]["verdict"] == "equivalent"
+    # without the no-grad forward only the eval-mode forward sees it, at the last step: the checks
+    # are what see it
+    blind = results["no_grad_blind"]
+    last = blind["spec"]["steps"]
+    assert {(c["name"], c["step"]) for c in blind["checks"] if not c["passed"]} == {
+        ("output:eval", last)
+    }
 
 
 def test_activations_are_refused_beside_a_written_plan():

@@ -245,12 +245,16 @@ class Comparator:
         self.checks.append(check)
         return check
 
-    def record_layout(self, step: int, name: str, seq: int, reason: str) -> Check:
-        """A module output whose shape is no placement of the dense output (checker/rank/
-        activations.py): a failed check at its place in execution order, `reason` saying the two
-        shapes (error 1: this rank's output is not comparable, bound 0)."""
+    def record_layout(
+        self, step: int, name: str, seq: int, reason: str, stage: Stage = "forward"
+    ) -> Check:
+        """A module output (or, at the buffers stage, a buffer: checker/rank/buffers.py) whose shape
+        is no placement of the dense one (checker/rank/activations.py): a failed check at its place
+        in execution order, `reason` saying the two shapes (error 1: this rank's tensor is not
+        comparable, bound 0). Outside the forward stage, where it may be the stage's only check, it
+        plants the stage's control if none is yet (a flag of 1 against 0 that must fail)."""
         check = Check(
-            stage="forward",
+            stage=stage,
             step=step,
             name=name,
             rank=self.group.rank,
@@ -264,6 +268,9 @@ class Comparator:
             seq=seq,
         )
         self.checks.append(check)
+        if stage != "forward":
+            flag = torch.zeros(1)
+            self._control(check, flag, flag, tolerance.Bound(0.0, "layout", reason), "no placement")
         return check
 
     def take_control(self, key: tuple[str, int, str]) -> bool:
@@ -287,7 +294,7 @@ class Comparator:
         name: str,
         error: float,
         bound: tolerance.Bound,
-        placement: Placement,
+        placement: Placement | str,
         control: bool = False,
     ) -> Check:
         """One comparison's Check, appended in execution order. `passed` is provisional: the parent
@@ -319,7 +326,7 @@ class Comparator:
         ref: torch.Tensor,
         dense: torch.Tensor,
         bound: tolerance.Bound,
-        placement: Placement,
+        placement: Placement | str,
     ) -> None:
         """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the
         reference with its largest element moved by `tolerance.control_shift` (the largest error the

@@ -85,7 +85,9 @@ class Discovery:
         `Case.tp_names`, the same name, the same name with wrapper prefixes dropped, or by
         values."""
         dense_params = {n: p.detach() for n, p in self.dense.named_parameters()}
-        given = names.given_names(case.tp_names, list(dense_params))
+        # a buffer may be named too (checker/rank/buffers.py reads those)
+        known = list(dense_params) + [n for n, _ in self.dense.named_buffers()]
+        given = names.given_names(case.tp_names, known)
         tp_params = {n: p.detach() for n, p in tp.named_parameters()}
         return names.agree(
             tp_params, dense_params, given, self.rendezvous, self.group.rank, self.group.world_size

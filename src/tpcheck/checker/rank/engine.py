@@ -26,7 +26,8 @@ not name are inferred), then a ledger sync and the RNG placement checks of the m
 random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
-optimizer steps, update and state against the replay, weights.
+optimizer steps, update and state against the replay, weights, buffers (buffers.py: at step 0 too).
+At the last step, after its micro-batches, the forward in eval mode (buffers.py: `eval_forward`).
 
 A case that does not train (`RunSettings(train=False)`, no TP parameter that requires grad, or
 `Case.decode_steps`) builds no optimizer and, after the weights, runs forward_only.py's loop instead
@@ -45,6 +46,7 @@ from torch import nn
 from tpcheck.checker.case import Case
 from tpcheck.checker.payload import Check, RankPayload
 from tpcheck.checker.rank import capture, evidence, training
+from tpcheck.checker.rank.buffers import BufferChecks, eval_forward
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.forward_only import ForwardOnly
@@ -216,6 +218,7 @@ class Engine:
     def run(self) -> list[Check]:
         load_tp = self.case.load_tp
         compare_weights(self, f"your load_tp ({defined_at(load_tp)})" if load_tp else None)
+        self.buffers = BufferChecks.start(self)
         self.sync("loading the weights")
         self.cmp.flush_replicas()
         if self.forward_only is not None:
@@ -241,6 +244,8 @@ class Engine:
             if micro == 0 and self.case.no_grad_forward:
                 self._no_grad_forward(step, batch[0])
             self._forward_backward(step, micro, batch)
+        if step == self.settings.steps:
+            eval_forward(self, step, batch[0])
         with self.tap.tp_phase("optimizer"):
             if hasattr(self.tp, "finalize_grads"):
                 self.tp.finalize_grads()
@@ -279,6 +284,7 @@ class Engine:
             self, step, "optimizer", self.dense_master.params, self.tp_master.params, lambda p: p
         )
         self.tp_master.check_copy_back(self, step)
+        self.buffers.compare(step)
         self.cmp.flush_replicas()
 
     def _forward_backward(self, step: int, micro: int, batch) -> None:
@@ -477,11 +483,10 @@ class Engine:
             for k, v in inputs.items()
         }
 
-    def _no_grad_forward(self, step: int, inputs: dict) -> None:
-        """The forward without autograd on every side, its output compared ("output:no_grad"): TP
-        code may take another path when no gradient is needed (local matmuls and a plain all-reduce
-        instead of DTensor's autograd-aware ops), and that path is the one inference
-        and evaluation run."""
+    def _no_grad_forward(self, step: int, inputs: dict, name: str = "output:no_grad") -> None:
+        """The forward without autograd on every side, its output compared (`name`): TP code may
+        take another path when no gradient is needed (local matmuls and a plain all-reduce instead
+        of DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""
         book = self.draws.book()
         with torch.no_grad():
             with self.draws.watching(book), self.draws.masks(book.draw, self.dense):
@@ -507,9 +512,7 @@ class Engine:
                 self.draws.tp_masks(book, self.tp),
             ):
                 out_tp = one_tensor(self.tp(**self._tp_inputs(inputs)), self.tp, "TP")
-        self.cmp.compare(
-            "forward", step, "output:no_grad", out_tp, out_d, out_t, self.case.output_placement
-        )
+        self.cmp.compare("forward", step, name, out_tp, out_d, out_t, self.case.output_placement)
         self.draws.check(step, book, "the forward without autograd")
 
 
@@ -532,7 +535,7 @@ def run_case_on_rank(
         evidence=sent,
         expected_collectives=training.expected_collectives(case),
         inferred_plan=engine.discovery.as_code(),
-        notes=training.notes(engine.unobserved) + engine.draws.notes(),
+        notes=training.notes(engine.unobserved) + engine.draws.notes() + engine.buffers.notes,
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
         warmed_up=engine.warmed_up,
         activations=engine.discovery.record(),

@@ -145,6 +145,12 @@ CAUSES = {
     ),
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
+# a buffer (checker/rank/buffers.py) laid out as no placement of the dense one
+BUFFER_NO_PLACEMENT = (
+    "the TP module keeps this buffer in a layout that is no part of the dense module's buffer "
+    "(another length, a reshape), so it cannot be what the dense module computes with; if it is "
+    "one, write its placement in Plan(buffers=...)"
+)
 
 RNG_SIGNATURES = {"differ": "rng_not_forked", "same": "rng_diverged"}
 
@@ -312,7 +318,8 @@ def _held_off_rank(first: dict, ev: dict[int, dict]) -> dict:
 def _layout_diagnosis(first: dict) -> dict:
     """A module output that is no placement of the dense one diverges first: its shapes (the check's
     reason) and the mechanism, in words."""
-    cause = f"{first.get('reason')}: {CAUSES['no_placement']}"
+    why = BUFFER_NO_PLACEMENT if first.get("stage") == "buffers" else CAUSES["no_placement"]
+    cause = f"{first.get('reason')}: {why}"
     return _diagnosis(first, "no_placement", {"shapes": first.get("reason")}, cause=cause)
 
 
