@@ -148,7 +148,8 @@ class RunSettings:
     the calls after the N-th. Training runs them with autograd (as its steps' forwards),
     outputs dropped and no backward; a forward-only run without, after which the modules' buffers
     are restored as built (a KV cache). Without them a check sees `steps x micro_batches` forwards
-    (3 x 2 = 6 by default): a path taken from the 7th call on is not checked.
+    and the last step's eval-mode one (7 by default): a path taken from the 8th call on is not
+    checked.
 
     float64_run: also run the TP model in float64 against the float64 truth (bounds of
     `FP64_FLOOR_ULPS` ulps, checker/rank/tolerance.py), after the run in the working dtype, and

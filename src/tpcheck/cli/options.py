@@ -101,7 +101,7 @@ RUN_SETTINGS = (
         "--warmup",
         "forward passes of every side before the first checked step, not compared: for TP code "
         "that changes path after N calls (a fused kernel, graph capture); without them a check "
-        "sees steps x micro-batches forwards",
+        "sees steps x micro-batches forwards and one eval-mode forward",
         {"type": int, "metavar": "N"},
     ),
     SettingFlag(

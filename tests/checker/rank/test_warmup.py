@@ -1,7 +1,8 @@
 """Warm-up forwards (`RunSettings(warmup=N)`, `--warmup N`): TP code that takes another path after
-N calls (case_files/call_count.py: a fused path from the 7th call on, its bias added before the
-all-reduce) passes a default check, which makes 3 steps x 2 micro-batches = 6 forwards (the
-documented limit), and is caught at step 1 after 6 warm-up forwards; its correct twin passes. The
+N calls (case_files/call_count.py: a fused path from the 8th call on, its bias added before the
+all-reduce) passes a default check, which makes 3 steps x 2 micro-batches = 6 forwards and the
+last step's eval-mode forward (the documented limit), and is caught at step 1 after 7 warm-up
+forwards; its correct twin passes. The
 warm-up's collectives are recorded in the ledger's phase "warmup", outside the per-step counts."""
 
 from pathlib import Path
@@ -19,10 +20,10 @@ from tpcheck.errors import UsageError
 CASES = Path(__file__).parent / "case_files" / "call_count.py"
 RUNS = [
     ("fused_bias_early", 0),
-    ("fused_bias_early", 6),
-    ("fused_correct", 6),
-    ("fused_bias_early_forward_only", 6),
-    ("fused_correct_forward_only", 6),
+    ("fused_bias_early", 7),
+    ("fused_correct", 7),
+    ("fused_bias_early_forward_only", 7),
+    ("fused_correct_forward_only", 7),
 ]
 
 
@@ -42,35 +43,36 @@ def _first(r):
     return f["stage"], f["step"], f["name"]
 
 
-def test_a_path_taken_from_the_7th_call_passes_the_default_check(results):
-    """The documented limit: 3 steps x 2 micro-batches are 6 forwards."""
+def test_a_path_taken_from_the_8th_call_passes_the_default_check(results):
+    """The documented limit: 3 steps x 2 micro-batches are 6 forwards, and the eval-mode forward of
+    the last step a 7th."""
     r = results[("fused_bias_early", 0)]
     assert r["verdict"] == "equivalent", r["summary"]
     assert r["spec"]["warmup"] == 0
 
 
 @pytest.mark.parametrize("name", ["fused_bias_early", "fused_bias_early_forward_only"])
-def test_after_6_warm_up_forwards_the_7th_call_is_checked_at_step_1(results, name):
-    r = results[(name, 6)]
+def test_after_7_warm_up_forwards_the_8th_call_is_checked_at_step_1(results, name):
+    r = results[(name, 7)]
     assert r["verdict"] == "not equivalent", r["summary"]
     assert _first(r) == ("forward", 1, "output"), r["summary"]
     assert r["diagnosis"]["signature"] == "offset", r["summary"]
-    assert r["spec"]["warmup"] == 6
+    assert r["spec"]["warmup"] == 7
 
 
 @pytest.mark.parametrize("name", ["fused_correct", "fused_correct_forward_only"])
 def test_the_correct_fused_path_after_warm_up_is_equivalent(results, name):
-    r = results[(name, 6)]
+    r = results[(name, 7)]
     assert r["verdict"] == "equivalent", r["summary"]
     assert {c["step"] for c in r["checks"] if c["stage"] == "forward"} == {1, 2, 3}
 
 
 def test_the_warm_up_collectives_are_their_own_phase_and_the_ledger_check_passes(results):
-    for key in [("fused_correct", 6), ("fused_bias_early", 0), "mlp"]:
+    for key in [("fused_correct", 7), ("fused_bias_early", 0), "mlp"]:
         assert results[key]["ledger"]["problems"] == [], key
-    correct = results[("fused_correct", 6)]["ledger"]["per_rank"]
-    for rank in ("0", "1"):  # 6 warm-up forwards, one all-reduce each; the steps' counts unchanged
-        assert correct[rank][WARMUP] == {"all_reduce": {"count": 6, "bytes": 1536}}
+    correct = results[("fused_correct", 7)]["ledger"]["per_rank"]
+    for rank in ("0", "1"):  # 7 warm-up forwards, one all-reduce each; the steps' counts unchanged
+        assert correct[rank][WARMUP] == {"all_reduce": {"count": 7, "bytes": 1792}}
         assert correct[rank]["forward"]["all_reduce"]["count"] == 6
     mlp = results["mlp"]
     assert mlp["verdict"] == "equivalent", mlp["summary"]

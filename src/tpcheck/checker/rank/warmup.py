@@ -2,8 +2,9 @@
 the first checked step, for TP code whose path depends on how often it has been called (a fused
 kernel taken after N warm-up calls, a CUDA graph captured on the N-th, a cache filled on the first).
 
-Without them a check sees `steps x micro_batches` forwards (3 x 2 = 6 by default, one more per step
-with `Case.no_grad_forward`): a path taken from the 7th call on is never checked. With them the
+Without them a check sees `steps x micro_batches` forwards and the last step's eval-mode one (7 by
+default, one more per step with `Case.no_grad_forward`): a path taken from the 8th call on is never
+checked. With them the
 checked steps are calls N+1, N+2, ... of the TP module.
 
 Each warm-up pass feeds the first batch to the dense model, rank 0's float64 truth and the TP model

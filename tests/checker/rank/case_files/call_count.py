@@ -3,8 +3,9 @@ reference path, later ones a "fused" path (as code does once a kernel autotuner 
 capture has warmed up).
 
 - `fused_bias_early`: the fused path adds fc2's bias to each rank's partial sum before the
-  all-reduce, so the sum holds it world_size times. With the default 3 steps x 2 micro-batches the
-  check makes 6 forwards and never reaches it; with `RunSettings(warmup=6)` step 1 is call 7.
+  all-reduce, so the sum holds it world_size times. With the default 3 steps x 2 micro-batches and
+  the eval-mode forward of the last step the check makes 7 forwards and never reaches it; with
+  `RunSettings(warmup=7)` step 1 is call 8.
 - `fused_correct`: the fused path adds the bias after the all-reduce (fc1 through one addmm).
 The `*_forward_only` twins run without training (one forward per step).
 """
@@ -17,7 +18,7 @@ from torch import nn
 from tpcheck import Case, Plan, Replicate, RunSettings, Shard
 
 SEQ, BATCH, HIDDEN, FFN = 4, 2, 8, 16
-FUSE_AFTER = 6  # calls on the reference path before the fused one is taken
+FUSE_AFTER = 7  # calls on the reference path before the fused one is taken
 
 
 class CopyToTP(torch.autograd.Function):
