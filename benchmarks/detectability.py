@@ -5,6 +5,7 @@ the targets. Results: benchmarks/results/detectability.json; the table in docs/t
     .venv/bin/python benchmarks/detectability.py            # worlds 2 4 8, 2 seeds
     .venv/bin/python benchmarks/detectability.py --worlds 1 2 3 4 5 6 7 8
     .venv/bin/python benchmarks/detectability.py --outlier 1000   # one input element of 1e3
+    .venv/bin/python benchmarks/detectability.py --float64-run off  # the working dtype alone
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def main() -> None:
         help="one input element of this size (float16: at most 100); results in "
         "detectability_outlier.json",
     )
+    p.add_argument(
+        "--float64-run",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="off: the working dtype's bounds alone (auto adds the float64 run to 16-bit probes)",
+    )
     args = p.parse_args()
     import tpcheck
     from tpcheck.faults.detectability import probes, target, thresholds
@@ -38,6 +45,7 @@ def main() -> None:
         worlds=args.worlds,
         seeds=args.seeds[:1] if args.quick else args.seeds,
         outlier=args.outlier,
+        float64_run=args.float64_run,
     )
     specs = [pr.spec() for pr in run]
     t0 = time.perf_counter()
@@ -76,8 +84,10 @@ def main() -> None:
         )
     print(table(["bug", "dtype", "world", "smallest flagged", "target", ""], rows))
     print(f"{len(specs)} runs in {seconds:.0f} s")
-    name = "detectability_outlier" if args.outlier else "detectability"
-    write(name, {"seconds": seconds, "outlier": args.outlier, "rows": payload})
+    name = "detectability" + ("_outlier" if args.outlier else "")
+    name += "_working_dtype" if args.float64_run == "off" else ""
+    meta = {"outlier": args.outlier, "float64_run": args.float64_run}
+    write(name, {"seconds": seconds, **meta, "rows": payload})
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ class Probe:
     size: float
     seed: int
     outlier: float = 0.0  # one input element set to this (ModelConfig.outlier; 0: none)
+    float64_run: str = "auto"  # RunSettings.float64_run: "off" measures the working dtype alone
 
     def spec(self, preset: str = "tiny") -> CaseSpec:  # tiny: hidden 32, ffn 64
         """The planted case, registered in this process (register before the ranks fork)."""
@@ -59,7 +60,7 @@ class Probe:
             block="mlp",
             preset=preset,
             world_size=self.world,
-            run=RunSettings(dtype=self.dtype, seed=self.seed),
+            run=RunSettings(dtype=self.dtype, seed=self.seed, float64_run=self.float64_run),
             overrides=overrides + ((("outlier", self.outlier),) if self.outlier else ()),
         )
         case = BLOCKS["mlp"].case(base, config_for(base))
@@ -87,6 +88,7 @@ def probes(
     partial_sizes=PARTIAL_SIZES,
     lr_sizes=LR_SIZES,
     outlier: float = 0.0,
+    float64_run: str = "auto",
 ) -> list[Probe]:
     """Every probe of the grid; `outlier`: one input element of that size (at most
     FLOAT16_OUTLIER in float16, whose MSE loss overflows beyond)."""
@@ -96,7 +98,7 @@ def probes(
             continue  # one rank: no partial sums
         big = min(outlier, FLOAT16_OUTLIER) if dtype == "float16" else outlier
         for size in partial_sizes if kind == "partial" else lr_sizes:
-            out.append(Probe(kind, dtype, world, size, seed, big))
+            out.append(Probe(kind, dtype, world, size, seed, big, float64_run))
     return out
 
 
