@@ -347,26 +347,31 @@ class Comparator:
         if not bool(torch.isfinite(dense).all()):
             raise UsageError(
                 f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
-                f"NaN/Inf ({self._nonfinite_cause(dense)}). The reference is bad, not the TP "
+                f"NaN/Inf ({self._nonfinite_cause(stage, step)}). The reference is bad, not the TP "
                 "implementation"
             )
 
-    def _nonfinite_cause(self, dense: torch.Tensor) -> str:
+    def _nonfinite_cause(self, stage: str, step: int) -> str:
         """The known causes of a non-finite dense reference that fit this run: float16 overflow
-        (an Inf, its largest finite value 65504), and AdamW's eps underflowing in pure float16
-        parameters, named only where the parameters are float16 (no float32 masters)."""
+        (past 65504: an Inf, or the NaN an Inf makes), and AdamW's eps underflowing in pure float16
+        parameters, named only where the parameters are float16 (no float32 masters) and an
+        optimizer step has run."""
         causes = []
-        if self.dtype == torch.float16 and bool(torch.isinf(dense).any()):
+        if self.dtype == torch.float16:
             causes.append(
-                "float16 overflows above 65504: an intermediate value, a product or a sum of "
-                "squares, went past it; scale the inputs or weights down, or use --dtype bfloat16"
+                "float16 overflows past 65504, to an Inf or the NaN an Inf makes (inf - inf, "
+                "inf x 0): some value went past it; scale the inputs or weights down, or use "
+                "--dtype bfloat16"
             )
-        if self.dtype == torch.float16 and not self.masters:
-            causes.append(
-                "pure float16 parameters with AdamW, whose eps underflows in float16, are a known "
-                "cause: drop --no-master-weights / master_weights=False, or use --optimizer sgd"
-            )
-        return "; ".join(causes) or "the inputs, the weights or the arithmetic overflowed"
+            if not self.masters and (step > 1 or stage == "optimizer"):
+                causes.append(
+                    "pure float16 parameters with AdamW, whose eps underflows in float16, are a "
+                    "known cause: drop --no-master-weights / master_weights=False, or use "
+                    "--optimizer sgd"
+                )
+        return (
+            "; ".join(causes) or "the inputs or the weights are bad, or the arithmetic overflowed"
+        )
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
         """The tensors of `check`, kept for the diagnosis when small enough (evidence.py)."""
