@@ -103,11 +103,11 @@ def test_a_control_that_is_not_flagged_names_where(monkeypatch):
 
 # Mutants that passed the self-test while it stood apart from the comparison (a control planted on
 # the reference, no manifest, its own reading of the failures, skips on the bound's own numbers),
-# each with the catalogue fault it hid: five turned it into "equivalent" with every control flagged
+# each with the catalogue fault it hid: six turned it into "equivalent" with every control flagged
 # (reference_vs_itself, steps_after_first_dropped, verdict_reads_rank_0 on a bug rank 1 alone sees,
 # dense_error_times_1000 and factor_times_50 on a float32 bug at 5e-6, floor_16bit_times_64 on a
 # float16 bug at 3%); replicas_not_compared and activations_not_compared left every control flagged
-# while whole stages went unchecked (their faults are still seen elsewhere, unlocalized).
+# while whole stages went unchecked (their faults are still seen by other checks).
 HIDDEN = [
     (reference_vs_itself, "partial_sum_off_by_3pct", "float32"),
     (steps_after_first_dropped, "weight_cached_at_first_forward", "float32"),
