@@ -166,10 +166,10 @@ def test_a_broken_forward_only_checker_ends_in_error(monkeypatch, mutant):
         )
 
 
-def test_a_checker_comparing_the_reference_with_itself_is_seen_by_these_tests(monkeypatch):
-    """A mutant the run cannot see (every forward check compares the reference with itself, its
-    controls still flagged): the buggy cases come out "equivalent", and the assertions above fail
-    on them, so these tests tell the mutant from the real checker."""
+def test_a_checker_comparing_the_reference_with_itself_ends_in_error(monkeypatch):
+    """Every forward check compares the reference with itself: the controls go through that same
+    comparison (a perturbed copy of the TP tensor), so they are not flagged, and the buggy cases
+    end in "error", never "equivalent"."""
     compare = Comparator.compare
 
     def with_itself(self, stage, step, name, tp_local, dense, truth, placement, *a, **k):
@@ -179,8 +179,6 @@ def test_a_checker_comparing_the_reference_with_itself_is_seen_by_these_tests(mo
 
     monkeypatch.setattr(Comparator, "compare", with_itself)
     r = _run("batch_mixing_hook", "decode_cache_offset")
-    assert r["batch_mixing_hook"]["verdict"] == r["decode_cache_offset"]["verdict"] == "equivalent"
-    with pytest.raises(AssertionError):
-        _assert_batch_mixing_caught(r["batch_mixing_hook"])
-    with pytest.raises(AssertionError):
-        _assert_decode_bug_caught(r["decode_cache_offset"])
+    for case in ("batch_mixing_hook", "decode_cache_offset"):
+        assert r[case]["verdict"] == "error", r[case]["summary"]
+        assert "control:" in r[case]["summary"] and "was not flagged" in r[case]["summary"]

@@ -41,6 +41,10 @@ class Check:
     # compared through the same path; it must be flagged (checker/verdict/result.py turns an
     # unflagged control into "error")
     control: bool = False
+    # a control's planted error (its evidence must show it), and why it may go unflagged (an
+    # ill-conditioned tensor: `tolerance.blind_spot`; None: it must be flagged)
+    planted: float | None = None
+    blind: str | None = None
     # what loaded the tensor, where it was not tpcheck through the plan: a weights check of a case
     # with its own `load_tp` ("your load_tp (case.py:34)"), named by the summary of a failing one
     loaded_by: str | None = None
@@ -105,6 +109,9 @@ class RankPayload:
     forward_only: dict | None = None
     # the TP module's forwards the warm-up ran (RunSettings.warmup; checker/rank/warmup.py)
     warmed_up: int = 0
+    # what this rank must have compared, from the plan and the run settings (checker/rank/
+    # manifest.py): [stage, step, name, count]; the parent fails the self-test on any it lacks
+    manifest: list | None = None
 
     def problem_json(self) -> dict:
         return {

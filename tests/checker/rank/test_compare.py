@@ -3,14 +3,22 @@ that loaded a weight, the place of a held activation in execution order, the err
 allowance) goes in as keyword arguments, and nothing outside the comparator writes to a check. The
 evidence is kept under (stage, step, name) and leaves the rank under the payload's key."""
 
+import math
+import re
+
+import pytest
 import torch
 
 from tpcheck.checker.payload import evidence_key
+from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.rank.tolerance import EXACT
+from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Replicate
+
+from paths import REPO
 
 
 def _comparator() -> Comparator:
@@ -70,3 +78,51 @@ def test_evidence_is_kept_by_tuple_and_sent_under_the_payloads_key():
     }
     # controls always go
     assert set(cmp.evidence.sent(set())) == {evidence_key("weights", 0, "control:param:w")}
+
+
+def test_a_control_is_the_real_tp_tensor_moved_by_the_published_detectability():
+    """The control goes through `compare` itself, on a copy of the TP tensor (its real error kept),
+    one element moved away from the reference by the working dtype's detectability."""
+    cmp = _comparator()
+    ref = torch.linspace(-1.0, 2.0, 64)
+    tp = ref.clone()
+    tp[3] += 0.5  # a real error elsewhere than the planted element
+    real = cmp.compare("forward", 1, "act:a", tp, ref, ref.double(), Replicate())
+    control = cmp.checks[-1]
+    assert control.control and control.name == "control:act:a"
+    assert control.planted == pytest.approx(tolerance.CONTROL_RELATIVE[torch.float32] * 2.0)
+    assert real.error == pytest.approx(0.5) and control.error == pytest.approx(0.5)
+    kept = cmp.evidence.kept[evidence_key("forward", 1, "control:act:a")]
+    assert float((kept["tp"] - kept["ref"]).abs().max()) >= control.planted * 0.99
+
+
+def test_a_float16_control_near_the_top_of_the_range_stays_finite():
+    """65000 + 2% is past float16's 65504: the control moves toward zero instead, and is flagged."""
+    group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))
+    cmp = Comparator(group, group.tap, torch.float16, "float16")
+    t = torch.tensor([65000.0, 1.0, -3.0], dtype=torch.float16)
+    cmp.compare("forward", 1, "act:big", t.clone(), t, t.double(), Replicate())
+    control = cmp.checks[-1]
+    assert math.isfinite(control.error) and control.error >= control.planted / 2
+    assert control.error > control.bound
+
+
+def test_the_planted_errors_are_the_published_detectability():
+    """tolerance.CONTROL_RELATIVE is the detectability table of docs/tolerances.md: per dtype, the
+    largest threshold over world sizes of the calibrated row."""
+    table = (REPO / "docs" / "tolerances.md").read_text()
+    for dtype in ("float32", "float16", "bfloat16"):
+        row = re.search(rf"^\| partial \| {dtype} *\|([^|]+)\|([^|]+)\|([^|]+)\|", table, re.M)
+        published = max(float(v) for v in row.groups())
+        assert tolerance.CONTROL_RELATIVE[getattr(torch, dtype)] == published, dtype
+
+
+def test_a_nonfinite_reference_names_float16_overflow_and_adamw_only_where_they_fit():
+    group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))
+    bad = torch.tensor([float("inf"), 1.0], dtype=torch.float16)
+    for masters, step, adamw in ((True, 2, False), (False, 1, False), (False, 2, True)):
+        cmp = Comparator(group, group.tap, torch.float16, "float16", masters=masters)
+        with pytest.raises(UsageError) as e:
+            cmp.compare("forward", step, "act:x", bad, bad, None, Replicate())
+        assert "float16 overflows past 65504" in str(e.value)
+        assert ("AdamW" in str(e.value)) == adamw, (masters, step)

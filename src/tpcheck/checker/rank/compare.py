@@ -32,9 +32,15 @@ class Comparator:
     order, and the evidence kept for diagnosis."""
 
     def __init__(
-        self, group: TPGroup, tap: CollectiveTap, dtype: torch.dtype, dtype_name: str
+        self,
+        group: TPGroup,
+        tap: CollectiveTap,
+        dtype: torch.dtype,
+        dtype_name: str,
+        masters: bool = False,
     ) -> None:
         self.group, self.tap, self.dtype, self.dtype_name = group, tap, dtype, dtype_name
+        self.masters = masters  # the optimizers step float32 masters (named by a NaN's hint)
         self.checks: list[Check] = []
         # (check, values in float64, mask of the elements several ranks hold; None: all of them)
         self.pending_replicas: list[tuple[Check, torch.Tensor, torch.Tensor | None]] = []
@@ -60,6 +66,7 @@ class Comparator:
         loaded_by: str | None = None,
         seq: int | None = None,
         raw: torch.Tensor | None = None,
+        control: bool = False,
     ) -> Check:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives.
@@ -69,8 +76,8 @@ class Comparator:
         dtype). What the caller knows of the check: `reason` (for the bound's own: the weights a
         user's loader loaded), `loaded_by` (that loader), `seq` (a tensor held until the activation
         placements were inferred: its place in execution order), `raw` (`tp_local` before an
-        allowance excused part of the difference: its error is kept as `raw_error` where it
-        differs)."""
+        allowance excused part of the difference). `control`: this call is the self-test's, on a
+        perturbed copy of a real tensor (`_control`), through this same code."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
         diff = maxdiff(tp_local, ref)
@@ -83,9 +90,30 @@ class Comparator:
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
             self._check_reference_finite(stage, step, name, dense, truth)
         self.seq += 1
-        check = self._record(stage, step, name, diff, bound, placement)
-        # what only this comparison knows, set before the check leaves here (`_record`, which makes
-        # every check and control alike, takes what they share)
+        check = self._record(stage, step, name, diff, bound, placement, control)
+        self._note(check, ref, reason, loaded_by, seq, raw)
+        if control:  # its evidence, the few elements around the planted one: `_control`'s
+            return check
+        self._keep_evidence(check, tp_local, ref, dense)
+        self._control(
+            check,
+            tp_local,
+            ref,
+            dense,
+            bound,
+            lambda planted: self.compare(
+                stage, step, f"control:{name}", planted, dense, truth, placement, exact, dtype,
+                bound, control=True,
+            ),
+        )  # fmt: skip
+        self._hold_replicas(check, tp_local, dense, placement)
+        return check
+
+    def _note(self, check: Check, ref, reason, loaded_by, seq, raw) -> None:
+        """What only the comparison knows, set before the check leaves `compare` (`_record`, which
+        makes every check and control alike, takes what they share): the elements compared, the
+        user's loader, the reason, the place in execution order, and the raw error where an
+        allowance excused part of the difference."""
         check.numel, check.loaded_by = ref.numel(), loaded_by
         self._by_magnitude(check, tp_local, ref, dense, bound, placement)
         if reason is not None:
@@ -94,10 +122,6 @@ class Comparator:
             check.seq = seq
         if raw is not None and (raw_error := maxdiff(raw, ref)) != check.error:
             check.raw_error = raw_error
-        self._keep_evidence(check, tp_local, ref, dense)
-        self._control(check, ref, dense, bound, placement)
-        self._hold_replicas(check, tp_local, dense, placement)
-        return check
 
     def _by_magnitude(self, check: Check, tp_local, ref, dense, bound, placement) -> None:
         """A calibrated check of SMALL_NUMEL elements or more is judged per bin of magnitude
@@ -134,9 +158,10 @@ class Comparator:
     def calibrated(
         self, dense: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tolerance.Bound:
-        """The calibrated bound of a tensor of this rank's
-        checks, in `dtype` (default: the working dtype)."""
-        return tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
+        """The calibrated bound of a tensor of this rank's checks, in `dtype` (default: the working
+        dtype), with the dense error the self-test measures apart (`tolerance.dense_error`)."""
+        bound = tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
+        return dataclasses.replace(bound, measured=tolerance.dense_error(dense, truth))
 
     def compare_local(
         self,
@@ -148,17 +173,30 @@ class Comparator:
         placement: Placement,
         reason: str,
         weights: torch.Tensor | None = None,
+        control: bool = False,
     ) -> Check:
         """Bitwise comparison of this rank's tensor with a reference computed on this rank from the
         TP side's own inputs (the optimizer replay): no cross-rank replica check, exact bound.
         `weights` (the parameter the tensor belongs to) is kept as evidence: a difference
-        proportional to it names weight decay."""
+        proportional to it names weight decay. `control`: the self-test's call (`compare`)."""
         diff = maxdiff(tp_local, ref_local)
         self.seq += 1
         bound = tolerance.Bound(0.0, "exact", reason)
-        check = self._record(stage, step, name, diff, bound, placement)
+        check = self._record(stage, step, name, diff, bound, placement, control)
+        if control:
+            return check
         self._keep_evidence(check, tp_local, ref_local, ref_local, weights)
-        self._control(check, ref_local, ref_local, bound, placement)
+        self._control(
+            check,
+            tp_local,
+            ref_local,
+            ref_local,
+            bound,
+            lambda planted: self.compare_local(
+                stage, step, f"control:{name}", planted, ref_local, placement, reason,
+                control=True,
+            ),
+        )  # fmt: skip
         return check
 
     def absent(self, name: str, tp_name: str, present: bool, placement: Placement) -> Check:
@@ -270,7 +308,17 @@ class Comparator:
         self.checks.append(check)
         if stage != "forward":
             flag = torch.zeros(1)
-            self._control(check, flag, flag, tolerance.Bound(0.0, "layout", reason), "no placement")
+            self._control(
+                check,
+                flag,
+                flag,
+                flag,
+                tolerance.Bound(0.0, "layout", reason),
+                lambda planted: self.compare_local(
+                    stage, step, f"control:{name}", planted, flag, "no placement", reason,
+                    control=True,
+                ),
+            )  # fmt: skip
         return check
 
     def take_control(self, key: tuple[str, int, str]) -> bool:
@@ -323,40 +371,38 @@ class Comparator:
     def _control(
         self,
         real: Check,
+        tp_local: torch.Tensor,
         ref: torch.Tensor,
         dense: torch.Tensor,
         bound: tolerance.Bound,
-        placement: Placement | str,
+        again,
     ) -> None:
-        """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the
-        reference with its largest element moved by `tolerance.control_shift` (the largest error the
-        checker claims to flag in this dtype) goes through the same maxdiff -> record -> bound ->
-        judge path as `real`, with `real`'s bound. If it is not flagged, the checker cannot see
-        errors of that size here."""
+        """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the real TP
+        tensor with one element (where the reference is largest) moved away from the reference by
+        `tolerance.control_shift` (the published detectability of the working dtype) goes through
+        `again`, the very comparison `real` went through (`compare` or `compare_local`, with
+        `real`'s bound). If it is not flagged, the checker cannot see errors of that size here,
+        unless the dense model's own error, measured apart from the bound, says the tensor is
+        ill-conditioned (`tolerance.blind_spot`, on rank 0; the parent copies it to the others)."""
         if ref.numel() == 0 or not self.take_control((real.stage, real.step, real.kind)):
             return
-        planted = ref.detach().clone().reshape(-1)
-        i = int(planted.abs().argmax())
+        planted = tp_local.detach().clone().reshape(-1)
+        near = ref.detach().reshape(-1)
+        i = int(near.abs().argmax())
         scale = absmax(dense)
         # the working dtype's claim (masters included)
         shift = tolerance.control_shift(self.dtype, scale)
         if not planted.is_floating_point():
             shift = max(1.0, round(shift))
-        planted[i] = planted[i].double().add(shift).to(planted.dtype)
-        planted = planted.reshape(ref.shape)
-        check = self._record(
-            real.stage,
-            real.step,
-            f"control:{real.name}",
-            maxdiff(planted, ref),
-            bound,
-            placement,
-            control=True,
-        )
-        self._by_magnitude(check, planted, ref, dense, bound, placement)
+        planted[i] = _away(planted[i], near[i], shift)
+        check = again(planted.reshape(tp_local.shape))
+        check.planted = shift
+        if bound.measured is not None and dense.is_floating_point():
+            check.blind = tolerance.blind_spot(
+                bound.measured, scale, ref.numel(), dense.dtype, shift
+            )
         lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
-        near = ref.detach().reshape(-1)[lo : i + 4]
-        self._keep_evidence(check, planted.reshape(-1)[lo : i + 4], near, near)
+        self._keep_evidence(check, planted[lo : i + 4], near[lo : i + 4], near[lo : i + 4])
 
     def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
         """Bad input is reported as such (exit 2), not as a TP bug."""
@@ -368,10 +414,31 @@ class Comparator:
         if not bool(torch.isfinite(dense).all()):
             raise UsageError(
                 f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
-                "NaN/Inf (pure float16 parameters with AdamW, whose eps underflows in float16, are "
-                "a known cause: drop --no-master-weights / master_weights=False, or use "
-                "--optimizer sgd). The reference is bad, not the TP implementation"
+                f"NaN/Inf ({self._nonfinite_cause(stage, step)}). The reference is bad, not the TP "
+                "implementation"
             )
+
+    def _nonfinite_cause(self, stage: str, step: int) -> str:
+        """The known causes of a non-finite dense reference that fit this run: float16 overflow
+        (past 65504: an Inf, or the NaN an Inf makes), and AdamW's eps underflowing in pure float16
+        parameters, named only where the parameters are float16 (no float32 masters) and an
+        optimizer step has run."""
+        causes = []
+        if self.dtype == torch.float16:
+            causes.append(
+                "float16 overflows past 65504, to an Inf or the NaN an Inf makes (inf - inf, "
+                "inf x 0): some value went past it; scale the inputs or weights down, or use "
+                "--dtype bfloat16"
+            )
+            if not self.masters and (step > 1 or stage == "optimizer"):
+                causes.append(
+                    "pure float16 parameters with AdamW, whose eps underflows in float16, are a "
+                    "known cause: drop --no-master-weights / master_weights=False, or use "
+                    "--optimizer sgd"
+                )
+        return (
+            "; ".join(causes) or "the inputs or the weights are bad, or the arithmetic overflowed"
+        )
 
     def _keep_evidence(self, check: Check, tp_local, ref, dense, weights=None) -> None:
         """The tensors of `check`, kept for the diagnosis when small enough (evidence.py)."""
@@ -433,3 +500,15 @@ class Comparator:
                 )
             )
         self.pending_replicas.clear()
+
+
+def _away(value: torch.Tensor, ref: torch.Tensor, shift: float) -> torch.Tensor:
+    """`value` moved by `shift` away from `ref` (so the planted difference is at least `shift`
+    whatever error `value` already has), toward zero instead where that would overflow its dtype
+    (float16 near 65504): a control stays finite."""
+    v, r = value.double(), ref.double()
+    sign = 1.0 if bool(v >= r) else -1.0
+    moved = (v + sign * shift).to(value.dtype)
+    if value.is_floating_point() and not bool(torch.isfinite(moved)):
+        moved = (v - sign * shift).to(value.dtype)
+    return moved

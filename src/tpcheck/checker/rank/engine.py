@@ -59,6 +59,7 @@ from tpcheck.checker.rank.loading import (
     map_tensors,
     restart_in_place,
 )
+from tpcheck.checker.rank.manifest import manifest
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.checker.rank.params import compare_params, compare_replay, compare_weights
 from tpcheck.checker.rank.precision import keep_float64
@@ -101,7 +102,7 @@ class Engine:
         self.wait_threads = wait_threads
         self.dtype = case.run.torch_dtype
         self.device = group.device
-        self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype)
+        self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype, case.run.uses_masters)
         # what a user's optimizer keeps out of sight: "state"/"update" -> parameter names
         self.unobserved: dict[str, dict] = {}
         try:
@@ -539,6 +540,7 @@ def run_case_on_rank(
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
         warmed_up=engine.warmed_up,
         activations=engine.discovery.record(),
+        manifest=manifest(engine),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,
     )

@@ -1,0 +1,102 @@
+"""The manifest: what this rank must have compared, written from the plan, the run settings and the
+dense model, never from what the comparator recorded (the self-test holds one against the other:
+checker/verdict/result.py `missing_checks`; a check missing from the manifest is a failure of the
+checker, so a comparison path that silently stops, a step, a micro-batch, a rank or the replicas it
+skips, cannot end in "equivalent").
+
+Entries are [stage, step, name, count]: the count is how many checks of that name the rank makes in
+that step (one per micro-batch for the forward and the loss). Training, on every step: the output
+and the loss of every micro-batch (and the output of the forward without autograd where the case
+has one), the plan's module outputs (`act:<module>`) of every micro-batch when they are captured,
+every parameter's gradient that the dense side has, every parameter the optimizers step, the total
+gradient norm where the run clips; the weights as loaded (step 0); and at stage "replicas" each of
+these this rank holds a copy of that another rank holds too (compared bitwise across ranks).
+Forward only: the output of the prefill and of every decode pass, every step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tpcheck.plan import Placement, copies
+
+if TYPE_CHECKING:
+    from tpcheck.checker.rank.engine import Engine
+
+
+def manifest(e: Engine) -> list[list]:
+    """What `e`'s rank must have compared (module docstring), in the payload's form."""
+    out = _weights(e)
+    if e.forward_only is not None:
+        names = ["output"] + [
+            f"output:decode{k}" for k in range(1, e.forward_only.decode_steps + 1)
+        ]
+        return out + [
+            ["forward", step, name, 1] for step in range(1, e.settings.steps + 1) for name in names
+        ]
+    for step in range(1, e.settings.steps + 1):
+        out += _forward(e, step) + _params(e, step)
+    return out
+
+
+def _shared(e: Engine, placement: Placement, shape: tuple[int, ...]) -> bool:
+    """Whether another rank holds a copy of what this rank holds of a tensor (a replica check)."""
+    world = e.group.world_size
+    return world > 1 and (placement.replicated or copies(placement, shape, world) is not None)
+
+
+def _weights(e: Engine) -> list[list]:
+    out = []
+    for name, p in e.dense.named_parameters():
+        out.append(["weights", 0, f"param:{name}", 1])
+        placement = e.plan.params[name]
+        if placement.held_on(e.group.rank, e.group.world_size):
+            if _shared(e, placement, tuple(p.shape)):
+                out.append(["replicas", 0, f"param:{name}", 1])
+    return out
+
+
+def _forward(e: Engine, step: int) -> list[list]:
+    """The forward and loss checks of `step`: one per micro-batch each (the forward without
+    autograd once), with their replica checks."""
+    case, micro = e.case, e.settings.micro_batches
+    out = [["forward", step, "output", micro], ["loss", step, "loss", micro]]
+    if e.group.world_size > 1:
+        out.append(["replicas", step, "loss", micro])
+    shared_output = e.group.world_size > 1 and case.output_placement.replicated
+    if shared_output:
+        out.append(["replicas", step, "output", micro])
+    if case.no_grad_forward:
+        out.append(["forward", step, "output:no_grad", 1])
+        if shared_output:
+            out.append(["replicas", step, "output:no_grad", 1])
+    if e.settings.capture:
+        for module, placement in e.plan.activations.items():
+            out.append(["forward", step, f"act:{module}", micro])
+            if e.group.world_size > 1 and placement.replicated:
+                out.append(["replicas", step, f"act:{module}", micro])
+    return out
+
+
+def _params(e: Engine, step: int) -> list[list]:
+    """The parameter checks of `step`: the gradients the dense side has (the last step's: every
+    step trains the same parameters), what the optimizers step, the gradient norm when clipping."""
+    rank, world, out = e.group.rank, e.group.world_size, []
+    for name, p in e.dense.named_parameters():
+        placement = e.plan.params[name]
+        if not placement.held_on(rank, world):
+            continue
+        owner = placement.applied_on
+        alone = owner is not None  # compared whole on its owner, zero elsewhere: no replica check
+        shared = not alone and _shared(e, placement, tuple(p.shape))
+        if p.grad is not None:
+            out.append(["grads", step, f"grad:{name}", 1])
+            if shared:
+                out.append(["replicas", step, f"grad:{name}", 1])
+        if name in e.dense_master.params and (owner is None or owner == rank):
+            out.append(["optimizer", step, f"param:{name}", 1])
+            if shared:
+                out.append(["replicas", step, f"param:{name}", 1])
+    if e.settings.clip_grad_norm is not None:
+        out.append(["optimizer", step, "clip:grad_norm", 1])
+    return out
