@@ -92,6 +92,7 @@ class Comparator:
         self.seq += 1
         check = self._record(stage, step, name, diff, bound, placement, control)
         self._note(check, ref, reason, loaded_by, seq, raw)
+        self._by_magnitude(check, tp_local, ref, dense, bound, placement)
         if control:  # its evidence, the few elements around the planted one: `_control`'s
             return check
         self._keep_evidence(check, tp_local, ref, dense)
@@ -115,7 +116,6 @@ class Comparator:
         user's loader, the reason, the place in execution order, and the raw error where an
         allowance excused part of the difference."""
         check.numel, check.loaded_by = ref.numel(), loaded_by
-        self._by_magnitude(check, tp_local, ref, dense, bound, placement)
         if reason is not None:
             check.reason = reason
         if seq is not None:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from tpcheck.checker.case import CaseSpec, RunSettings
 from tpcheck.checker.payload import Check, RankPayload, evidence_key
+from tpcheck.checker.rank import tolerance
 from tpcheck.checker.verdict.collectives import check_ledger
 from tpcheck.checker.verdict.diagnose import diagnose
 from tpcheck.checker.verdict.failures import failure_fields
