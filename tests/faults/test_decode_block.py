@@ -59,7 +59,10 @@ def test_the_decode_block_is_equivalent_forward_only_with_its_forward_collective
         names = {c["name"] for c in r["checks"]}
         for name in PASSES:  # the prefill and every decode pass, every module output compared
             assert name in names and f"act:layers.1.attention.o{name[6:]}" in names, name
-        assert {c["stage"] for c in r["checks"]} <= {"weights", "forward", "replicas"}
+        # forward only: the KV caches are compared as built (buffers, step 0), nothing trains
+        assert {c["stage"] for c in r["checks"]} <= {"weights", "buffers", "forward", "replicas"}
+        caches = {c["name"] for c in r["checks"] if c["stage"] == "buffers"}
+        assert "buffer:layers.0.attention.cache.cache_k" in caches, caches
         assert {c["rank"] for c in r["checks"]} == set(range(spec.world_size))
         assert not r["ledger"]["problems"], r["ledger"]["problems"]
         if spec.world_size > 1:

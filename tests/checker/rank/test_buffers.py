@@ -264,3 +264,18 @@ def test_a_written_buffer_placement_is_held_to_the_dense_buffers():
         dataclasses.replace(plan, buffers={"bn.running_maen": Replicate()}).check_against(dense, 2)
     with pytest.raises(UsageError, match=r"buffer 'bn.running_var' \[16\]"):
         Plan(params=plan.params, buffers={"bn.running_var": Shard(0)}).check_against(dense, 3)
+
+
+def test_a_gqa_kv_cache_replicated_over_ranks_is_a_candidate_placement():
+    """A KV cache [seq, batch, kv_heads, head_dim] with 2 KV heads at 4 ranks: ranks 0-1 hold head
+    0, ranks 2-3 head 1 (the decode block at tp 4 is equivalent with it inferred)."""
+    import torch
+
+    from tpcheck.checker.rank.inference import candidates, matches
+    from tpcheck.plan import Fused
+
+    assert Fused(2, (2,)) in candidates((12, 2, 2, 8), 4)
+    dense = torch.randn(12, 2, 2, 8)
+    for rank in range(4):
+        found = matches(dense, dense[:, :, rank // 2 : rank // 2 + 1], rank, 4)
+        assert [candidates((12, 2, 2, 8), 4)[i] for i in found] == [Fused(2, (2,))]

@@ -37,6 +37,9 @@ def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
             n = shape[d]
             if world > 1 and n % parts == 0 and (n // parts) % world == 0:
                 out.append(Fused(d, (n // parts,) * parts))
+    # fewer units than ranks along a dim, each held by world / n consecutive ranks (GQA's KV heads
+    # replicated over ranks: a KV cache [seq, batch, kv_heads, head_dim] at kv_heads < world)
+    out += [Fused(d, (n,)) for d, n in enumerate(shape) if 1 < n < world and world % n == 0]
     return out
 
 
