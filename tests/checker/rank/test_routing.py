@@ -215,3 +215,17 @@ def test_forty_seeds_of_a_correct_router_in_bfloat16_raise_no_false_alarm():
     assert [a for a, r in zip(alarms, results) if r["verdict"] != "equivalent"] == []
     # the sweep exercises the replay: most seeds flip somewhere
     assert sum(any(n.startswith(FLIPPED) for n in r.get("notes") or ()) for r in results) >= 40
+
+
+def test_the_margin_of_an_input_masked_with_minus_inf_is_finite():
+    """A second choice over scores with the first masked to -inf (PhiMoE's sparsemixer): the
+    masked entries are -inf on both sides, no rounding; the margin comes from the finite ones."""
+    from tpcheck.checker.rank.decisions import Decision
+
+    book = DecisionBook()
+    truth = torch.tensor([[0.5, -math.inf, 0.25, 0.125]], dtype=torch.float64)
+    dense = truth.to(torch.bfloat16).double()
+    book.dense = [Decision("router.max#2", "max", dense, torch.tensor([[0]]))]
+    book.truth = [truth]
+    (margin,) = book.rounding_margins(torch.bfloat16, 2)
+    assert math.isfinite(margin) and margin > 0

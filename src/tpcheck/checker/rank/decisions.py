@@ -219,12 +219,16 @@ class DecisionBook:
 
     def rounding_margins(self, dtype: torch.dtype, world: int) -> list[float]:
         """Twice the calibrated bound of each decision's input (on rank 0, which holds the truth;
-        in a float64 run the dense side is the truth)."""
+        in a float64 run the dense side is the truth), over its finite elements: an input masked
+        with -inf (a router's second choice, PhiMoE's sparsemixer) holds the same -inf on both
+        sides there, which is no rounding."""
         out = []
         for k, d in enumerate(self.dense):
             truth = self.truth[k] if k < len(self.truth) else d.x
             assert dtype == torch.float64 or k < len(self.truth), "no float64 input to calibrate"
-            out.append(2 * tolerance.calibrated(d.x, truth, dtype, world).value)
+            finite = torch.isfinite(d.x) & torch.isfinite(truth)
+            x, t = d.x[finite], truth[finite]
+            out.append(2 * tolerance.calibrated(x, t, dtype, world).value if x.numel() else 0.0)
         return out
 
 
