@@ -101,13 +101,15 @@ def prefixed(prefix: str, placements: dict) -> dict:
 
 def hidden_batch(cfg: ModelConfig):
     """x and an MSE target, both [s, b, h], drawn in the seed's order; `cfg.outlier`, where set, in
-    one element of x (the middle token of the last sequence, a third into the hidden dim)."""
+    one element of x and the same of the target (the middle token of the last sequence, a third
+    into the hidden dim): the outlier rides the residual stream, and the loss is not its square."""
 
     def make(g: torch.Generator, dtype: torch.dtype):
         x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g)
         target = torch.randn(cfg.seq, cfg.batch, cfg.hidden, generator=g)
-        if cfg.outlier:
+        if cfg.outlier:  # in the target too: a residual stream carries it, the loss does not
             x[cfg.seq // 2, cfg.batch - 1, cfg.hidden // 3] = cfg.outlier
+            target[cfg.seq // 2, cfg.batch - 1, cfg.hidden // 3] = cfg.outlier
         return {"x": x.to(dtype)}, target.to(dtype)
 
     return make

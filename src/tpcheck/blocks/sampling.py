@@ -31,8 +31,8 @@ def random_spec(
     rng: random.Random, *, worlds=WORLDS, dtypes=DTYPES, blocks=TRAINED, outliers=False
 ) -> CaseSpec:
     """One random correct case (no fault) that the built-in blocks can build; `outliers`: a hidden
-    state block whose input holds one element of magnitude 10^2-10^3.5 (10^1.5-10^2 in float16,
-    whose MSE loss overflows beyond: 1e3 squared is over its largest 65504), either sign."""
+    state block whose input (and target) holds one element of magnitude 10^2-10^3.5 (10^1.5-10^2 in
+    float16, whose largest is 65504), either sign."""
     if outliers:
         spec = random_spec(rng, worlds=worlds, dtypes=dtypes, blocks=HIDDEN_INPUT)
         low, high = (1.5, 2) if spec.settings.dtype == "float16" else (2, 3.5)
