@@ -36,6 +36,7 @@ of these steps: every side's forward without autograd, and the decode passes thr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -105,6 +106,8 @@ class Engine:
         self.cmp = Comparator(group, self.tap, self.dtype, case.run.dtype, case.run.uses_masters)
         # what a user's optimizer keeps out of sight: "state"/"update" -> parameter names
         self.unobserved: dict[str, dict] = {}
+        # (step, module): the dense side's outputs captured (the manifest's count; manifest.py)
+        self.produced: collections.Counter = collections.Counter()
         try:
             self._build()
         except Exception as e:  # noqa: BLE001 - tell the other ranks before they issue a collective
@@ -295,6 +298,9 @@ class Engine:
         book = self.draws.book()
         rec_d, rec_t, (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = self._reference_passes(
             inputs, target, wanted, book
+        )
+        self.produced.update(
+            (step, n) for (s, n), ts in rec_d.tensors.items() if s == "forward" for _ in ts
         )
         acts = TPActivations(cmp, step, rec_d, rec_t, self.discovery)
         handles = (

@@ -7,10 +7,11 @@ skips, cannot end in "equivalent").
 Entries are [stage, step, name, count]: the count is how many checks of that name the rank makes in
 that step (one per micro-batch for the forward and the loss). Training, on every step: the output
 and the loss of every micro-batch (and the output of the forward without autograd where the case
-has one), the plan's module outputs (`act:<module>`) of every micro-batch when they are captured,
-every parameter's gradient that the dense side has, every parameter the optimizers step, the total
-gradient norm where the run clips; the weights as loaded (step 0); and at stage "replicas" each of
-these this rank holds a copy of that another rank holds too (compared bitwise across ranks).
+has one), the plan's module outputs (`act:<module>`) as often as the dense module produced one
+when they are captured, every parameter's gradient that the dense side has, every parameter the
+optimizers step, the total gradient norm where the run clips; the weights as loaded (step 0); and
+at stage "replicas" each of these this rank holds a copy of that another rank holds too (compared
+bitwise across ranks).
 Forward only: the output of the prefill and of every decode pass, every step.
 """
 
@@ -72,9 +73,13 @@ def _forward(e: Engine, step: int) -> list[list]:
             out.append(["replicas", step, "output:no_grad", 1])
     if e.settings.capture:
         for module, placement in e.plan.activations.items():
-            out.append(["forward", step, f"act:{module}", micro])
+            # as often as the dense module produced an output (a mixture's expert that no token
+            # was routed to in a micro-batch is not called there, on either side)
+            if not (count := e.produced[(step, module)]):
+                continue
+            out.append(["forward", step, f"act:{module}", count])
             if e.group.world_size > 1 and placement.replicated:
-                out.append(["replicas", step, f"act:{module}", micro])
+                out.append(["replicas", step, f"act:{module}", count])
     return out
 
 
