@@ -117,7 +117,8 @@ def _compare_one(e: Engine, step, stage, name, p, truth_p, tp_val, dense_val, tr
         sent = tolerance.plus_floor(
             e.cmp.calibrated(dense_val.detach(), truth_val, dense_val.dtype),
             extra,
-            f"lr x {_ulps(p)} {e.settings.dtype} ulp(s) of the gradient's scale",
+            f"lr x {tolerance.floor_ulps(p.numel())} {e.settings.dtype} ulp(s) of the gradient's "
+            "scale",
         )
     label = "grad" if stage == "grads" else "param"
     e.cmp.compare(
@@ -134,12 +135,6 @@ def _compare_one(e: Engine, step, stage, name, p, truth_p, tp_val, dense_val, tr
     )
 
 
-def _ulps(p) -> int:
-    """The floor's ulps for a tensor of p's size (tolerance.py)."""
-    small = p.numel() < tolerance.SMALL_NUMEL
-    return tolerance.SMALL_FLOOR_ULPS if small else tolerance.FLOOR_ULPS
-
-
 def _update_floor(e: Engine, stage: str, p) -> float | None:
     """The float32 masters after a plain (not adaptive) step of a 16-bit run may differ by what a
     rounding-level difference in their 16-bit gradients moves them: lr x the gradient check's floor
@@ -153,7 +148,7 @@ def _update_floor(e: Engine, stage: str, p) -> float | None:
     if p.grad is None:
         return None
     lr = next(g["lr"] for g in e.opt_dense.param_groups if any(q is p for q in g["params"]))
-    return _ulps(p) * tolerance.eps(e.dtype) * lr * absmax(p.grad)
+    return tolerance.floor_ulps(p.numel()) * tolerance.eps(e.dtype) * lr * absmax(p.grad)
 
 
 def _refuse_one_sided_grad(e: Engine, name: str, missing_on_tp: bool) -> None:

@@ -89,6 +89,11 @@ def factor(world_size: int, numel: int = SMALL_NUMEL) -> float:
     return MAX_FACTOR if numel >= SMALL_NUMEL else SMALL_FACTOR
 
 
+def floor_ulps(numel: int) -> int:
+    """The calibrated bound's floor, in ulps of the scale, for a tensor of `numel` elements."""
+    return FLOOR_ULPS if numel >= SMALL_NUMEL else SMALL_FLOOR_ULPS
+
+
 def eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps)
 
@@ -125,7 +130,7 @@ def calibrated(
         return Bound(value, "fp64", f"float64: {FP64_FLOOR_ULPS} ulps of scale {scale:.3g}")
     err_dense = float(max_abs_diff(dense, truth, torch.float64)) if truth.numel() else 0.0
     f = factor(world_size, truth.numel())
-    ulps = FLOOR_ULPS if truth.numel() >= SMALL_NUMEL else SMALL_FLOOR_ULPS
+    ulps = floor_ulps(truth.numel())
     floor = ulps * eps(dtype) * scale
     return Bound(
         f * err_dense + floor,
