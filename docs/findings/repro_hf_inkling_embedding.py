@@ -118,8 +118,8 @@ def check(dense, tp, ids, labels) -> dict:
             with torch.set_grad_enabled(grad):
                 a, b = dense(input_ids=ids).logits, tp(input_ids=ids).logits
         except (RuntimeError, AssertionError) as e:
-            where = e.__traceback__
-            while where.tb_next is not None:
+            where, line = e.__traceback__, "?"
+            while where is not None:
                 if "modeling_inkling" in where.tb_frame.f_code.co_filename:
                     line = f"modeling_inkling.py:{where.tb_lineno}"
                 where = where.tb_next
