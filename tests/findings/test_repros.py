@@ -1,0 +1,83 @@
+"""The upstream defects in docs/findings: each standalone repro still reproduces its defect and
+verifies its fix (exit 0, both verdicts printed), and none of them imports tpcheck."""
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FINDINGS = Path(__file__).resolve().parents[2] / "docs" / "findings"
+
+# repro script -> the upstream package it needs besides torch
+REPROS = {
+    "repro_hf_grad_allreduce.py": "transformers",
+    "repro_hf_missing_rules.py": "transformers",
+    "repro_hf_llama4_inplace_add.py": "transformers",
+    "repro_hf_inkling_embedding.py": "transformers",
+    "repro_hf_doge_dt_proj.py": "transformers",
+    "repro_dtensor_sp_dropout.py": "torch",
+    "repro_megatron_label_smoothing.py": "megatron.core",
+}
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_every_repro_script_is_listed():
+    on_disk = {p.name for p in FINDINGS.glob("repro_*.py")}
+    assert on_disk == set(REPROS), f"unlisted or missing: {on_disk ^ set(REPROS)}"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            names.update(a.value for a in node.args if isinstance(a, ast.Constant))
+    return names
+
+
+@pytest.mark.parametrize("script", sorted(REPROS))
+def test_repro_does_not_import_tpcheck(script):
+    imported = _imported_modules(FINDINGS / script)
+    assert imported, "the scan found no import at all"
+    assert not {m for m in imported if m.split(".")[0] == "tpcheck"}
+    assert "tpcheck" not in (FINDINGS / script).read_text().replace("tpcheck hf", "")
+
+
+def test_the_import_scan_sees_a_tpcheck_import(tmp_path):
+    for line in ("import tpcheck", "from tpcheck.adapters import transformers as hf"):
+        planted = tmp_path / "repro_x.py"
+        planted.write_text(f"import torch\n\n\ndef run():\n    {line}\n")
+        assert any(m.split(".")[0] == "tpcheck" for m in _imported_modules(planted))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(REPROS))
+def test_repro_still_reproduces_and_its_fix_verifies(script):
+    if not _has(REPROS[script]):
+        pytest.skip(f"{REPROS[script]} is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no tpcheck on the path
+    proc = subprocess.run(
+        [sys.executable, str(FINDINGS / script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=FINDINGS,
+    )
+    shown = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{shown}"
+    assert "\nREPRODUCED" in proc.stdout, shown
+    assert "\nFIX VERIFIED" in proc.stdout, shown
