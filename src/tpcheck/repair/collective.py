@@ -1,13 +1,13 @@
-"""`tpcheck verify CASEFILE --repair`: a missing all-reduce, inserted where the diagnosis points, and
-the case checked again.
+"""`tpcheck verify CASEFILE --repair`: a missing all-reduce, inserted where the diagnosis points,
+and the case checked again.
 
 A case whose first divergent tensor has the signature `partial_sum` (each rank holds a part, the sum
 over the ranks is the dense value) is missing an all-reduce before that tensor. By the tensor:
 
 - `act:M` (module M's output) or `output` (the model's): an all-reduce of M's output in a forward
-  hook, with the identity as its backward (Megatron's reduce-from-the-TP-region); where the diagnosis
-  says a bias was added on each rank (`plus: (world - 1) x M.bias`), a second candidate reduces the
-  output before that bias: `all_reduce(out - bias) + bias`;
+  hook, with the identity as its backward (Megatron's reduce-from-the-TP-region); where the
+  diagnosis says a bias was added on each rank (`plus: (world - 1) x M.bias`), a second candidate
+  reduces the output before that bias: `all_reduce(out - bias) + bias`;
 - `actgrad:M` (the gradient of M's output): an all-reduce of that gradient in the backward (the
   identity forward, Megatron's copy-to-the-TP-region), put on M's output by a forward hook;
 - `grad:P` (a parameter's gradient): an all-reduce of each micro-batch's gradient of P as it arrives
@@ -81,7 +81,7 @@ def insertions(result: dict) -> list[Insertion]:
     return []
 
 
-# ------------------------------------------------------------------ the collectives, as TP code writes them
+# ------------------------------------------------------ the collectives, as TP code writes them
 
 
 class _ReduceForward(torch.autograd.Function):

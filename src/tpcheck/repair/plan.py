@@ -1,4 +1,4 @@
-"""`tpcheck hf ARCH --repair`: from a failed check of transformers' plan to a verified rule override.
+"""`tpcheck hf ARCH --repair`: from a failed check of transformers' plan to a verified override.
 
 For a case that is `not equivalent` or `error`:
 
@@ -10,17 +10,19 @@ For a case that is `not equivalent` or `error`:
    module, or an ancestor's key); a failing module no rule covers gets a new key of its own. With no
    failing module (only the model's output failed, or the frame is outside every module), every
    key of the plan.
-3. **Candidate overrides**, smallest change first: one key at a time, then pairs of keys with the same
-   style and module kind set to one style together (q_norm and k_norm), then every such key at once;
+3. **Candidate overrides**, smallest change first: one key at a time, then pairs of keys with the
+   same style and module kind set to one style together (q_norm and k_norm), then every such key at
+   once;
    each key's candidate styles are transformers' own for its kind of module (a Linear: colwise,
    rowwise, ...; a module whose parameters are vectors, a norm: tpcheck's
    `tpcheck_reduce_grad_on_arrival`, `replicated_with_grad_allreduce`, `replicate`; an embedding:
    the embedding styles) other than its current one.
-4. **Each candidate checked with the full check**, the run's own settings, one at a time; the first
-   whose verdict is `equivalent` is the repair. A budget caps the candidates tried (`--repair-budget`);
-   when it runs out with candidates left untried, the entry says so. When every candidate was tried and
-   none is equivalent, no override of one rule, of a pair of rules or of a group of rules with one style
-   fixes it: the model code must change (the entry names the first divergence or the error's frame).
+4. **Each candidate checked with the full check**, the run's own settings, one at a time; the
+   first whose verdict is `equivalent` is the repair. A budget caps the candidates tried
+   (`--repair-budget`); when it runs out with candidates left untried, the entry says so. When
+   every candidate was tried and none is equivalent, no override of one rule, of a pair of rules or
+   of a group of rules with one style fixes it: the model code must change (the entry names the
+   first divergence or the error's frame).
 
 The search never accepts a candidate on anything but its own verifying run's verdict (`verified`).
 """
@@ -51,7 +53,8 @@ def verified(result: dict) -> bool:
 
 def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str]) -> list[str]:
     """Module names (concrete, the model's own) of the first divergent tensor and of every failed
-    check, first divergence first; for an error, the modules whose forward holds the raising line."""
+    check, first divergence first; for an error, the modules whose forward holds the raising
+    line."""
     names = []
     first = result.get("first_divergence") or {}
     if first.get("name"):
