@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_repair_flags(args)  # before transformers is imported: bad flags fail at once
     # here, not at the top: tpcheck.hf imports transformers (half a second); `--help` needs none
     from tpcheck import hf
 
@@ -86,7 +87,6 @@ def main(args: argparse.Namespace) -> int:
             f"--world-size {' '.join(map(str, args.world_size))}: transformers shards "
             "nothing on one rank; give 2 or more"
         )
-    check_repair_flags(args)
     names = hf.select(args.architecture, args.all_architectures)
     rules = hf.parse_rules(args.rule)
     specs, skipped = hf.plan_sweep(

@@ -8,8 +8,9 @@ over the ranks is the dense value) is missing an all-reduce before that tensor. 
   hook, with the identity as its backward (Megatron's reduce-from-the-TP-region); where the
   diagnosis says a bias was added on each rank (`plus: (world - 1) x M.bias`), a second candidate
   reduces the output before that bias: `all_reduce(out - bias) + bias`;
-- `actgrad:M` (the gradient of M's output): an all-reduce of that gradient in the backward (the
-  identity forward, Megatron's copy-to-the-TP-region), put on M's output by a forward hook;
+- `actgrad:M` (the gradient of M's output): an all-reduce of that gradient as it arrives in the
+  backward (a tensor hook on M's output, put there by a forward hook), what Megatron's
+  copy-to-the-TP-region does in the consumer;
 - `grad:P` (a parameter's gradient): an all-reduce of each micro-batch's gradient of P as it arrives
   (a tensor hook).
 
@@ -98,21 +99,6 @@ class _ReduceForward(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceBackward(torch.autograd.Function):
-    """The identity in the forward, an all-reduce of the gradient in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.pg)
-        return grad, None
-
-
 def _reduce_grad(grad: torch.Tensor, pg) -> torch.Tensor:
     grad = grad.contiguous().clone()
     dist.all_reduce(grad, group=pg)
@@ -160,7 +146,9 @@ def _hook(where: str, module: nn.Module, pg):
             if bias is None:
                 return _ReduceForward.apply(out, pg)
             return _ReduceForward.apply(out - bias, pg) + bias
-        return _ReduceBackward.apply(out, pg)
+        if out.requires_grad:  # grad_of_output: the gradient reaching this output, reduced first
+            out.register_hook(functools.partial(_reduce_grad, pg=pg))
+        return out
 
     return hook
 

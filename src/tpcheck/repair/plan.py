@@ -4,8 +4,8 @@ For a case that is `not equivalent` or `error`:
 
 1. **The failing modules**: the module of the first divergent tensor and of every other failed check
    (`grad:P`, `update:P`, `act:M`, ...: a parameter's module, or the module itself); for an `error`,
-   the modules whose class's `forward` holds the line the exception was raised at (tpcheck names it:
-   "raised at FILE:LINE"), else none.
+   the modules whose class's `forward` holds a line of the traceback (the innermost frame whose
+   modules share one plan key), else none; their submodules' plan keys are candidates too.
 2. **The plan keys** that cover them in transformers' plan (the layer-wildcarded key equal to the
    module, or an ancestor's key); a failing module no rule covers gets a new key of its own. With no
    failing module (only the model's output failed, or the frame is outside every module), every
@@ -38,6 +38,7 @@ from torch import nn
 
 DEFAULT_BUDGET = 16
 _RAISED = re.compile(r"raised at (\S+?):(\d+)")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
 _LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicate")
 _EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise", "replicate")
 _CONTAINER_STYLES = ("replicate", "all_reduce")
@@ -66,9 +67,24 @@ def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str
             module = _module_of(token, modules, params)
             if module and module not in found:
                 found.append(module)
-    if result.get("verdict") == "error" and (frame := error_frame(result)) is not None:
-        found += [m for m in frame_modules(modules, *frame) if m not in found]
+    if result.get("verdict") == "error":
+        found += [m for m in raising_modules(result, modules) if m not in found]
     return found
+
+
+def raising_modules(result: dict, modules: dict[str, nn.Module]) -> list[str]:
+    """The modules an error was raised in: of the traceback's frames, innermost first, the first
+    whose line is in the `forward` of modules under one plan key (a norm class used in twenty
+    places is passed over for the one embedding that calls it); else those of tpcheck's frame."""
+    frames = []
+    for problem in result.get("problems") or ():
+        frames += [(f, int(n)) for f, n in _FRAME.findall(problem.get("traceback") or "")]
+    for path, line in reversed(frames):
+        hits = frame_modules(modules, path, line)
+        if hits and len({wildcard(m) for m in hits}) == 1:
+            return hits
+    frame = error_frame(result)
+    return frame_modules(modules, *frame) if frame else []
 
 
 def _module_of(token: str, modules: dict, params: set[str]) -> str | None:
@@ -199,6 +215,10 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     plan = {**meta.tp_plan, **target.rules}
     failing = failing_modules(result, modules, params)
     keys = covering_keys(failing, plan) if failing else list(plan)
+    raising = raising_modules(result, modules) if result.get("verdict") == "error" else []
+    for module in raising:
+        inside = wildcard(module) + "."  # the rules of the raising module's submodules
+        keys += [k for k in plan if k.startswith(inside) and k not in keys]
     kinds = {k: module_kind(k, modules, params) for k in keys}
     todo = candidates(keys, plan, kinds)
     entry = {
