@@ -109,7 +109,6 @@ def test_an_error_names_the_module_whose_forward_raised():
     assert raising == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
-@pytest.mark.slow
 def test_a_repair_that_ignores_the_verdict_is_caught(monkeypatch):
     """Repair mutant: a candidate accepted without its verifying verdict. The first candidate
     (q_norm alone) is then the answer, and checking that answer independently finds it not
@@ -173,7 +172,6 @@ def test_hf_repair_says_when_no_plan_change_fixes_it():
     assert "modeling_inkling.py:" in out.stderr
 
 
-@pytest.mark.slow
 def test_hf_repair_on_an_equivalent_run_has_nothing_to_repair():
     out = tpcheck("hf", "llama", "--steps", "1", "--repair")
     assert out.returncode == 0, out.stderr
