@@ -145,6 +145,13 @@ def check_repair_flags(args: argparse.Namespace) -> None:
             f"--repair-budget {args.repair_budget}: the number of candidate plans to check per "
             "architecture is 1 or more (default 16)"
         )
+    from tpcheck.checker.pool.launch import under_torchrun
+
+    if args.repair and under_torchrun():
+        raise UsageError(
+            "--repair under torchrun: the repair runs each candidate plan in a rank pool of its "
+            "own; run tpcheck hf --repair without torchrun"
+        )
     if args.repair and args.all_architectures:
         raise UsageError(
             "--repair with --all: a repair checks up to --repair-budget candidate plans per "
