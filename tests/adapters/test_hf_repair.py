@@ -168,7 +168,8 @@ def test_hf_repair_says_when_no_plan_change_fixes_it():
     out = tpcheck("hf", "inkling_text", "--steps", "1", "--repair")
     assert out.returncode == 3, out.stderr  # an error
     assert "plan keys of the failing modules: model.embed_tokens=embedding_rowwise" in out.stderr
-    assert "no plan change fixes it" in out.stderr and "the model code must change" in out.stderr
+    assert "no plan change among the 2 candidates fixes it" in out.stderr
+    assert "the model code must change" in out.stderr
     assert "modeling_inkling.py:" in out.stderr
 
 
@@ -176,3 +177,14 @@ def test_hf_repair_on_an_equivalent_run_has_nothing_to_repair():
     out = tpcheck("hf", "llama", "--steps", "1", "--repair")
     assert out.returncode == 0, out.stderr
     assert "nothing to repair: every case checked is equivalent" in out.stderr
+
+
+def test_keys_of_one_kind_under_different_styles_are_tried_together_last():
+    """Apertus: q_norm and k_norm under replicated_with_grad_allreduce, the activation's scalar
+    parameters under no rule; all three need the reduce-on-arrival style."""
+    act = "model.layers.*.mlp.act_fn"
+    rules = {Q: "replicated_with_grad_allreduce", K: "replicated_with_grad_allreduce"}
+    todo = plan.candidates([Q, K, act], rules, dict.fromkeys([Q, K, act], "vectors"))
+    assert todo[-3] == {Q: ARRIVAL, K: ARRIVAL, act: ARRIVAL}
+    assert [len(c) for c in todo] == sorted(len(c) for c in todo)  # smallest change first
+    assert len({tuple(sorted(c.items())) for c in todo}) == len(todo)  # each once

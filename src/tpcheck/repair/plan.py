@@ -12,7 +12,7 @@ For a case that is `not equivalent` or `error`:
    key of the plan.
 3. **Candidate overrides**, smallest change first: one key at a time, then pairs of keys with the
    same style and module kind set to one style together (q_norm and k_norm), then every such key at
-   once;
+   once, then every key of one kind at once;
    each key's candidate styles are transformers' own for its kind of module (a Linear: colwise,
    rowwise, ...; a module whose parameters are vectors, a norm: tpcheck's
    `tpcheck_reduce_grad_on_arrival`, `replicated_with_grad_allreduce`, `replicate`; an embedding:
@@ -170,7 +170,9 @@ def style_choices(kind: str, current: str | None) -> list[str]:
 
 def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> list[dict]:
     """Overrides {key: style}, smallest first: single keys, then pairs of keys of one kind and one
-    current style set to the same style, then each such group of 3 or more at once."""
+    current style set to the same style, then each such group of 3 or more at once, then every key
+    of one kind at once (3 or more, of several current styles: q_norm and k_norm under one style
+    and an activation's scalars under no rule)."""
     out = [{k: s} for k in keys for s in style_choices(kinds[k], plan.get(k))]
     groups: dict[tuple, list[str]] = {}
     for k in keys:
@@ -181,7 +183,16 @@ def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> 
     for (kind, current), members in groups.items():
         if len(members) > 2:
             out += [dict.fromkeys(members, s) for s in style_choices(kind, current)]
-    return out
+    kinds_keys: dict[str, list[str]] = {}
+    for k in keys:
+        kinds_keys.setdefault(kinds[k], []).append(k)
+    for kind, members in kinds_keys.items():  # every key of one kind, whatever its current style
+        if len(members) > 2 and len({plan.get(k) for k in members}) > 1:
+            out += [dict.fromkeys(members, s) for s in style_choices(kind, None)]
+    unique: dict[tuple, dict] = {}
+    for c in out:
+        unique.setdefault(tuple(sorted(c.items())), c)
+    return list(unique.values())
 
 
 def rule_flags(override: dict[str, str]) -> str:
@@ -298,8 +309,8 @@ def entry_lines(entry: dict) -> list[str]:
         )
     else:
         lines.append(
-            f"  no plan change fixes it: none of the {entry['candidates']} overrides of one rule, "
-            "a pair or a group of rules is equivalent; the model code must change "
-            f"(it fails at {entry['where']})"
+            f"  no plan change among the {entry['candidates']} candidates fixes it (one rule, a "
+            "pair or a group of the failing modules' rules set to one style): the model code must "
+            f"change; it fails at {entry['where']}"
         )
     return lines
