@@ -109,6 +109,7 @@ def test_an_error_names_the_module_whose_forward_raised():
     assert raising == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
+@pytest.mark.slow
 def test_a_repair_that_ignores_the_verdict_is_caught(monkeypatch):
     """Repair mutant: a candidate accepted without its verifying verdict. The first candidate
     (q_norm alone) is then the answer, and checking that answer independently finds it not
