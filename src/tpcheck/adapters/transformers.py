@@ -61,6 +61,8 @@ try:  # imported at module load, before the ranks fork
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tpcheck.adapters import transformers_styles  # noqa: F401 - registers tpcheck's styles
 except ImportError as e:  # pragma: no cover - depends on the optional extra
     TRANSFORMERS_ERROR: str | None = (
         f"transformers is not importable ({e}); pip install 'tpcheck[transformers]' "

@@ -18,6 +18,7 @@ EPILOG = """examples:
   tpcheck hf --all --json sweep.json --html sweep.html   # every architecture with a TP plan
   tpcheck hf qwen3 --micro-batches 1                 # one micro-batch (no gradient accumulation)
   tpcheck hf qwen3 --rule 'model.layers.*.self_attn.q_norm=replicate'   # override a plan rule
+  tpcheck hf qwen3 --repair                          # find and verify a rule override that fixes it
   tpcheck hf --list                                  # the architectures with a TP plan"""
 
 
@@ -50,6 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'model.layers.*.mlp.down_proj=rowwise'",
     )
     parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="for each architecture not equivalent (or an error): try overrides of the plan keys "
+        "of its failing modules (transformers' own styles and tpcheck's "
+        "tpcheck_reduce_grad_on_arrival), one key, then pairs, each checked by the full check; "
+        "print the smallest verified override as --rule flags, or that no plan change fixes it",
+    )
+    parser.add_argument(
+        "--repair-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --repair: at most N candidate plans checked per architecture (default 16)",
+    )
+    parser.add_argument(
         "--full",
         action="store_true",
         help="keep every check of every case in the JSON (default: the failed ones, and counts)",
@@ -58,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_repair_flags(args)  # before transformers is imported: bad flags fail at once
     # here, not at the top: tpcheck.hf imports transformers (half a second); `--help` needs none
     from tpcheck import hf
 
@@ -91,6 +108,18 @@ def main(args: argparse.Namespace) -> int:
     def finish(report: dict) -> None:
         """The sweep's table in the report, the passing checks dropped unless --full."""
         report["sweep"] = hf.sweep_section(report["cases"], skipped, args.world_size, rules)
+        if args.repair:  # before the passing checks are dropped: the failed ones name the modules
+            from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S
+            from tpcheck.repair import run_repairs
+
+            report["repair"] = run_repairs(
+                report["cases"],
+                specs,
+                "plan_rule",
+                DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                args.quiet,
+                budget=args.repair_budget or DEFAULT_REPAIR_BUDGET,
+            )
         if not args.full:
             report["cases"] = [hf.compact(r) for r in report["cases"]]
         if not args.quiet:
@@ -103,3 +132,29 @@ def main(args: argparse.Namespace) -> int:
             print(f"tpcheck hf: {report['sweep']['summary']}", file=sys.stderr)
 
     return execute(specs, args, finish_report=finish)
+
+
+DEFAULT_REPAIR_BUDGET = 16  # tpcheck.repair.plan.DEFAULT_BUDGET (not imported for --help)
+
+
+def check_repair_flags(args: argparse.Namespace) -> None:
+    if args.repair_budget is not None and not args.repair:
+        raise UsageError(f"--repair-budget {args.repair_budget}: give it with --repair")
+    if args.repair_budget is not None and args.repair_budget < 1:
+        raise UsageError(
+            f"--repair-budget {args.repair_budget}: the number of candidate plans to check per "
+            "architecture is 1 or more (default 16)"
+        )
+    from tpcheck.checker.pool.launch import under_torchrun
+
+    if args.repair and under_torchrun():
+        raise UsageError(
+            "--repair under torchrun: the repair runs each candidate plan in a rank pool of its "
+            "own; run tpcheck hf --repair without torchrun"
+        )
+    if args.repair and args.all_architectures:
+        raise UsageError(
+            "--repair with --all: a repair checks up to --repair-budget candidate plans per "
+            "failed architecture; run the sweep, then repair the architectures it found not "
+            "equivalent by name (tpcheck hf qwen3 --repair)"
+        )

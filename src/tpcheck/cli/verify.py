@@ -8,7 +8,7 @@ import itertools
 import os
 
 from tpcheck.checker.case import FILE_PREFIX, CaseSpec
-from tpcheck.checker.pool.launch import under_torchrun
+from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, under_torchrun
 from tpcheck.checker.usercode import expand_target, file_spec
 from tpcheck.cli import options
 from tpcheck.cli.execute import execute
@@ -19,7 +19,8 @@ EPILOG = """examples:
   tpcheck verify my_case.py                          # every case in the file, world size 2
   tpcheck verify my_case.py:buggy --world-size 2 4   # one case, two world sizes
   tpcheck verify a.py b.py --dtype bf16 --steps 5 --json r.json
-  tpcheck verify my_case.py --device cuda --world-size 2   # on GPUs, one per rank"""
+  tpcheck verify my_case.py --device cuda --world-size 2   # on GPUs, one per rank
+  tpcheck verify my_case.py --repair                 # insert the missing all-reduce, check again"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print, on stdout, the plan inferred for each case without one "
         "(Case(plan=None, load_tp=...))",
+    )
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="for a case diagnosed partial_sum (a missing all-reduce): insert the all-reduce where "
+        "the diagnosis points (after the module, on its output's gradient, or on the "
+        "parameter's gradient), re-run the full check and say whether it makes it equivalent",
     )
     options.add_device_flag(parser)
     options.add_output_flags(parser)
@@ -63,7 +71,21 @@ def main(args: argparse.Namespace) -> int:
     ]
     if len(broken) == len(specs):
         raise next(iter(broken.values()))  # nothing to run: the first problem, exit 2
-    return execute(specs, args)
+    if not getattr(args, "repair", False):
+        return execute(specs, args)
+    if under_torchrun():
+        raise UsageError(
+            "--repair under torchrun: the repair runs each candidate in a rank pool of its own; "
+            "run tpcheck verify --repair without torchrun"
+        )
+
+    def finish(report: dict) -> None:
+        from tpcheck.repair import run_repairs
+
+        timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+        report["repair"] = run_repairs(report["cases"], specs, "collective", timeout, args.quiet)
+
+    return execute(specs, args, finish_report=finish)
 
 
 def split_world_sizes_from_targets(args: argparse.Namespace) -> None:

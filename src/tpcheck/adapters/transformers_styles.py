@@ -1,0 +1,53 @@
+"""Parallel styles tpcheck ships for transformers' plans, registered in transformers'
+`ALL_PARALLEL_STYLES` under tpcheck-named keys when this module is imported (by
+`tpcheck.adapters.transformers`, before any rank forks: the ranks and the parent know the same
+styles). A plan rule names one like any of transformers' own:
+
+    tpcheck hf qwen3 --rule 'model.layers.*.self_attn.q_norm=tpcheck_reduce_grad_on_arrival'
+
+`tpcheck_reduce_grad_on_arrival` is the fix of transformers' `replicated_with_grad_allreduce` under
+gradient accumulation (docs/findings/hf-replicated-grad-allreduce-accumulation.md): a replicated
+parameter whose gradient is a partial sum gets each micro-batch's gradient all-reduced as it
+arrives (a tensor hook, `param.register_hook`), before autograd accumulates it into `.grad`;
+transformers' style all-reduces the accumulated `.grad` after every backward (a post-accumulate
+hook), counting the earlier micro-batches world-size times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+
+REDUCE_GRAD_ON_ARRIVAL = "tpcheck_reduce_grad_on_arrival"
+# the styles tpcheck registers (the repair tries them beside transformers' own)
+TPCHECK_STYLES = (REDUCE_GRAD_ON_ARRIVAL,)
+
+
+class ReduceGradOnArrival(TensorParallelLayer):
+    """A replicated parameter whose gradient is partial (a norm that sees this rank's heads only):
+    each backward's gradient of the module's own parameters is summed over the TP ranks as it
+    arrives. The hooks are attached at the first grad-enabled forward, as transformers attaches its
+    own (the parameters are replaced when the weights load)."""
+
+    def install_forward(self, module, mesh):
+        original, hooked = module.forward, {}
+
+        def reduce(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=mesh.get_group())
+            return grad
+
+        def tp_forward(*args, **kwargs):
+            if torch.is_grad_enabled():
+                for name, param in module.named_parameters(recurse=False):
+                    if param.requires_grad and hooked.get(name) is not param:
+                        param.register_hook(reduce)
+                        hooked[name] = param
+            return original(*args, **kwargs)
+
+        module.forward = tp_forward
+        return module
+
+
+ALL_PARALLEL_STYLES.register(REDUCE_GRAD_ON_ARRIVAL, ReduceGradOnArrival())

@@ -1,0 +1,316 @@
+"""`tpcheck hf ARCH --repair`: from a failed check of transformers' plan to a verified override.
+
+For a case that is `not equivalent` or `error`:
+
+1. **The failing modules**: the module of the first divergent tensor and of every other failed check
+   (`grad:P`, `update:P`, `act:M`, ...: a parameter's module, or the module itself); for an `error`,
+   the modules whose class's `forward` holds a line of the traceback (the innermost frame whose
+   modules share one plan key), else none; their submodules' plan keys are candidates too.
+2. **The plan keys** that cover them in transformers' plan (the layer-wildcarded key equal to the
+   module, or an ancestor's key); a failing module no rule covers gets a new key of its own. With no
+   failing module (only the model's output failed, or the frame is outside every module), every
+   key of the plan.
+3. **Candidate overrides**, smallest change first: one key at a time, then pairs of keys with the
+   same style and module kind set to one style together (q_norm and k_norm), then every such key at
+   once, then every key of one kind at once;
+   each key's candidate styles are transformers' own for its kind of module (a Linear: colwise,
+   rowwise, ...; a module whose parameters are vectors, a norm: tpcheck's
+   `tpcheck_reduce_grad_on_arrival`, `replicated_with_grad_allreduce`, `replicate`; an embedding:
+   the embedding styles) other than its current one.
+4. **Each candidate checked with the full check**, the run's own settings, one at a time; the
+   first whose verdict is `equivalent` is the repair. A budget caps the candidates tried
+   (`--repair-budget`); when it runs out with candidates left untried, the entry says so. When
+   every candidate was tried and none is equivalent, no override of one rule, of a pair of rules or
+   of a group of rules with one style fixes it: the model code must change (the entry names the
+   first divergence or the error's frame).
+
+The search never accepts a candidate on anything but its own verifying run's verdict (`verified`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import shlex
+
+from torch import nn
+
+DEFAULT_BUDGET = 16
+_RAISED = re.compile(r"raised at (\S+?):(\d+)")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
+_LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicate")
+_EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise", "replicate")
+_CONTAINER_STYLES = ("replicate", "all_reduce")
+
+
+def verified(result: dict) -> bool:
+    """A candidate is the repair only if its own full check says equivalent."""
+    return result.get("verdict") == "equivalent"
+
+
+# ------------------------------------------------------------------ where it fails
+
+
+def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str]) -> list[str]:
+    """Module names (concrete, the model's own) of the first divergent tensor and of every failed
+    check, first divergence first; for an error, the modules whose forward holds the raising
+    line."""
+    names = []
+    first = result.get("first_divergence") or {}
+    if first.get("name"):
+        names.append(first["name"])
+    names += [c["name"] for c in result.get("checks", ()) if not c.get("passed", True)]
+    found: list[str] = []
+    for check in names:
+        for token in check.split(":")[1:]:
+            module = _module_of(token, modules, params)
+            if module and module not in found:
+                found.append(module)
+    if result.get("verdict") == "error":
+        found += [m for m in raising_modules(result, modules) if m not in found]
+    return found
+
+
+def raising_modules(result: dict, modules: dict[str, nn.Module]) -> list[str]:
+    """The modules an error was raised in: of the traceback's frames, innermost first, the first
+    whose line is in the `forward` of modules under one plan key (a norm class used in twenty
+    places is passed over for the one embedding that calls it); else those of tpcheck's frame."""
+    frames = []
+    for problem in result.get("problems") or ():
+        frames += [(f, int(n)) for f, n in _FRAME.findall(problem.get("traceback") or "")]
+    for path, line in reversed(frames):
+        hits = frame_modules(modules, path, line)
+        if hits and len({wildcard(m) for m in hits}) == 1:
+            return hits
+    frame = error_frame(result)
+    return frame_modules(modules, *frame) if frame else []
+
+
+def _module_of(token: str, modules: dict, params: set[str]) -> str | None:
+    if token in params:
+        return token.rpartition(".")[0]
+    while token:
+        if token in modules and token:
+            return token
+        token = token.rpartition(".")[0]
+    return None
+
+
+def error_frame(result: dict) -> tuple[str, int] | None:
+    """(file, line) of the frame tpcheck names for an error ("raised at FILE:LINE")."""
+    m = _RAISED.search(result.get("summary") or "")
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def frame_modules(modules: dict[str, nn.Module], path: str, line: int) -> list[str]:
+    """Modules whose class's `forward` spans `path`:`line` (the path as tpcheck prints it, a suffix
+    of the source file's)."""
+    out = []
+    for name, module in modules.items():
+        code = getattr(type(module).forward, "__code__", None)
+        if code is None or not code.co_filename.endswith(path):
+            continue
+        lines = [n for _, _, n in code.co_lines() if n is not None]
+        if lines and code.co_firstlineno <= line <= max(lines):
+            out.append(name)
+    return out
+
+
+# ------------------------------------------------------------------ the plan keys and their styles
+
+
+def wildcard(name: str) -> str:
+    """A module name with its layer numbers as `*`, as transformers' plan keys write them."""
+    return re.sub(r"\.\d+\.", ".*.", name + ".")[:-1] if name else name
+
+
+def covering_keys(failing: list[str], plan: dict[str, str]) -> list[str]:
+    """The plan keys covering each failing module (its own key, else its closest ancestor's), a new
+    key for a module no rule covers; in the order of `failing`."""
+    keys: list[str] = []
+    for module in failing:
+        w = wildcard(module)
+        parts = w.split(".")
+        ancestors = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        key = next((a for a in ancestors if a in plan), w)
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def module_kind(key: str, modules: dict[str, nn.Module], params: set[str]) -> str:
+    """ "param", "embedding", "linear", "vectors" (a module whose own parameters are all vectors: a
+    norm) or "container"."""
+    if any(wildcard(p) == key for p in params):
+        return "param"
+    module = next((m for n, m in modules.items() if wildcard(n) == key), None)
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    own = list(module.parameters(recurse=False)) if module is not None else []
+    if isinstance(module, nn.Linear) or any(p.dim() == 2 for p in own):
+        return "linear"
+    if own and all(p.dim() <= 1 for p in own):
+        return "vectors"
+    return "container"
+
+
+def style_choices(kind: str, current: str | None) -> list[str]:
+    from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL
+
+    styles = {
+        "param": ("replicate",),
+        "embedding": _EMBEDDING_STYLES,
+        "linear": _LINEAR_STYLES,
+        "vectors": (REDUCE_GRAD_ON_ARRIVAL, "replicated_with_grad_allreduce", "replicate"),
+        "container": _CONTAINER_STYLES,
+    }[kind]
+    return [s for s in styles if s != current]
+
+
+def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> list[dict]:
+    """Overrides {key: style}, smallest first: single keys, then pairs of keys of one kind and one
+    current style set to the same style, then each such group of 3 or more at once, then every key
+    of one kind at once (3 or more, of several current styles: q_norm and k_norm under one style
+    and an activation's scalars under no rule)."""
+    out = [{k: s} for k in keys for s in style_choices(kinds[k], plan.get(k))]
+    groups: dict[tuple, list[str]] = {}
+    for k in keys:
+        groups.setdefault((kinds[k], plan.get(k)), []).append(k)
+    for (kind, current), members in groups.items():
+        for a, b in itertools.combinations(members, 2):
+            out += [{a: s, b: s} for s in style_choices(kind, current)]
+    for (kind, current), members in groups.items():
+        if len(members) > 2:
+            out += [dict.fromkeys(members, s) for s in style_choices(kind, current)]
+    kinds_keys: dict[str, list[str]] = {}
+    for k in keys:
+        kinds_keys.setdefault(kinds[k], []).append(k)
+    for kind, members in kinds_keys.items():  # every key of one kind, whatever its current style
+        if len(members) > 2 and len({plan.get(k) for k in members}) > 1:
+            out += [dict.fromkeys(members, s) for s in style_choices(kind, None)]
+    unique: dict[tuple, dict] = {}
+    for c in out:
+        unique.setdefault(tuple(sorted(c.items())), c)
+    return list(unique.values())
+
+
+def rule_flags(override: dict[str, str]) -> str:
+    return " ".join(f"--rule {shlex.quote(f'{k}={v}')}" for k, v in override.items())
+
+
+# ------------------------------------------------------------------ the search
+
+
+@dataclasses.dataclass
+class Target:
+    """What the search needs of one failed case: its result, its spec and the plan it ran."""
+
+    result: dict
+    spec: object  # CaseSpec
+    rules: dict[str, str]
+
+
+def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
+    """The report's repair entry for one failed case; `run_one(spec) -> result dict` runs a full
+    check."""
+    import torch
+
+    from tpcheck.adapters import transformers as hf
+
+    spec, result = target.spec, target.result
+    arch = spec.block.removeprefix(hf.HF_PREFIX)
+    prep = hf.prepare(arch, spec.world_size, target.rules or None)
+    meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
+    modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
+    plan = {**meta.tp_plan, **target.rules}
+    failing = failing_modules(result, modules, params)
+    keys = covering_keys(failing, plan) if failing else list(plan)
+    raising = raising_modules(result, modules) if result.get("verdict") == "error" else []
+    for module in raising:
+        inside = wildcard(module) + "."  # the rules of the raising module's submodules
+        keys += [k for k in plan if k.startswith(inside) and k not in keys]
+    kinds = {k: module_kind(k, modules, params) for k in keys}
+    todo = candidates(keys, plan, kinds)
+    entry = {
+        "kind": "plan_rule",
+        "case": result["name"],
+        "architecture": arch,
+        "world_size": spec.world_size,
+        "dtype": result.get("dtype"),
+        "verdict": result["verdict"],
+        "where": _where(result),
+        "failing_modules": [wildcard(m) for m in failing],
+        "plan_keys": {k: plan.get(k) for k in keys},
+        "budget": budget,
+        "candidates": len(todo),
+        "tried": [],
+        "override": None,
+        "flags": "",
+        "verified": None,
+    }
+    for n, override in enumerate(todo[:budget], 1):
+        rules = {**target.rules, **override}
+        candidate = dataclasses.replace(
+            spec,
+            overrides=(("tp_plan", tuple(sorted(rules.items()))),),
+            label=f"{result['name']}/repair{n}",
+        )
+        r = run_one(candidate)
+        entry["tried"].append(
+            {
+                "override": override,
+                "verdict": r.get("verdict"),
+                "summary": (r.get("summary") or "")[:300],
+                "seconds": round(float(r.get("seconds", 0.0)), 3),
+            }
+        )
+        if verified(r):
+            entry.update(
+                status="repaired",
+                override=override,
+                flags=rule_flags({**target.rules, **override}),
+                verified={"case": r["name"], "verdict": r["verdict"], "summary": r["summary"]},
+            )
+            return entry
+    entry["status"] = "budget_spent" if len(todo) > budget else "no_plan_fix"
+    return entry
+
+
+def _where(result: dict) -> str:
+    """The first divergence (name, stage, step) or the error's frame."""
+    first = result.get("first_divergence") or {}
+    if first.get("name"):
+        return f"{first['name']} ({first['stage']}, step {first['step']})"
+    frame = error_frame(result)
+    return f"{frame[0]}:{frame[1]}" if frame else (result.get("summary") or "")[:200]
+
+
+def entry_lines(entry: dict) -> list[str]:
+    """The terminal's account of one repair entry."""
+    head = f"{entry['architecture']} (tp{entry['world_size']}, {entry['dtype']})"
+    lines = [f"repair {head}: {entry['verdict']} at {entry['where']}"]
+    if entry["plan_keys"]:
+        keys = ", ".join(f"{k}={v or '(no rule)'}" for k, v in entry["plan_keys"].items())
+        lines.append(f"  plan keys of the failing modules: {keys}")
+    for t in entry["tried"]:
+        rules = ", ".join(f"{k}={v}" for k, v in t["override"].items())
+        lines.append(f"  tried {rules}: {t['verdict']}")
+    if entry["status"] == "repaired":
+        lines += [
+            "  verified (the full check re-run with the override): " + entry["verified"]["summary"],
+            f"  pass: tpcheck hf {entry['architecture']} {entry['flags']}",
+        ]
+    elif entry["status"] == "budget_spent":
+        lines.append(
+            f"  no override verified within the budget of {entry['budget']} candidates "
+            f"({entry['candidates'] - entry['budget']} untried; raise --repair-budget); it fails "
+            f"at {entry['where']}"
+        )
+    else:
+        lines.append(
+            f"  no plan change among the {entry['candidates']} candidates fixes it (one rule, a "
+            "pair or a group of the failing modules' rules set to one style): the model code must "
+            f"change; it fails at {entry['where']}"
+        )
+    return lines

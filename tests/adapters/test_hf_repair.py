@@ -1,0 +1,191 @@
+"""`tpcheck hf ARCH --repair` (tpcheck.repair.plan): from a failed check of transformers' plan to a
+rule override verified by the full check, or the statement that no plan change fixes it.
+
+Needs the extra `tpcheck[transformers]` (transformers==5.24.0): skipped with the reason without it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="the extra tpcheck[transformers] is not installed"
+)
+from tpcheck.adapters import transformers as hf  # noqa: E402
+from tpcheck.checker.pool.session import run_specs  # noqa: E402
+from tpcheck.repair import plan  # noqa: E402
+from tpcheck.resolve import launcher  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    transformers.__version__ != hf.PINNED,
+    reason=f"findings pinned for transformers {hf.PINNED}, found {transformers.__version__}",
+)
+ARRIVAL = "tpcheck_reduce_grad_on_arrival"
+Q, K = "model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"
+
+
+def tpcheck(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tpcheck", *args], capture_output=True, text=True, timeout=900
+    )
+
+
+def qwen3_model():
+    prep = hf.prepare("qwen3", 2)
+    meta = hf.build_lm("qwen3", prep.config, torch.float32, device="meta")
+    return meta, dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
+
+
+# ------------------------------------------------------------------ the search, in this process
+
+
+def test_tpchecks_style_is_registered_in_transformers():
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    assert ARRIVAL in ALL_PARALLEL_STYLES
+    # a plan naming it resolves (transformers validates every style name)
+    assert (
+        hf.prepare("qwen3", 2, {Q: ARRIVAL}).tp_plan["model.layers.0.self_attn.q_norm"] == ARRIVAL
+    )
+
+
+def test_the_failed_checks_name_the_plan_keys_and_the_candidates_smallest_first():
+    meta, modules, params = qwen3_model()
+    result = {
+        "verdict": "not equivalent",
+        "first_divergence": {"name": "grad:model.layers.0.self_attn.q_norm.weight"},
+        "checks": [
+            {"name": "grad:model.layers.1.self_attn.k_norm.weight", "passed": False},
+            {"name": "update:model.layers.0.self_attn.q_norm.weight", "passed": False},
+            {"name": "act:model.layers.0.mlp.down_proj", "passed": True},
+        ],
+    }
+    failing = plan.failing_modules(result, modules, params)
+    assert failing == ["model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm"]
+    keys = plan.covering_keys(failing, meta.tp_plan)
+    assert keys == [Q, K]
+    kinds = {k: plan.module_kind(k, modules, params) for k in keys}
+    assert kinds == {Q: "vectors", K: "vectors"}
+    todo = plan.candidates(keys, meta.tp_plan, kinds)
+    assert all(len(c) == 1 for c in todo[:4]) and todo[:2] == [{Q: ARRIVAL}, {Q: "replicate"}]
+    assert {Q: ARRIVAL, K: ARRIVAL} in todo[4:]  # the pair, after every single key
+    assert all("replicated_with_grad_allreduce" not in c.values() for c in todo)  # the current
+    # a module no rule covers gets a key of its own; a Linear gets transformers' linear styles
+    assert plan.covering_keys(["model.layers.0.input_layernorm"], meta.tp_plan) == [
+        "model.layers.*.input_layernorm"
+    ]
+    assert "rowwise" in plan.style_choices(
+        plan.module_kind("model.layers.*.mlp.up_proj", modules, params), "colwise"
+    )
+
+
+def test_an_error_names_the_module_whose_forward_raised():
+    meta, modules, params = qwen3_model()
+    import inspect
+
+    from transformers.models.qwen3 import modeling_qwen3
+
+    mlp_line = inspect.getsourcelines(modeling_qwen3.Qwen3MLP.forward)[1] + 1
+    norm_line = inspect.getsourcelines(modeling_qwen3.Qwen3RMSNorm.forward)[1] + 1
+    path = modeling_qwen3.__file__
+    result = {
+        "verdict": "error",
+        "summary": f"error: raised at {path}:{norm_line} in forward",
+        "problems": [
+            {
+                "traceback": f'  File "{path}", line {mlp_line}, in forward\n'
+                f'  File "{path}", line {norm_line}, in forward\n'
+            }
+        ],
+    }
+    # the norm class is used under several keys: passed over for the MLP that called it
+    raising = plan.raising_modules(result, modules)
+    assert raising == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+@pytest.mark.slow
+def test_a_repair_that_ignores_the_verdict_is_caught(monkeypatch):
+    """Repair mutant: a candidate accepted without its verifying verdict. The first candidate
+    (q_norm alone) is then the answer, and checking that answer independently finds it not
+    equivalent; the honest search's answer is equivalent when checked the same way."""
+    spec = hf.hf_spec("qwen3", 2, steps=1, micro_batches=2)
+    with launcher(120) as pool:
+
+        def run_one(s):
+            return run_specs([s], pool)[0].to_json()
+
+        failed = run_one(spec)
+        assert failed["verdict"] == "not equivalent"
+        honest = plan.repair_case(plan.Target(failed, spec, {}), run_one)
+        monkeypatch.setattr(plan, "verified", lambda r: True)
+        broken = plan.repair_case(plan.Target(failed, spec, {}), run_one)
+        monkeypatch.undo()
+        assert honest["override"] == {Q: ARRIVAL, K: ARRIVAL}
+        assert broken["override"] == {Q: ARRIVAL}
+        again = {
+            name: run_one(hf.hf_spec("qwen3", 2, rules=e["override"], steps=1, micro_batches=2))
+            for name, e in (("honest", honest), ("broken", broken))
+        }
+    assert again["honest"]["verdict"] == "equivalent"
+    assert again["broken"]["verdict"] == "not equivalent"
+
+
+# ------------------------------------------------------------------ the command
+
+
+@pytest.mark.slow
+def test_hf_qwen3_repair_prints_a_verified_override_that_passes_when_rerun(tmp_path):
+    out = tpcheck("hf", "qwen3", "--steps", "1", "--repair", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 1, out.stderr  # the run itself is not equivalent
+    flags = f"--rule '{Q}={ARRIVAL}' --rule '{K}={ARRIVAL}'"
+    assert f"pass: tpcheck hf qwen3 {flags}" in out.stderr
+    assert "verified (the full check re-run with the override): equivalent" in out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    import jsonschema
+
+    from tpcheck.report.schema import load_schema
+
+    jsonschema.validate(report, load_schema())
+    (entry,) = report["repair"]["entries"]
+    assert entry["status"] == "repaired" and entry["flags"] == flags
+    assert entry["verified"]["verdict"] == "equivalent"
+    assert entry["tried"][-1]["override"] == {Q: ARRIVAL, K: ARRIVAL}
+    assert all(t["verdict"] != "equivalent" for t in entry["tried"][:-1])
+    again = tpcheck("hf", "qwen3", "--steps", "1", *shlex.split(flags))
+    assert again.returncode == 0, again.stderr
+    assert "1 equivalent" in again.stderr
+
+
+@pytest.mark.slow
+def test_hf_repair_says_when_no_plan_change_fixes_it():
+    """Inkling normalizes its vocab-parallel embedding's partial lookup inside the sharded module
+    (docs/findings/hf-inkling-embedding-norm.md): neither other style of its embedding rule runs."""
+    out = tpcheck("hf", "inkling_text", "--steps", "1", "--repair")
+    assert out.returncode == 3, out.stderr  # an error
+    assert "plan keys of the failing modules: model.embed_tokens=embedding_rowwise" in out.stderr
+    assert "no plan change among the 2 candidates fixes it" in out.stderr
+    assert "the model code must change" in out.stderr
+    assert "modeling_inkling.py:" in out.stderr
+
+
+def test_hf_repair_on_an_equivalent_run_has_nothing_to_repair():
+    out = tpcheck("hf", "llama", "--steps", "1", "--repair")
+    assert out.returncode == 0, out.stderr
+    assert "nothing to repair: every case checked is equivalent" in out.stderr
+
+
+def test_keys_of_one_kind_under_different_styles_are_tried_together_last():
+    """Apertus: q_norm and k_norm under replicated_with_grad_allreduce, the activation's scalar
+    parameters under no rule; all three need the reduce-on-arrival style."""
+    act = "model.layers.*.mlp.act_fn"
+    rules = {Q: "replicated_with_grad_allreduce", K: "replicated_with_grad_allreduce"}
+    todo = plan.candidates([Q, K, act], rules, dict.fromkeys([Q, K, act], "vectors"))
+    assert todo[-3] == {Q: ARRIVAL, K: ARRIVAL, act: ARRIVAL}
+    assert [len(c) for c in todo] == sorted(len(c) for c in todo)  # smallest change first
+    assert len({tuple(sorted(c.items())) for c in todo}) == len(todo)  # each once
