@@ -136,9 +136,8 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
         )
     if a.numel() == 0:
         return 0.0
-    if (
-        a.is_complex() or b.is_complex()
-    ):  # a complex buffer (a RoPE cache): real and imaginary parts
+    # a complex buffer (a RoPE cache): compared by its real and imaginary parts
+    if a.is_complex() or b.is_complex():
         a, b = (torch.view_as_real(t.resolve_conj().contiguous()) for t in (a, b))
     # float32 or float64 as they are (the seed's metric is a float32 difference); half types in
     # float32, where they are exact. A NaN anywhere makes the difference infinite.
