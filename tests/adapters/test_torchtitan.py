@@ -133,3 +133,19 @@ def test_qwen3_moe_tp_equivalent_in_bfloat16_and_its_float32_run_rounds_experts_
         key=lambda c: c["seq"],
     )
     assert 1e-4 < first["error"] < 5e-2  # bfloat16 rounding, not a wrong value
+
+
+@pytest.mark.slow
+def test_a_plan_reader_that_drops_the_module_checks_still_cannot_pass_the_planted_bug(monkeypatch):
+    """Mutant of the adapter's plan reading: no per-module output checks from the declarations.
+    The planted embedding bug is then flagged further on (at the first module downstream whose
+    output layout tpcheck infers: the fused QKV), never called equivalent."""
+    from tpcheck.adapters import torchtitan as tt
+    from tpcheck.plan import Plan
+
+    real = tt.derive_plan
+    monkeypatch.setattr(tt, "derive_plan", lambda dense: Plan(params=real(dense).params))
+    (bad,) = check([file_spec(f"{EX}:buggy", 2)])
+    assert bad["verdict"] == "not equivalent", bad["summary"]
+    # the mutant is in effect: the embedding's own output check is gone, a later module flags it
+    assert bad["first_divergence"]["name"] not in ("act:tok_embeddings", None)
