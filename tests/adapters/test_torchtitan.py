@@ -135,7 +135,6 @@ def test_qwen3_moe_tp_equivalent_in_bfloat16_and_its_float32_run_rounds_experts_
     assert 1e-4 < first["error"] < 5e-2  # bfloat16 rounding, not a wrong value
 
 
-@pytest.mark.slow
 def test_a_plan_reader_that_drops_the_module_checks_still_cannot_pass_the_planted_bug(monkeypatch):
     """Mutant of the adapter's plan reading: no per-module output checks from the declarations.
     The planted embedding bug is then flagged further on (at the first module downstream whose
