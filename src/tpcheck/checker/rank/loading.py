@@ -99,6 +99,8 @@ def absmax(t: torch.Tensor) -> float:
     """max |t| in one pass without a temporary (NaN if `t` holds a NaN; 0.0 when empty)."""
     if not t.numel():
         return 0.0
+    if t.is_complex():  # a complex buffer (a RoPE cache): its real and imaginary parts
+        t = torch.view_as_real(t.detach().resolve_conj())
     t = t.detach() if t.is_floating_point() else t.detach().double()
     lo, hi = torch.aminmax(t)
     return float(torch.maximum(-lo, hi))
@@ -134,6 +136,9 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
         )
     if a.numel() == 0:
         return 0.0
+    # a complex buffer (a RoPE cache): compared by its real and imaginary parts
+    if a.is_complex() or b.is_complex():
+        a, b = (torch.view_as_real(t.resolve_conj().contiguous()) for t in (a, b))
     # float32 or float64 as they are (the seed's metric is a float32 difference); half types in
     # float32, where they are exact. A NaN anywhere makes the difference infinite.
     d = max_abs_diff(

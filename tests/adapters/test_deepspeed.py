@@ -1,0 +1,44 @@
+"""DeepSpeed AutoTP training of a transformers Llama (examples/deepspeed_autotp.py): the model as
+`deepspeed.initialize` shards it (`tensor_parallel.autotp_size`), stepped by DeepSpeed's engine,
+checked on CPU/gloo against the dense model; a row-parallel layer without its group (no all-reduce)
+caught at that layer."""
+
+import pytest
+
+from tpcheck.api import check
+from tpcheck.checker.usercode import file_spec
+
+from paths import REPO
+
+pytest.importorskip("deepspeed", reason="deepspeed not installed: pip install 'tpcheck[deepspeed]'")
+pytest.importorskip("transformers", reason="transformers not installed (tpcheck[deepspeed])")
+
+EX = REPO / "examples" / "deepspeed_autotp.py"
+
+
+@pytest.mark.slow
+def test_autotp_llama_equivalent_and_ungrouped_row_layer_caught():
+    """Equivalent: forward (every projection's output), loss, every gradient and DeepSpeed's AdamW
+    state over 2 steps. Layer 0's down_proj without its group: its output is a partial sum, caught
+    there in the forward of step 1."""
+    r = {x["name"]: x for x in check([file_spec(f"{EX}:{n}", 2) for n in ("autotp", "buggy")])}
+    ok = r["deepspeed_autotp_llama/tp2/float32"]
+    assert ok["verdict"] == "equivalent", ok["summary"]
+    names = {c["name"] for c in ok["checks"]}
+    assert {("loss", 2), ("grads", 2), ("optimizer", 2)} <= {
+        (c["stage"], c["step"]) for c in ok["checks"]
+    }
+    assert {"loss", "output", "act:lm.model.layers.1.mlp.down_proj", "act:lm.lm_head"} <= names
+    params = [n.removeprefix("param:") for n in names if n.startswith("param:")]
+    assert len(params) == 2 * 9 + 3  # 9 per layer, the embedding, the final norm, the LM head
+    for p in params:
+        assert f"grad:{p}" in names and f"state:{p}.exp_avg_sq" in names
+    bad = r["deepspeed_autotp_llama_ungrouped_down_proj/tp2/float32"]
+    assert bad["verdict"] == "not equivalent"
+    f = bad["first_divergence"]
+    assert (f["stage"], f["step"], f["name"]) == (
+        "forward",
+        1,
+        "act:lm.model.layers.0.mlp.down_proj",
+    )
+    assert bad["diagnosis"]["signature"] == "partial_sum"
