@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -60,7 +61,10 @@ MAX_PARAMS = 1_000_000  # a shape-reduced model beyond this kept sizes the rules
 try:  # imported at module load, before the ranks fork
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
 except ImportError as e:  # pragma: no cover - depends on the optional extra
     TRANSFORMERS_ERROR: str | None = (
         f"transformers is not importable ({e}); pip install 'tpcheck[transformers]' "
@@ -109,14 +113,91 @@ def model_types() -> list[str]:
     return sorted(CONFIG_MAPPING_NAMES)
 
 
-def causal_lm_class(model_type: str):
+LOGITS, HIDDEN = "logits", "hidden states"
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The class checked for an architecture and what its output is: `LOGITS` (a causal LM:
+    cross-entropy on the logits) or `HIDDEN` (a base model or encoder: its last hidden state,
+    mean-squared error against a random target, a loss whose gradient reaches every parameter)."""
+
+    cls: type
+    kind: str
+
+
+def _takes_token_ids(cls) -> bool:
+    try:
+        return "input_ids" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+
+
+def _own_classes(config_cls) -> list[type]:
+    """The model classes of the config's own modeling module built from that config class (its
+    `config_class`), in definition order; abstract `*PreTrainedModel` bases left out."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001 - no modeling module: no class to build
+        return []
+    return [
+        v
+        for k, v in vars(module).items()
+        if isinstance(v, type)
+        and issubclass(v, PreTrainedModel)
+        and v.__module__ == module_name
+        and getattr(v, "config_class", None) is config_cls
+        and not k.endswith("PreTrainedModel")
+    ]
+
+
+@functools.cache
+def model_class(model_type: str) -> ModelChoice:
+    """The class checked for `model_type`, by one rule for every architecture: its causal LM
+    (AutoModelForCausalLM's entry, else a `*ForCausalLM` class of its modeling module built from
+    its config class); else its base model (AutoModel's entry built from its config class, else a
+    class of its modeling module built from its config class that is no task head), seen through
+    its last hidden state. Only classes whose forward takes `input_ids`; raises Skip when none."""
+    config_cls = CONFIG_MAPPING[model_type]
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if name is None:
-        raise Skip("no causal-LM class (AutoModelForCausalLM has no entry for it)")
-    cls = getattr(transformers, name, None)
-    if cls is None:
-        raise Skip(f"its causal-LM class {name} is not importable")
-    return cls
+    if isinstance(name, str) and getattr(transformers, name, None) is not None:
+        return ModelChoice(getattr(transformers, name), LOGITS)
+    own = _own_classes(config_cls)
+    for cls in own:
+        if cls.__name__.endswith("ForCausalLM") and _takes_token_ids(cls):
+            return ModelChoice(cls, LOGITS)
+    base = MODEL_MAPPING_NAMES.get(model_type)
+    base_cls = getattr(transformers, base, None) if isinstance(base, str) else None
+    candidates = [base_cls] if base_cls is not None else []
+    candidates += [c for c in own if "For" not in c.__name__ and c is not base_cls]
+    for cls in candidates:
+        if getattr(cls, "config_class", None) is config_cls and _takes_token_ids(cls):
+            return ModelChoice(cls, HIDDEN)
+    if own or base_cls is not None:
+        inputs = sorted({_signature(c) for c in (own or [base_cls])})
+        raise Skip(
+            "it takes no token ids: its models encode another modality "
+            f"({'; '.join(inputs[:2])}); the token-id forward is what is checked"
+        )
+    raise Skip(
+        "no model class is built from its config class (no causal LM, no base model): it is "
+        "a part configured inside another architecture's model"
+    )
+
+
+def _signature(cls) -> str:
+    args = list(inspect.signature(cls.forward).parameters)[1:3]
+    return f"{cls.__name__}.forward({', '.join(args)}, ...)"
+
+
+def causal_lm_class(model_type: str):
+    """The class checked for `model_type` (`model_class(model_type).cls`)."""
+    return model_class(model_type).cls
 
 
 # ------------------------------------------------------------------------------ the small config
@@ -278,6 +359,21 @@ def _first_line(e: BaseException) -> str:
 # ------------------------------------------------------------------------------ models
 
 
+def _call_kwargs(model: nn.Module, input_ids: torch.Tensor) -> dict:
+    """The forward's keyword arguments: the token ids, and no KV cache where it takes one."""
+    kwargs = {"input_ids": input_ids}
+    if "use_cache" in inspect.signature(type(model).forward).parameters:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _last_hidden_state(out) -> torch.Tensor:
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+    return hidden
+
+
 class CausalLMLogits(nn.Module):
     """A causal LM seen as `input_ids -> logits`, under the HF parameter and module names: it shares
     the model's submodules (its `_modules` dict) instead of holding the model as a child."""
@@ -290,19 +386,44 @@ class CausalLMLogits(nn.Module):
         object.__setattr__(self, "_buffers", lm._buffers)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, use_cache=False).logits
+        return self.lm(**_call_kwargs(self.lm, input_ids)).logits
 
 
-def build_lm(model_type: str, cfg, dtype: torch.dtype, device=None, tie: bool = True) -> nn.Module:
-    """The causal LM from `cfg`. tie=False: embeddings left untied, as `from_pretrained` builds a
-    model it is about to shard (it ties them after the plan is applied)."""
+class HiddenStates(CausalLMLogits):
+    """A base model (no LM head) seen as `input_ids -> last hidden state`, under the HF names
+    (the same sharing of submodules as `CausalLMLogits`)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return _last_hidden_state(self.lm(**_call_kwargs(self.lm, input_ids)))
+
+
+def wrap(model: nn.Module, kind: str) -> nn.Module:
+    """The model seen as `input_ids -> output` for its kind (`LOGITS` or `HIDDEN`)."""
+    return CausalLMLogits(model) if kind == LOGITS else HiddenStates(model)
+
+
+def build_lm(
+    model_type: str,
+    cfg,
+    dtype: torch.dtype,
+    device=None,
+    tie: bool = True,
+    pinned: tuple[str, ...] = (),
+) -> nn.Module:
+    """The architecture's model (`model_class`) from `cfg`. tie=False: embeddings left untied, as
+    `from_pretrained` builds a model it is about to shard (it ties them after the plan is
+    applied). `pinned`: modules kept in float32 whatever `dtype` (those that cast their input to
+    float32 and so run in no other dtype: `_float32_pinned`)."""
     from transformers import initialization
 
-    cls = causal_lm_class(model_type)
+    cls = model_class(model_type).cls
     untied = initialization.no_tie_weights() if not tie else contextlib.nullcontext()
     with torch.device(device or "cpu"), untied:
         model = cls(copy.deepcopy(cfg))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    for name in pinned:
+        model.get_submodule(name).float()
+    return model
 
 
 _MESHES: dict[int, tuple] = {}
@@ -381,7 +502,7 @@ class TransformersTP(LocalShards):
                 f"transformers sharded no parameter of {self.model_type} at world size "
                 f"{self.group.world_size}: its plan applied nothing"
             )
-        parallel = CausalLMLogits(lm)
+        parallel = wrap(lm, model_class(self.model_type).kind)
         LocalShards.__init__(self, parallel, manager.get_mesh("tp"), self.group, None)
         names = {n for n, _ in self.named_parameters()}
         if names != set(state):
@@ -438,7 +559,12 @@ def activation_placements(
     return out
 
 
-def output_placement(tp_plan: dict[str, str]) -> Placement:
+def output_placement(tp_plan: dict[str, str], kind: str = LOGITS) -> Placement:
+    """How the TP output relates to the dense one: whole, unless the LM head's rule leaves the
+    logits sharded (Skip: no loss transformers applies reads them so). A base model's last
+    hidden state comes out of its final norm, whole."""
+    if kind != LOGITS:
+        return Replicate()
     style = tp_plan.get("lm_head")
     if style in (None, *_REPLICATED_OUTPUT):
         return Replicate()
@@ -461,6 +587,24 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def hidden_batch(shape: tuple[int, ...]):
+    """`make_batch` of a base model: token ids and a random target of its hidden states' shape."""
+
+    def make_batch(g: torch.Generator, dtype: torch.dtype):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        return {"input_ids": ids}, torch.randn(shape, generator=g).to(dtype)
+
+    return make_batch
+
+
+def hidden_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The base model's loss: the mean squared error of its last hidden state against a random
+    target. Its gradient (2(h - t)/n) is dense and random, so it reaches every parameter the
+    hidden state depends on; a plain sum would not (through a LayerNorm whose gain is uniform the
+    sum's gradient cancels)."""
+    return F.mse_loss(hidden, target.to(hidden.dtype))
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What the parent learns of an architecture before any rank runs it."""
@@ -470,6 +614,9 @@ class Prepared:
     tp_plan: dict
     activations: dict
     output: Placement
+    kind: str = LOGITS
+    output_shape: tuple[int, ...] = ()
+    pinned: tuple[str, ...] = ()  # modules kept in float32 in the float64 truth
 
 
 def prepare(model_type: str, world: int, rules: dict | None = None) -> Prepared:
@@ -491,7 +638,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"unknown architecture {model_type!r}: not a transformers model_type; "
             "`tpcheck hf --list` lists those with a TP plan"
         )
-    causal_lm_class(model_type)
+    choice = model_class(model_type)
     cfg = small_config(model_type, world)
     try:
         meta = build_lm(model_type, cfg, torch.float32, device="meta")
@@ -510,10 +657,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"{big[0]} {list(big[1].shape)}): sizes in its config that the "
             "reduction rules do not know"
         )
-    if (problem := _float64_problem(model_type, cfg, meta)) is not None:
-        raise Skip(
-            f"it does not run in float64, the ground truth tpcheck bounds errors with: {problem}"
-        )
+    shape, pinned = _probe(model_type, cfg, meta, choice.kind)
     try:
         tp_plan = resolved_plan(meta, world, rules) if world > 1 else {}
     except Exception as e:  # noqa: BLE001
@@ -521,37 +665,109 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"transformers cannot resolve its plan: {type(e).__name__}: {_first_line(e)}"
         ) from None
     if world > 1 and not tp_plan:
-        raise Skip("its resolved TP plan is empty for the causal-LM class")
+        raise Skip(f"its resolved TP plan is empty for {choice.cls.__name__}")
     return Prepared(
         model_type,
         cfg,
         tp_plan,
         activation_placements(meta, tp_plan, world),
-        output_placement(tp_plan),
+        output_placement(tp_plan, choice.kind),
+        choice.kind,
+        shape,
+        pinned,
     )
 
 
-def _float64_problem(model_type: str, cfg, meta: nn.Module) -> str | None:
-    """Why the model's forward fails in float64 but not in float32 (a router or a kernel pinned to
-    float32, say); None when float64 runs. First on the meta device (shapes and dtypes, no
-    arithmetic, no weights); a model whose meta forward fails in float32 too (it reads values:
-    `.item()`) is tried on the CPU with real weights."""
+class _Failed(Exception):
+    """A forward that raised: the message and the innermost running module holding parameters."""
 
-    def fails(model: nn.Module, dtype: torch.dtype, device: str) -> str | None:
+    def __init__(self, message: str, module: str | None) -> None:
+        super().__init__(message)
+        self.message, self.module = message, module
+
+
+def _forward(model: nn.Module, kind: str, device: str) -> torch.Size:
+    """The output's shape of one no-grad forward of the batch's shape; raises _Failed naming the
+    innermost module holding parameters that was running when it raised (forward pre-hooks push,
+    forward hooks pop)."""
+    stack: list[str] = []
+    handles = []
+    for name, module in model.named_modules():
+        if name and any(True for _ in module.parameters()):
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: _push(stack, n)))
+            handles.append(module.register_forward_hook(lambda m, a, o: _pop(stack)))
+    try:
+        with torch.no_grad():
+            out = wrap(model, kind)(torch.zeros(BATCH, SEQ, dtype=torch.long, device=device))
+        return out.shape
+    except Exception as e:  # noqa: BLE001
+        raise _Failed(f"{type(e).__name__}: {_first_line(e)}", stack[-1] if stack else None) from e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _push(stack: list[str], name: str) -> None:
+    stack.append(name)  # a hook returning a value would replace the module's input or output
+
+
+def _pop(stack: list[str]) -> None:
+    stack.pop()
+
+
+def _probe(model_type: str, cfg, meta: nn.Module, kind: str) -> tuple[tuple, tuple]:
+    """(the output's shape, the modules pinned to float32) from a forward in float32 then in
+    float64: on the meta device (shapes and dtypes, no arithmetic, no weights), or on the CPU with
+    real weights for a model whose meta forward fails (it reads values: `.item()`). Raises Skip
+    when the float32 forward of a base model fails (it needs more than token ids)."""
+    device, model = "meta", meta
+    try:
+        shape = _forward(model, kind, device)
+    except _Failed:
+        device, model = "cpu", build_lm(model_type, cfg, torch.float32)
         try:
-            with torch.no_grad():
-                model.to(dtype)(
-                    input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long, device=device),
-                    use_cache=False,
-                )
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {_first_line(e)}"
-        return None
+            shape = _forward(model, kind, device)
+        except _Failed as e:
+            if kind == HIDDEN:
+                raise Skip(
+                    f"its model {type(model).__name__} does not run from token ids alone: "
+                    f"{e.message}"
+                ) from None
+            return (), ()  # a causal LM that fails is run anyway: its error is the verdict
+    return tuple(shape), _float32_pinned(model, kind, device)
 
-    if fails(meta, torch.float32, "meta") is None:
-        return fails(meta, torch.float64, "meta")
-    real = build_lm(model_type, cfg, torch.float32)
-    return fails(real, torch.float64, "cpu") if fails(real, torch.float32, "cpu") is None else None
+
+def _float32_pinned(model: nn.Module, kind: str, device: str) -> tuple[str, ...]:
+    """The modules to keep in float32 so that the model runs with the rest in float64 (the ground
+    truth): a module that casts its input to float32 (a router, say) runs in no other dtype. Found
+    by running: while the float64 forward fails, the innermost module running when it raised is
+    pinned; raises Skip when pinning does not make it run."""
+    pinned: list[str] = []
+    try:
+        while True:
+            model.to(torch.float64)
+            for name in pinned:
+                model.get_submodule(name).float()
+            try:
+                _forward(model, kind, device)
+            except _Failed as e:
+                if e.module is None or e.module in pinned or len(pinned) >= 16:
+                    raise Skip(
+                        "it does not run in float64, the ground truth tpcheck bounds errors "
+                        f"with: {e.message}"
+                    ) from None
+                pinned.append(e.module)
+                continue
+            return _outermost(pinned)
+    finally:
+        model.to(torch.float32)
+
+
+def _outermost(names: list[str]) -> tuple[str, ...]:
+    """`names` without those inside another of them, sorted."""
+    return tuple(
+        sorted(n for n in names if not any(n.startswith(m + ".") for m in names if m != n))
+    )
 
 
 def prepare_spec(spec: CaseSpec) -> tuple[Prepared, dict[str, str] | None]:
@@ -569,10 +785,11 @@ def hf_case(spec: CaseSpec) -> Case:
     """The Case of `spec.block` = "hf:<model_type>"
     (rules overriding the plan in `spec.overrides`)."""
     prep, rules = prepare_spec(spec)
-    model_type, cfg = prep.model_type, prep.config
+    model_type, cfg, kind = prep.model_type, prep.config, prep.kind
 
     def build_dense(dtype: torch.dtype) -> nn.Module:
-        return CausalLMLogits(build_lm(model_type, cfg, dtype))
+        pinned = prep.pinned if dtype == torch.float64 else ()
+        return wrap(build_lm(model_type, cfg, dtype, pinned=pinned), kind)
 
     def build_tp(group: TPGroup, dtype: torch.dtype) -> nn.Module:
         return TransformersTP(model_type, cfg, dtype, group, rules)
@@ -586,8 +803,8 @@ def hf_case(spec: CaseSpec) -> Case:
         build_tp=build_tp,
         plan=None,
         load_tp=load_tp,
-        make_batch=_make_batch,
-        loss=lm_loss,
+        make_batch=_make_batch if kind == LOGITS else hidden_batch(prep.output_shape),
+        loss=lm_loss if kind == LOGITS else hidden_loss,
         grad_inputs=(),
         output_placement=prep.output,
         activations=prep.activations,
