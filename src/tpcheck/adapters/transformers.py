@@ -230,6 +230,13 @@ _PATTERNS = (
     (re.compile(r"^num_layers$|^n_layers?$"), 2),
     (re.compile(r"^(mamba|ssm)_(n|num)_heads$"), "kv"),  # SSM heads: must divide expand x hidden
     (re.compile(r"^(mamba_)?n_groups$"), "kv"),  # SSM groups: must divide the SSM heads
+    (re.compile(r"_lora_rank$"), 16),  # o_lora_rank, ...
+    (re.compile(r"^(n|num)_\w*experts$|_expert_num$"), 4),  # zero_expert_num, ...
+    (re.compile(r"^\w+_hidden_size$"), "hidden"),  # moe_hidden_size
+    (re.compile(r"^top_?k_experts$"), 2),
+    (re.compile(r"_(n|kv)_heads$"), "kv"),  # indexer_n_heads, indexer_kv_heads
+    (re.compile(r"_compress_ratio$"), 2),
+    (re.compile(r"_budget$"), SEQ // 2),  # tokens a sparse attention keeps
 )
 
 
@@ -241,11 +248,31 @@ def _by_pattern(field: str, value: int, s: dict) -> int | None:
     return None
 
 
-def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
+def small_overrides(
+    defaults: dict,
+    attribute_map: dict,
+    world: int,
+    *,
+    fill: bool = False,
+    head_dim: int = 8,
+    prefix: int | None = None,
+    nested: bool = False,
+    rope_keys: tuple[str, ...] = (),
+) -> dict:
     """Config fields to override (by the config's own field names), from its default values: the
     reduction rules, one set for every architecture. Grouped-query attention keeps 2 query heads per
-    KV head; an architecture whose defaults have as many KV heads as heads keeps that."""
+    KV head; an architecture whose defaults have as many KV heads as heads keeps that. A size whose
+    default is 0 (a rope part of no dims, say) stays 0.
+
+    The fallbacks `small_config` tries when the first reduction does not build: `fill` also sets
+    the sizes and counts the defaults leave None (a None the model divides by); `head_dim` a
+    wider head; `prefix` cuts the layers to the first `prefix` of the default `layer_types` (not one
+    of each kind: for a validator that needs the pattern), with every other layer count
+    (`n_*_layers`, `num_*_layers`) scaled to it; `nested` reduces the sub-configs (a composite
+    config's `text_config`, `audio_config`, ...) by the same rules. `rope_keys`: the rope keys the
+    config class lets its model default (`ignore_keys_at_rope_validation`)."""
     s = _sizes(world)
+    s["head_dim"] = head_dim
     heads_field = attribute_map.get("num_attention_heads", "num_attention_heads")
     kv_field = attribute_map.get("num_key_value_heads", "num_key_value_heads")
     heads, kv = defaults.get(heads_field), defaults.get(kv_field)
@@ -284,12 +311,25 @@ def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
     out = {}
     for key, value in want.items():
         field = attribute_map.get(key, key)
-        if field in defaults and (defaults[field] is not None or key in ("head_dim",)):
-            if key in ("q_lora_rank", "sliding_window", "rotary_dim") and defaults[field] is None:
-                continue
-            out[field] = value
+        if field not in defaults:
+            continue
+        default = defaults[field]
+        if default is None and not fill and key != "head_dim":
+            continue
+        if default is None and key in ("q_lora_rank", "rotary_dim"):
+            continue  # None: the feature is off (no query LoRA, every dim rotated)
+        if default == 0 and key.endswith(("_dim", "_rank")):
+            continue  # a part of no dims stays so (NoPE attention: no rope dims)
+        if isinstance(default, list) and all(isinstance(v, int) for v in default):
+            out[field] = [min(v, value) for v in default]  # one size per layer
+            continue
+        out[field] = value
     for field, value in defaults.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or field in out:
+        if isinstance(value, bool) or field in out:
+            continue
+        if value is None and fill and (rule := _by_pattern(field, 1 << 30, s)) is not None:
+            out[field] = rule
+        if not isinstance(value, (int, float)):
             continue
         if _DROPOUT.search(field):
             out[field] = 0.0
@@ -312,18 +352,137 @@ def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
             out[field] = [min(v, VOCAB - 1) for v in value if isinstance(v, int)]
     layers = attribute_map.get("num_hidden_layers", "num_hidden_layers")
     types = defaults.get("layer_types")
-    if isinstance(types, list) and types:
+    if isinstance(types, list) and types and prefix is not None:
+        out["layer_types"] = types[:prefix]
+        out[layers] = prefix
+        out.update(_scaled_layer_counts(defaults, layers, prefix))
+        for field, value in defaults.items():  # one value per layer: the first `prefix`
+            if isinstance(value, list) and len(value) == len(types) and field != "layer_types":
+                out[field] = out.get(field, value)[:prefix]
+    elif isinstance(types, list) and types:
         distinct = list(dict.fromkeys(types))
         kept = distinct if len(distinct) >= 2 else distinct * 2
         out["layer_types"] = kept
         out[layers] = len(kept)
     elif layers in defaults:
         out[layers] = 2
+    out.update(_rope_sections(defaults, out, attribute_map, rope_keys, fill))
+    if nested:
+        for field, value in defaults.items():
+            if isinstance(value, dict) and isinstance(value.get("model_type"), str):
+                sub_cls = CONFIG_MAPPING.get(value["model_type"]) if available() else None
+                sub_map = dict(getattr(sub_cls, "attribute_map", {}) or {})
+                sub = small_overrides(value, sub_map, world, fill=fill, head_dim=head_dim)
+                out[field] = {**value, **sub}
     return out
 
 
+_LAYER_COUNT = re.compile(r"^(n|num)_\w+_layers$")
+
+
+def _scaled_layer_counts(defaults: dict, layers: str, kept: int) -> dict:
+    """The other layer counts (`n_input_layers`, `num_kv_shared_layers`, ...) scaled from the
+    default depth to `kept` layers, rounded so that counts summing to the depth still do."""
+    total = defaults.get(layers)
+    fields = [
+        f
+        for f, v in defaults.items()
+        if f != layers and _LAYER_COUNT.match(f) and isinstance(v, int) and not isinstance(v, bool)
+    ]
+    if not isinstance(total, int) or total <= 0 or not fields:
+        return {}
+    parts = [defaults[f] for f in fields]
+    target = round(sum(parts) * kept / total)
+    return dict(zip(fields, _apportion(parts, target)))
+
+
+def _apportion(parts: list[int], total: int) -> list[int]:
+    """`parts` scaled to sum to `total` (largest remainders), each at least 0."""
+    whole = sum(parts)
+    if whole <= 0:
+        return [0 for _ in parts]
+    exact = [p * total / whole for p in parts]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(parts)), key=lambda i: out[i] - exact[i])
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _rope_dim(config: dict, attribute_map: dict) -> float | None:
+    """The rotated dims per head: the MLA rope part, else the head dim (or hidden / heads)."""
+    rope = config.get("qk_rope_head_dim")
+    if isinstance(rope, int) and rope > 0:
+        return rope
+    head = config.get(attribute_map.get("head_dim", "head_dim"))
+    if isinstance(head, int) and head > 0:
+        return head
+    hidden = config.get(attribute_map.get("hidden_size", "hidden_size"))
+    heads = config.get(attribute_map.get("num_attention_heads", "num_attention_heads"))
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden / heads
+    return None
+
+
+def _rope_sections(
+    defaults: dict, out: dict, attribute_map: dict, rope_keys=(), fill: bool = False
+) -> dict:
+    """Multimodal rope sections (`mrope_section`: how many of the rotated dims each axis of time,
+    height and width takes; they sum to half the rotated dims) scaled with the rotated dims, in
+    the field itself or in `rope_parameters` (per layer type or not). Where the config leaves the
+    sections to its model's default (`mrope_section` a rope key it does not validate, no value;
+    or any rope without sections under `fill`), three near-equal sections of the reduced rotated
+    dims are set."""
+    old = _rope_dim(defaults, attribute_map)
+    new = _rope_dim({**defaults, **out}, attribute_map)
+    if not old or not new:
+        return {}
+    rope = defaults.get("rope_parameters")
+    if (
+        ("mrope_section" in rope_keys or fill)
+        and isinstance(rope, dict)
+        and "rope_type" in rope
+        and not any("mrope_section" in k for k in defaults)
+        and "mrope_section" not in rope
+    ):
+        factor = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor")) or 1.0
+        half = int(new * factor) // 2
+        return {"rope_parameters": {**rope, "mrope_section": _apportion([1, 1, 1], half)}}
+
+    def scaled(value):
+        if isinstance(value, dict):
+            return {
+                k: (
+                    _apportion(v, round(sum(v) * new / old))
+                    if "mrope_section" in k and _ints(v)
+                    else scaled(v)
+                )
+                for k, v in value.items()
+            }
+        return value
+
+    fixed = {}
+    for field, value in defaults.items():
+        if "mrope_section" in field and _ints(value):
+            fixed[field] = _apportion(value, round(sum(value) * new / old))
+        elif field.startswith("rope") and isinstance(value, dict) and scaled(value) != value:
+            fixed[field] = scaled(value)
+    return fixed
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
+
+
 def small_config(model_type: str, world: int):
-    """The architecture's default config, shape-reduced; raises Skip when it cannot be built."""
+    """The architecture's default config, shape-reduced; raises Skip when it cannot be built.
+
+    The first reduction (`small_overrides`) whose config builds, whose model builds and whose
+    float32 forward runs on the meta device wins; the fallbacks tried in turn: the None sizes
+    filled, a wider head, the layers cut to a prefix of the default `layer_types` pattern (for a
+    validator that needs it). A field the model reads that the config lacks is set by the same
+    rules. When no reduction runs on the meta device, the first whose model builds is kept (a
+    model that reads values, `.item()`, runs on the CPU only)."""
     cls = CONFIG_MAPPING[model_type]
     try:
         default = cls()
@@ -331,11 +490,65 @@ def small_config(model_type: str, world: int):
         raise Skip(
             f"its default config does not build: {type(e).__name__}: {_first_line(e)}"
         ) from None
-    overrides = small_overrides(
-        default.to_dict(), dict(getattr(cls, "attribute_map", {}) or {}), world
-    )
+    defaults = default.to_dict()
+    attribute_map = dict(getattr(cls, "attribute_map", {}) or {})
+    keys = tuple(getattr(cls, "ignore_keys_at_rope_validation", ()) or ())
+    first_error, built = None, None
+    for options in _fallbacks(defaults):
+        overrides = small_overrides(defaults, attribute_map, world, rope_keys=keys, **options)
+        try:
+            cfg = _built_config(model_type, cls, overrides, world)
+        except Skip as e:
+            first_error = first_error or e
+            continue
+        built = built or cfg
+        if _runs(model_type, cfg):
+            return cfg
+    if built is not None:
+        return built
+    raise first_error
+
+
+def _runs(model_type: str, cfg) -> bool:
+    """Whether the model of `cfg` is within the size cap and its float32 forward runs: on the meta
+    device, else on the CPU (a model that reads values)."""
+    meta = build_lm(model_type, cfg, torch.float32, device="meta")
+    if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
+        return False
     try:
-        # the rest: the defaults, derived fields recomputed from the new sizes
+        _forward(meta, _kind(model_type), "meta")
+    except _Failed:
+        try:
+            _forward(build_lm(model_type, cfg, torch.float32), _kind(model_type), "cpu")
+        except _Failed:
+            return False
+    return True
+
+
+def _kind(model_type: str) -> str:
+    return model_class(model_type).kind
+
+
+def _fallbacks(defaults: dict) -> list[dict]:
+    """The options of `small_overrides` tried in turn."""
+    out = [{}, {"fill": True}, {"fill": True, "nested": True}]
+    out += [{"fill": True, "head_dim": 16}, {"fill": True, "head_dim": 32}]
+    types = defaults.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = set(types)
+        first = next(i + 1 for i in range(len(types)) if set(types[: i + 1]) == kinds)
+        out += [{"fill": True, "prefix": n} for n in range(max(first, 2), min(len(types), 16) + 1)]
+    return out
+
+
+_MISSING = re.compile(r"object has no attribute '(\w+)'")
+
+
+def _built_config(model_type: str, cls, overrides: dict, world: int):
+    """The config of `overrides` with its model built on the meta device; a field the model reads
+    that the config lacks (`AttributeError`) is set by the reduction rules and the build retried.
+    Raises Skip with the reason."""
+    try:
         cfg = cls(**overrides)
     except Exception as e:  # noqa: BLE001
         raise Skip(
@@ -344,7 +557,28 @@ def small_config(model_type: str, world: int):
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"  # the grouped-matmul kernels take no float64 (the truth)
     cfg.use_cache = False
-    return cfg
+    for _ in range(8):
+        try:
+            build_lm(model_type, cfg, torch.float32, device="meta")
+            return cfg
+        except Exception as e:  # noqa: BLE001
+            missing = _MISSING.search(str(e)) if isinstance(e, AttributeError) else None
+            value = _missing_value(missing.group(1), world) if missing else None
+            if value is None or hasattr(cfg, missing.group(1)):
+                raise Skip(
+                    "the model does not build from the shape-reduced config: "
+                    f"{type(e).__name__}: {_first_line(e)}"
+                ) from None
+            setattr(cfg, missing.group(1), value)
+    raise Skip("the model does not build from the shape-reduced config")  # pragma: no cover
+
+
+def _missing_value(field: str, world: int):
+    """A field's value by the reduction rules, for a config that lacks it; None when no rule
+    names it."""
+    if _DROPOUT.search(field):
+        return 0.0
+    return small_overrides({field: None}, {}, world, fill=True).get(field)
 
 
 def _first_line(e: BaseException) -> str:
@@ -417,6 +651,7 @@ def build_lm(
     from transformers import initialization
 
     cls = model_class(model_type).cls
+    cfg = _own_config(cls, cfg)
     untied = initialization.no_tie_weights() if not tie else contextlib.nullcontext()
     with torch.device(device or "cpu"), untied:
         model = cls(copy.deepcopy(cfg))
@@ -424,6 +659,20 @@ def build_lm(
     for name in pinned:
         model.get_submodule(name).float()
     return model
+
+
+def _own_config(cls, cfg):
+    """The config `cls` is built from: `cfg`, or its sub-config of the class's `config_class` (a
+    composite config whose causal-LM entry is the text model's class)."""
+    config_cls = getattr(cls, "config_class", None)
+    if not isinstance(config_cls, type) or isinstance(cfg, config_cls):
+        return cfg
+    subs = [v for v in vars(cfg).values() if isinstance(v, config_cls)]
+    if subs:
+        subs[0]._attn_implementation = "eager"
+        subs[0]._experts_implementation = "eager"
+        subs[0].use_cache = False
+    return subs[0] if subs else cfg
 
 
 _MESHES: dict[int, tuple] = {}
