@@ -257,6 +257,7 @@ def small_overrides(
     head_dim: int = 8,
     prefix: int | None = None,
     nested: bool = False,
+    sections: bool = False,
     rope_keys: tuple[str, ...] = (),
 ) -> dict:
     """Config fields to override (by the config's own field names), from its default values: the
@@ -269,8 +270,9 @@ def small_overrides(
     wider head; `prefix` cuts the layers to the first `prefix` of the default `layer_types` (not one
     of each kind: for a validator that needs the pattern), with every other layer count
     (`n_*_layers`, `num_*_layers`) scaled to it; `nested` reduces the sub-configs (a composite
-    config's `text_config`, `audio_config`, ...) by the same rules. `rope_keys`: the rope keys the
-    config class lets its model default (`ignore_keys_at_rope_validation`)."""
+    config's `text_config`, `audio_config`, ...) by the same rules; `sections` gives a rope that
+    has none multimodal sections (`_rope_sections`). `rope_keys`: the rope keys the config class
+    lets its model default (`ignore_keys_at_rope_validation`)."""
     s = _sizes(world)
     s["head_dim"] = head_dim
     heads_field = attribute_map.get("num_attention_heads", "num_attention_heads")
@@ -344,6 +346,12 @@ def small_overrides(
         and defaults.get("head_dim") == defaults.get("qk_rope_head_dim")
     ):
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA's rotary head_dim is the rope part, kept so
+    parts = [defaults.get(f) for f in ("qk_nope_head_dim", "qk_rope_head_dim")]
+    if all(isinstance(v, int) for v in parts) and defaults.get("qk_head_dim") == sum(parts):
+        # MLA's query head: the nope and rope parts together, kept so
+        out["qk_head_dim"] = sum(
+            out.get(f, d) for f, d in zip(("qk_nope_head_dim", "qk_rope_head_dim"), parts)
+        )
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = defaults.get(field)
         if isinstance(value, int) and value >= VOCAB:
@@ -366,7 +374,7 @@ def small_overrides(
         out[layers] = len(kept)
     elif layers in defaults:
         out[layers] = 2
-    out.update(_rope_sections(defaults, out, attribute_map, rope_keys, fill))
+    out.update(_rope_sections(defaults, out, attribute_map, rope_keys, sections))
     if nested:
         for field, value in defaults.items():
             if isinstance(value, dict) and isinstance(value.get("model_type"), str):
@@ -425,13 +433,13 @@ def _rope_dim(config: dict, attribute_map: dict) -> float | None:
 
 
 def _rope_sections(
-    defaults: dict, out: dict, attribute_map: dict, rope_keys=(), fill: bool = False
+    defaults: dict, out: dict, attribute_map: dict, rope_keys=(), sections: bool = False
 ) -> dict:
     """Multimodal rope sections (`mrope_section`: how many of the rotated dims each axis of time,
     height and width takes; they sum to half the rotated dims) scaled with the rotated dims, in
     the field itself or in `rope_parameters` (per layer type or not). Where the config leaves the
     sections to its model's default (`mrope_section` a rope key it does not validate, no value;
-    or any rope without sections under `fill`), three near-equal sections of the reduced rotated
+    or any rope without sections under `sections`), three near-equal sections of the reduced rotated
     dims are set."""
     old = _rope_dim(defaults, attribute_map)
     new = _rope_dim({**defaults, **out}, attribute_map)
@@ -439,7 +447,7 @@ def _rope_sections(
         return {}
     rope = defaults.get("rope_parameters")
     if (
-        ("mrope_section" in rope_keys or fill)
+        ("mrope_section" in rope_keys or sections)
         and isinstance(rope, dict)
         and "rope_type" in rope
         and not any("mrope_section" in k for k in defaults)
@@ -531,7 +539,7 @@ def _kind(model_type: str) -> str:
 
 def _fallbacks(defaults: dict) -> list[dict]:
     """The options of `small_overrides` tried in turn."""
-    out = [{}, {"fill": True}, {"fill": True, "nested": True}]
+    out = [{}, {"fill": True}, {"fill": True, "nested": True}, {"fill": True, "sections": True}]
     out += [{"fill": True, "head_dim": 16}, {"fill": True, "head_dim": 32}]
     types = defaults.get("layer_types")
     if isinstance(types, list) and types:
@@ -1075,6 +1083,8 @@ def hf_spec(
     rules); `settings`: run settings besides the dtype (steps, micro_batches, ...)."""
     overrides = (("tp_plan", tuple(sorted(rules.items()))),) if rules else ()
     label = label or f"{HF_PREFIX}{model_type}/tp{world_size}/{dtype}" + ("/rules" if rules else "")
+    if _has_pinned(model_type, world_size, rules):
+        label += "/float32-truth"  # its float32-pinned modules bound against a float32 truth
     return CaseSpec(
         block=HF_PREFIX + model_type,
         world_size=world_size,
@@ -1082,3 +1092,12 @@ def hf_spec(
         overrides=overrides,
         label=label,
     )
+
+
+def _has_pinned(model_type: str, world: int, rules: dict | None) -> bool:
+    """Whether the architecture's float64 truth keeps modules in float32 (its bound there is the
+    float32 one: docs/hf.md); False when it cannot be prepared (the spec says why when run)."""
+    try:
+        return bool(prepare(model_type, world, rules).pinned)
+    except (Skip, UsageError):
+        return False
