@@ -252,3 +252,9 @@ def test_newly_covered_architectures_run_end_to_end():
     for name, r in results.items():
         assert r["verdict"] in ("equivalent", "not equivalent", "error"), (name, r["summary"])
     assert results["hf:eurobert/tp2/float32"]["verdict"] == "equivalent"
+
+
+def test_an_mla_query_head_stays_the_sum_of_its_parts():
+    defaults = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "qk_head_dim": 192}
+    out = hf.small_overrides(defaults, {}, 2)
+    assert out["qk_head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"] == 12

@@ -4,16 +4,25 @@
     tpcheck hf llama mistral --world-size 2 4
     tpcheck hf --all --world-size 2 --json sweep.json --html sweep.html
 
-For one architecture (a `model_type` whose config declares `base_model_tp_plan` and that has a
-causal-LM class):
+For one architecture (a `model_type` whose config declares `base_model_tp_plan`):
 
+- **The class checked** (`model_class`): its causal LM (AutoModelForCausalLM's entry, else a
+  `*ForCausalLM` class of its modeling module built from its config class), its logits the output
+  (`CausalLMLogits`, cross-entropy); else its base model (AutoModel's entry, else a non-head class
+  of the modeling module built from its config class), its last hidden state the output
+  (`HiddenStates`, mean squared error against a random target: `hidden_loss`). Parameter and module
+  names stay the HF ones; transformers resolves the plan for the class built.
 - **A shape-reduced config** (`small_config`) from the architecture's own defaults: only the sizes
   shrink (hidden 16 per KV head group, 8-wide heads, 2 query heads per KV head with at least as many
   KV heads as ranks, vocab 128, FFN and expert widths divisible by the world size and by 2 for
-  packed gate/up weights, 4 experts, one layer of each layer type and at least 2); every dropout is
-  0 and attention runs `eager`, so both sides compute the same math.
-- **The dense model**: the causal-LM class built from that config, seeded random weights; its logits
-  for `input_ids` are the output (`CausalLMLogits`; parameter and module names stay the HF ones).
+  packed gate/up weights, 4 experts, one layer of each layer type and at least 2, rope sections
+  scaled with the rotated dims); every dropout is 0 and attention runs `eager`, so both sides
+  compute the same math. When that config or its model does not build or run, fallbacks by the same
+  rules: None sizes filled, sub-configs reduced, rope sections set, a wider head, a prefix of the
+  default layer pattern with the other layer counts scaled (`_fallbacks`).
+- **The dense model**: that class built from that config, seeded random weights. Modules that run
+  only in float32 (a router casting its input) are found by running the float64 forward and kept
+  in float32 in the float64 truth (`_float32_pinned`; a weaker bound there, named in the label).
 - **The TP model**: a copy of the dense model holding the dense weights, sharded by transformers
   itself (`PreTrainedModel.maybe_distribute_model`: its plan, its styles, its forward hooks, its
   `distribute_tensor` of each weight) over one mesh per world size (transformers builds two meshes
@@ -29,9 +38,11 @@ causal-LM class):
   transformers runs through another path (local matmuls and a plain `dist.all_reduce`
   instead of DTensor ops).
 
-Architectures that cannot be checked are reported "skipped" with the reason (`screen`): no causal-LM
-class, a config the reduction cannot build, a plan with no rule at this world size. Nothing is
-special-cased per architecture: the reduction is one set of rules over config field names.
+Architectures that cannot be checked are reported "skipped" with the reason: no token-id input (an
+encoder of another modality), a model that needs more than token ids, a config no reduction builds,
+a plan with no rule at this world size. Nothing is special-cased per architecture: the class choice
+is one rule over the modeling module's classes, the reduction one set of rules over config field
+names.
 """
 
 from __future__ import annotations
