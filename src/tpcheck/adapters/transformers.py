@@ -4,16 +4,25 @@
     tpcheck hf llama mistral --world-size 2 4
     tpcheck hf --all --world-size 2 --json sweep.json --html sweep.html
 
-For one architecture (a `model_type` whose config declares `base_model_tp_plan` and that has a
-causal-LM class):
+For one architecture (a `model_type` whose config declares `base_model_tp_plan`):
 
+- **The class checked** (`model_class`): its causal LM (AutoModelForCausalLM's entry, else a
+  `*ForCausalLM` class of its modeling module built from its config class), its logits the output
+  (`CausalLMLogits`, cross-entropy); else its base model (AutoModel's entry, else a non-head class
+  of the modeling module built from its config class), its last hidden state the output
+  (`HiddenStates`, mean squared error against a random target: `hidden_loss`). Parameter and module
+  names stay the HF ones; transformers resolves the plan for the class built.
 - **A shape-reduced config** (`small_config`) from the architecture's own defaults: only the sizes
   shrink (hidden 16 per KV head group, 8-wide heads, 2 query heads per KV head with at least as many
   KV heads as ranks, vocab 128, FFN and expert widths divisible by the world size and by 2 for
-  packed gate/up weights, 4 experts, one layer of each layer type and at least 2); every dropout is
-  0 and attention runs `eager`, so both sides compute the same math.
-- **The dense model**: the causal-LM class built from that config, seeded random weights; its logits
-  for `input_ids` are the output (`CausalLMLogits`; parameter and module names stay the HF ones).
+  packed gate/up weights, 4 experts, one layer of each layer type and at least 2, rope sections
+  scaled with the rotated dims); every dropout is 0 and attention runs `eager`, so both sides
+  compute the same math. When that config or its model does not build or run, fallbacks by the same
+  rules: None sizes filled, sub-configs reduced, rope sections set, a wider head, a prefix of the
+  default layer pattern with the other layer counts scaled (`_fallbacks`).
+- **The dense model**: that class built from that config, seeded random weights. Modules that run
+  only in float32 (a router casting its input) are found by running the float64 forward and kept
+  in float32 in the float64 truth (`_float32_pinned`; a weaker bound there, named in the label).
 - **The TP model**: a copy of the dense model holding the dense weights, sharded by transformers
   itself (`PreTrainedModel.maybe_distribute_model`: its plan, its styles, its forward hooks, its
   `distribute_tensor` of each weight) over one mesh per world size (transformers builds two meshes
@@ -29,9 +38,11 @@ causal-LM class):
   transformers runs through another path (local matmuls and a plain `dist.all_reduce`
   instead of DTensor ops).
 
-Architectures that cannot be checked are reported "skipped" with the reason (`screen`): no causal-LM
-class, a config the reduction cannot build, a plan with no rule at this world size. Nothing is
-special-cased per architecture: the reduction is one set of rules over config field names.
+Architectures that cannot be checked are reported "skipped" with the reason: no token-id input (an
+encoder of another modality), a model that needs more than token ids, a config no reduction builds,
+a plan with no rule at this world size. Nothing is special-cased per architecture: the class choice
+is one rule over the modeling module's classes, the reduction one set of rules over config field
+names.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -60,7 +72,10 @@ MAX_PARAMS = 1_000_000  # a shape-reduced model beyond this kept sizes the rules
 try:  # imported at module load, before the ranks fork
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
 
     from tpcheck.adapters import transformers_styles  # noqa: F401 - registers tpcheck's styles
 except ImportError as e:  # pragma: no cover - depends on the optional extra
@@ -111,14 +126,91 @@ def model_types() -> list[str]:
     return sorted(CONFIG_MAPPING_NAMES)
 
 
-def causal_lm_class(model_type: str):
+LOGITS, HIDDEN = "logits", "hidden states"
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The class checked for an architecture and what its output is: `LOGITS` (a causal LM:
+    cross-entropy on the logits) or `HIDDEN` (a base model or encoder: its last hidden state,
+    mean-squared error against a random target, a loss whose gradient reaches every parameter)."""
+
+    cls: type
+    kind: str
+
+
+def _takes_token_ids(cls) -> bool:
+    try:
+        return "input_ids" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+
+
+def _own_classes(config_cls) -> list[type]:
+    """The model classes of the config's own modeling module built from that config class (its
+    `config_class`), in definition order; abstract `*PreTrainedModel` bases left out."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001 - no modeling module: no class to build
+        return []
+    return [
+        v
+        for k, v in vars(module).items()
+        if isinstance(v, type)
+        and issubclass(v, PreTrainedModel)
+        and v.__module__ == module_name
+        and getattr(v, "config_class", None) is config_cls
+        and not k.endswith("PreTrainedModel")
+    ]
+
+
+@functools.cache
+def model_class(model_type: str) -> ModelChoice:
+    """The class checked for `model_type`, by one rule for every architecture: its causal LM
+    (AutoModelForCausalLM's entry, else a `*ForCausalLM` class of its modeling module built from
+    its config class); else its base model (AutoModel's entry built from its config class, else a
+    class of its modeling module built from its config class that is no task head), seen through
+    its last hidden state. Only classes whose forward takes `input_ids`; raises Skip when none."""
+    config_cls = CONFIG_MAPPING[model_type]
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if name is None:
-        raise Skip("no causal-LM class (AutoModelForCausalLM has no entry for it)")
-    cls = getattr(transformers, name, None)
-    if cls is None:
-        raise Skip(f"its causal-LM class {name} is not importable")
-    return cls
+    if isinstance(name, str) and getattr(transformers, name, None) is not None:
+        return ModelChoice(getattr(transformers, name), LOGITS)
+    own = _own_classes(config_cls)
+    for cls in own:
+        if cls.__name__.endswith("ForCausalLM") and _takes_token_ids(cls):
+            return ModelChoice(cls, LOGITS)
+    base = MODEL_MAPPING_NAMES.get(model_type)
+    base_cls = getattr(transformers, base, None) if isinstance(base, str) else None
+    candidates = [base_cls] if base_cls is not None else []
+    candidates += [c for c in own if "For" not in c.__name__ and c is not base_cls]
+    for cls in candidates:
+        if getattr(cls, "config_class", None) is config_cls and _takes_token_ids(cls):
+            return ModelChoice(cls, HIDDEN)
+    if own or base_cls is not None:
+        inputs = sorted({_signature(c) for c in (own or [base_cls])})
+        raise Skip(
+            "it takes no token ids: its models encode another modality "
+            f"({'; '.join(inputs[:2])}); the token-id forward is what is checked"
+        )
+    raise Skip(
+        "no model class is built from its config class (no causal LM, no base model): it is "
+        "a part configured inside another architecture's model"
+    )
+
+
+def _signature(cls) -> str:
+    args = list(inspect.signature(cls.forward).parameters)[1:3]
+    return f"{cls.__name__}.forward({', '.join(args)}, ...)"
+
+
+def causal_lm_class(model_type: str):
+    """The class checked for `model_type` (`model_class(model_type).cls`)."""
+    return model_class(model_type).cls
 
 
 # ------------------------------------------------------------------------------ the small config
@@ -151,6 +243,13 @@ _PATTERNS = (
     (re.compile(r"^num_layers$|^n_layers?$"), 2),
     (re.compile(r"^(mamba|ssm)_(n|num)_heads$"), "kv"),  # SSM heads: must divide expand x hidden
     (re.compile(r"^(mamba_)?n_groups$"), "kv"),  # SSM groups: must divide the SSM heads
+    (re.compile(r"_lora_rank$"), 16),  # o_lora_rank, ...
+    (re.compile(r"^(n|num)_\w*experts$|_expert_num$"), 4),  # zero_expert_num, ...
+    (re.compile(r"^\w+_hidden_size$"), "hidden"),  # moe_hidden_size
+    (re.compile(r"^top_?k_experts$"), 2),
+    (re.compile(r"_(n|kv)_heads$"), "kv"),  # indexer_n_heads, indexer_kv_heads
+    (re.compile(r"_compress_ratio$"), 2),
+    (re.compile(r"_budget$"), SEQ // 2),  # tokens a sparse attention keeps
 )
 
 
@@ -162,11 +261,33 @@ def _by_pattern(field: str, value: int, s: dict) -> int | None:
     return None
 
 
-def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
+def small_overrides(
+    defaults: dict,
+    attribute_map: dict,
+    world: int,
+    *,
+    fill: bool = False,
+    head_dim: int = 8,
+    prefix: int | None = None,
+    nested: bool = False,
+    sections: bool = False,
+    rope_keys: tuple[str, ...] = (),
+) -> dict:
     """Config fields to override (by the config's own field names), from its default values: the
     reduction rules, one set for every architecture. Grouped-query attention keeps 2 query heads per
-    KV head; an architecture whose defaults have as many KV heads as heads keeps that."""
+    KV head; an architecture whose defaults have as many KV heads as heads keeps that. A size whose
+    default is 0 (a rope part of no dims, say) stays 0.
+
+    The fallbacks `small_config` tries when the first reduction does not build: `fill` also sets
+    the sizes and counts the defaults leave None (a None the model divides by); `head_dim` a
+    wider head; `prefix` cuts the layers to the first `prefix` of the default `layer_types` (not one
+    of each kind: for a validator that needs the pattern), with every other layer count
+    (`n_*_layers`, `num_*_layers`) scaled to it; `nested` reduces the sub-configs (a composite
+    config's `text_config`, `audio_config`, ...) by the same rules; `sections` gives a rope that
+    has none multimodal sections (`_rope_sections`). `rope_keys`: the rope keys the config class
+    lets its model default (`ignore_keys_at_rope_validation`)."""
     s = _sizes(world)
+    s["head_dim"] = head_dim
     heads_field = attribute_map.get("num_attention_heads", "num_attention_heads")
     kv_field = attribute_map.get("num_key_value_heads", "num_key_value_heads")
     heads, kv = defaults.get(heads_field), defaults.get(kv_field)
@@ -205,12 +326,25 @@ def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
     out = {}
     for key, value in want.items():
         field = attribute_map.get(key, key)
-        if field in defaults and (defaults[field] is not None or key in ("head_dim",)):
-            if key in ("q_lora_rank", "sliding_window", "rotary_dim") and defaults[field] is None:
-                continue
-            out[field] = value
+        if field not in defaults:
+            continue
+        default = defaults[field]
+        if default is None and not fill and key != "head_dim":
+            continue
+        if default is None and key in ("q_lora_rank", "rotary_dim"):
+            continue  # None: the feature is off (no query LoRA, every dim rotated)
+        if default == 0 and key.endswith(("_dim", "_rank")):
+            continue  # a part of no dims stays so (NoPE attention: no rope dims)
+        if isinstance(default, list) and all(isinstance(v, int) for v in default):
+            out[field] = [min(v, value) for v in default]  # one size per layer
+            continue
+        out[field] = value
     for field, value in defaults.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or field in out:
+        if isinstance(value, bool) or field in out:
+            continue
+        if value is None and fill and (rule := _by_pattern(field, 1 << 30, s)) is not None:
+            out[field] = rule
+        if not isinstance(value, (int, float)):
             continue
         if _DROPOUT.search(field):
             out[field] = 0.0
@@ -225,6 +359,12 @@ def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
         and defaults.get("head_dim") == defaults.get("qk_rope_head_dim")
     ):
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA's rotary head_dim is the rope part, kept so
+    parts = [defaults.get(f) for f in ("qk_nope_head_dim", "qk_rope_head_dim")]
+    if all(isinstance(v, int) for v in parts) and defaults.get("qk_head_dim") == sum(parts):
+        # MLA's query head: the nope and rope parts together, kept so
+        out["qk_head_dim"] = sum(
+            out.get(f, d) for f, d in zip(("qk_nope_head_dim", "qk_rope_head_dim"), parts)
+        )
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = defaults.get(field)
         if isinstance(value, int) and value >= VOCAB:
@@ -233,18 +373,137 @@ def small_overrides(defaults: dict, attribute_map: dict, world: int) -> dict:
             out[field] = [min(v, VOCAB - 1) for v in value if isinstance(v, int)]
     layers = attribute_map.get("num_hidden_layers", "num_hidden_layers")
     types = defaults.get("layer_types")
-    if isinstance(types, list) and types:
+    if isinstance(types, list) and types and prefix is not None:
+        out["layer_types"] = types[:prefix]
+        out[layers] = prefix
+        out.update(_scaled_layer_counts(defaults, layers, prefix))
+        for field, value in defaults.items():  # one value per layer: the first `prefix`
+            if isinstance(value, list) and len(value) == len(types) and field != "layer_types":
+                out[field] = out.get(field, value)[:prefix]
+    elif isinstance(types, list) and types:
         distinct = list(dict.fromkeys(types))
         kept = distinct if len(distinct) >= 2 else distinct * 2
         out["layer_types"] = kept
         out[layers] = len(kept)
     elif layers in defaults:
         out[layers] = 2
+    out.update(_rope_sections(defaults, out, attribute_map, rope_keys, sections))
+    if nested:
+        for field, value in defaults.items():
+            if isinstance(value, dict) and isinstance(value.get("model_type"), str):
+                sub_cls = CONFIG_MAPPING.get(value["model_type"]) if available() else None
+                sub_map = dict(getattr(sub_cls, "attribute_map", {}) or {})
+                sub = small_overrides(value, sub_map, world, fill=fill, head_dim=head_dim)
+                out[field] = {**value, **sub}
     return out
 
 
+_LAYER_COUNT = re.compile(r"^(n|num)_\w+_layers$")
+
+
+def _scaled_layer_counts(defaults: dict, layers: str, kept: int) -> dict:
+    """The other layer counts (`n_input_layers`, `num_kv_shared_layers`, ...) scaled from the
+    default depth to `kept` layers, rounded so that counts summing to the depth still do."""
+    total = defaults.get(layers)
+    fields = [
+        f
+        for f, v in defaults.items()
+        if f != layers and _LAYER_COUNT.match(f) and isinstance(v, int) and not isinstance(v, bool)
+    ]
+    if not isinstance(total, int) or total <= 0 or not fields:
+        return {}
+    parts = [defaults[f] for f in fields]
+    target = round(sum(parts) * kept / total)
+    return dict(zip(fields, _apportion(parts, target)))
+
+
+def _apportion(parts: list[int], total: int) -> list[int]:
+    """`parts` scaled to sum to `total` (largest remainders), each at least 0."""
+    whole = sum(parts)
+    if whole <= 0:
+        return [0 for _ in parts]
+    exact = [p * total / whole for p in parts]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(parts)), key=lambda i: out[i] - exact[i])
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _rope_dim(config: dict, attribute_map: dict) -> float | None:
+    """The rotated dims per head: the MLA rope part, else the head dim (or hidden / heads)."""
+    rope = config.get("qk_rope_head_dim")
+    if isinstance(rope, int) and rope > 0:
+        return rope
+    head = config.get(attribute_map.get("head_dim", "head_dim"))
+    if isinstance(head, int) and head > 0:
+        return head
+    hidden = config.get(attribute_map.get("hidden_size", "hidden_size"))
+    heads = config.get(attribute_map.get("num_attention_heads", "num_attention_heads"))
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden / heads
+    return None
+
+
+def _rope_sections(
+    defaults: dict, out: dict, attribute_map: dict, rope_keys=(), sections: bool = False
+) -> dict:
+    """Multimodal rope sections (`mrope_section`: how many of the rotated dims each axis of time,
+    height and width takes; they sum to half the rotated dims) scaled with the rotated dims, in
+    the field itself or in `rope_parameters` (per layer type or not). Where the config leaves the
+    sections to its model's default (`mrope_section` a rope key it does not validate, no value;
+    or any rope without sections under `sections`), three near-equal sections of the reduced rotated
+    dims are set."""
+    old = _rope_dim(defaults, attribute_map)
+    new = _rope_dim({**defaults, **out}, attribute_map)
+    if not old or not new:
+        return {}
+    rope = defaults.get("rope_parameters")
+    if (
+        ("mrope_section" in rope_keys or sections)
+        and isinstance(rope, dict)
+        and "rope_type" in rope
+        and not any("mrope_section" in k for k in defaults)
+        and "mrope_section" not in rope
+    ):
+        factor = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor")) or 1.0
+        half = int(new * factor) // 2
+        return {"rope_parameters": {**rope, "mrope_section": _apportion([1, 1, 1], half)}}
+
+    def scaled(value):
+        if isinstance(value, dict):
+            return {
+                k: (
+                    _apportion(v, round(sum(v) * new / old))
+                    if "mrope_section" in k and _ints(v)
+                    else scaled(v)
+                )
+                for k, v in value.items()
+            }
+        return value
+
+    fixed = {}
+    for field, value in defaults.items():
+        if "mrope_section" in field and _ints(value):
+            fixed[field] = _apportion(value, round(sum(value) * new / old))
+        elif field.startswith("rope") and isinstance(value, dict) and scaled(value) != value:
+            fixed[field] = scaled(value)
+    return fixed
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
+
+
 def small_config(model_type: str, world: int):
-    """The architecture's default config, shape-reduced; raises Skip when it cannot be built."""
+    """The architecture's default config, shape-reduced; raises Skip when it cannot be built.
+
+    The first reduction (`small_overrides`) whose config builds, whose model builds and whose
+    float32 forward runs on the meta device wins; the fallbacks tried in turn: the None sizes
+    filled, a wider head, the layers cut to a prefix of the default `layer_types` pattern (for a
+    validator that needs it). A field the model reads that the config lacks is set by the same
+    rules. When no reduction runs on the meta device, the first whose model builds is kept (a
+    model that reads values, `.item()`, runs on the CPU only)."""
     cls = CONFIG_MAPPING[model_type]
     try:
         default = cls()
@@ -252,11 +511,65 @@ def small_config(model_type: str, world: int):
         raise Skip(
             f"its default config does not build: {type(e).__name__}: {_first_line(e)}"
         ) from None
-    overrides = small_overrides(
-        default.to_dict(), dict(getattr(cls, "attribute_map", {}) or {}), world
-    )
+    defaults = default.to_dict()
+    attribute_map = dict(getattr(cls, "attribute_map", {}) or {})
+    keys = tuple(getattr(cls, "ignore_keys_at_rope_validation", ()) or ())
+    first_error, built = None, None
+    for options in _fallbacks(defaults):
+        overrides = small_overrides(defaults, attribute_map, world, rope_keys=keys, **options)
+        try:
+            cfg = _built_config(model_type, cls, overrides, world)
+        except Skip as e:
+            first_error = first_error or e
+            continue
+        built = built or cfg
+        if _runs(model_type, cfg):
+            return cfg
+    if built is not None:
+        return built
+    raise first_error
+
+
+def _runs(model_type: str, cfg) -> bool:
+    """Whether the model of `cfg` is within the size cap and its float32 forward runs: on the meta
+    device, else on the CPU (a model that reads values)."""
+    meta = build_lm(model_type, cfg, torch.float32, device="meta")
+    if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
+        return False
     try:
-        # the rest: the defaults, derived fields recomputed from the new sizes
+        _forward(meta, _kind(model_type), "meta")
+    except _Failed:
+        try:
+            _forward(build_lm(model_type, cfg, torch.float32), _kind(model_type), "cpu")
+        except _Failed:
+            return False
+    return True
+
+
+def _kind(model_type: str) -> str:
+    return model_class(model_type).kind
+
+
+def _fallbacks(defaults: dict) -> list[dict]:
+    """The options of `small_overrides` tried in turn."""
+    out = [{}, {"fill": True}, {"fill": True, "nested": True}, {"fill": True, "sections": True}]
+    out += [{"fill": True, "head_dim": 16}, {"fill": True, "head_dim": 32}]
+    types = defaults.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = set(types)
+        first = next(i + 1 for i in range(len(types)) if set(types[: i + 1]) == kinds)
+        out += [{"fill": True, "prefix": n} for n in range(max(first, 2), min(len(types), 16) + 1)]
+    return out
+
+
+_MISSING = re.compile(r"object has no attribute '(\w+)'")
+
+
+def _built_config(model_type: str, cls, overrides: dict, world: int):
+    """The config of `overrides` with its model built on the meta device; a field the model reads
+    that the config lacks (`AttributeError`) is set by the reduction rules and the build retried.
+    Raises Skip with the reason."""
+    try:
         cfg = cls(**overrides)
     except Exception as e:  # noqa: BLE001
         raise Skip(
@@ -265,7 +578,28 @@ def small_config(model_type: str, world: int):
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"  # the grouped-matmul kernels take no float64 (the truth)
     cfg.use_cache = False
-    return cfg
+    for _ in range(8):
+        try:
+            build_lm(model_type, cfg, torch.float32, device="meta")
+            return cfg
+        except Exception as e:  # noqa: BLE001
+            missing = _MISSING.search(str(e)) if isinstance(e, AttributeError) else None
+            value = _missing_value(missing.group(1), world) if missing else None
+            if value is None or hasattr(cfg, missing.group(1)):
+                raise Skip(
+                    "the model does not build from the shape-reduced config: "
+                    f"{type(e).__name__}: {_first_line(e)}"
+                ) from None
+            setattr(cfg, missing.group(1), value)
+    raise Skip("the model does not build from the shape-reduced config")  # pragma: no cover
+
+
+def _missing_value(field: str, world: int):
+    """A field's value by the reduction rules, for a config that lacks it; None when no rule
+    names it."""
+    if _DROPOUT.search(field):
+        return 0.0
+    return small_overrides({field: None}, {}, world, fill=True).get(field)
 
 
 def _first_line(e: BaseException) -> str:
@@ -280,6 +614,21 @@ def _first_line(e: BaseException) -> str:
 # ------------------------------------------------------------------------------ models
 
 
+def _call_kwargs(model: nn.Module, input_ids: torch.Tensor) -> dict:
+    """The forward's keyword arguments: the token ids, and no KV cache where it takes one."""
+    kwargs = {"input_ids": input_ids}
+    if "use_cache" in inspect.signature(type(model).forward).parameters:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _last_hidden_state(out) -> torch.Tensor:
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+    return hidden
+
+
 class CausalLMLogits(nn.Module):
     """A causal LM seen as `input_ids -> logits`, under the HF parameter and module names: it shares
     the model's submodules (its `_modules` dict) instead of holding the model as a child."""
@@ -292,19 +641,59 @@ class CausalLMLogits(nn.Module):
         object.__setattr__(self, "_buffers", lm._buffers)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, use_cache=False).logits
+        return self.lm(**_call_kwargs(self.lm, input_ids)).logits
 
 
-def build_lm(model_type: str, cfg, dtype: torch.dtype, device=None, tie: bool = True) -> nn.Module:
-    """The causal LM from `cfg`. tie=False: embeddings left untied, as `from_pretrained` builds a
-    model it is about to shard (it ties them after the plan is applied)."""
+class HiddenStates(CausalLMLogits):
+    """A base model (no LM head) seen as `input_ids -> last hidden state`, under the HF names
+    (the same sharing of submodules as `CausalLMLogits`)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return _last_hidden_state(self.lm(**_call_kwargs(self.lm, input_ids)))
+
+
+def wrap(model: nn.Module, kind: str) -> nn.Module:
+    """The model seen as `input_ids -> output` for its kind (`LOGITS` or `HIDDEN`)."""
+    return CausalLMLogits(model) if kind == LOGITS else HiddenStates(model)
+
+
+def build_lm(
+    model_type: str,
+    cfg,
+    dtype: torch.dtype,
+    device=None,
+    tie: bool = True,
+    pinned: tuple[str, ...] = (),
+) -> nn.Module:
+    """The architecture's model (`model_class`) from `cfg`. tie=False: embeddings left untied, as
+    `from_pretrained` builds a model it is about to shard (it ties them after the plan is
+    applied). `pinned`: modules kept in float32 whatever `dtype` (those that cast their input to
+    float32 and so run in no other dtype: `_float32_pinned`)."""
     from transformers import initialization
 
-    cls = causal_lm_class(model_type)
+    cls = model_class(model_type).cls
+    cfg = _own_config(cls, cfg)
     untied = initialization.no_tie_weights() if not tie else contextlib.nullcontext()
     with torch.device(device or "cpu"), untied:
         model = cls(copy.deepcopy(cfg))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    for name in pinned:
+        model.get_submodule(name).float()
+    return model
+
+
+def _own_config(cls, cfg):
+    """The config `cls` is built from: `cfg`, or its sub-config of the class's `config_class` (a
+    composite config whose causal-LM entry is the text model's class)."""
+    config_cls = getattr(cls, "config_class", None)
+    if not isinstance(config_cls, type) or isinstance(cfg, config_cls):
+        return cfg
+    subs = [v for v in vars(cfg).values() if isinstance(v, config_cls)]
+    if subs:
+        subs[0]._attn_implementation = "eager"
+        subs[0]._experts_implementation = "eager"
+        subs[0].use_cache = False
+    return subs[0] if subs else cfg
 
 
 _MESHES: dict[int, tuple] = {}
@@ -383,7 +772,7 @@ class TransformersTP(LocalShards):
                 f"transformers sharded no parameter of {self.model_type} at world size "
                 f"{self.group.world_size}: its plan applied nothing"
             )
-        parallel = CausalLMLogits(lm)
+        parallel = wrap(lm, model_class(self.model_type).kind)
         LocalShards.__init__(self, parallel, manager.get_mesh("tp"), self.group, None)
         names = {n for n, _ in self.named_parameters()}
         if names != set(state):
@@ -440,7 +829,12 @@ def activation_placements(
     return out
 
 
-def output_placement(tp_plan: dict[str, str]) -> Placement:
+def output_placement(tp_plan: dict[str, str], kind: str = LOGITS) -> Placement:
+    """How the TP output relates to the dense one: whole, unless the LM head's rule leaves the
+    logits sharded (Skip: no loss transformers applies reads them so). A base model's last
+    hidden state comes out of its final norm, whole."""
+    if kind != LOGITS:
+        return Replicate()
     style = tp_plan.get("lm_head")
     if style in (None, *_REPLICATED_OUTPUT):
         return Replicate()
@@ -463,6 +857,24 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def hidden_batch(shape: tuple[int, ...]):
+    """`make_batch` of a base model: token ids and a random target of its hidden states' shape."""
+
+    def make_batch(g: torch.Generator, dtype: torch.dtype):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        return {"input_ids": ids}, torch.randn(shape, generator=g).to(dtype)
+
+    return make_batch
+
+
+def hidden_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The base model's loss: the mean squared error of its last hidden state against a random
+    target. Its gradient (2(h - t)/n) is dense and random, so it reaches every parameter the
+    hidden state depends on; a plain sum would not (through a LayerNorm whose gain is uniform the
+    sum's gradient cancels)."""
+    return F.mse_loss(hidden, target.to(hidden.dtype))
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What the parent learns of an architecture before any rank runs it."""
@@ -472,6 +884,9 @@ class Prepared:
     tp_plan: dict
     activations: dict
     output: Placement
+    kind: str = LOGITS
+    output_shape: tuple[int, ...] = ()
+    pinned: tuple[str, ...] = ()  # modules kept in float32 in the float64 truth
 
 
 def prepare(model_type: str, world: int, rules: dict | None = None) -> Prepared:
@@ -493,7 +908,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"unknown architecture {model_type!r}: not a transformers model_type; "
             "`tpcheck hf --list` lists those with a TP plan"
         )
-    causal_lm_class(model_type)
+    choice = model_class(model_type)
     cfg = small_config(model_type, world)
     try:
         meta = build_lm(model_type, cfg, torch.float32, device="meta")
@@ -512,10 +927,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"{big[0]} {list(big[1].shape)}): sizes in its config that the "
             "reduction rules do not know"
         )
-    if (problem := _float64_problem(model_type, cfg, meta)) is not None:
-        raise Skip(
-            f"it does not run in float64, the ground truth tpcheck bounds errors with: {problem}"
-        )
+    shape, pinned = _probe(model_type, cfg, meta, choice.kind)
     try:
         tp_plan = resolved_plan(meta, world, rules) if world > 1 else {}
     except Exception as e:  # noqa: BLE001
@@ -523,37 +935,109 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"transformers cannot resolve its plan: {type(e).__name__}: {_first_line(e)}"
         ) from None
     if world > 1 and not tp_plan:
-        raise Skip("its resolved TP plan is empty for the causal-LM class")
+        raise Skip(f"its resolved TP plan is empty for {choice.cls.__name__}")
     return Prepared(
         model_type,
         cfg,
         tp_plan,
         activation_placements(meta, tp_plan, world),
-        output_placement(tp_plan),
+        output_placement(tp_plan, choice.kind),
+        choice.kind,
+        shape,
+        pinned,
     )
 
 
-def _float64_problem(model_type: str, cfg, meta: nn.Module) -> str | None:
-    """Why the model's forward fails in float64 but not in float32 (a router or a kernel pinned to
-    float32, say); None when float64 runs. First on the meta device (shapes and dtypes, no
-    arithmetic, no weights); a model whose meta forward fails in float32 too (it reads values:
-    `.item()`) is tried on the CPU with real weights."""
+class _Failed(Exception):
+    """A forward that raised: the message and the innermost running module holding parameters."""
 
-    def fails(model: nn.Module, dtype: torch.dtype, device: str) -> str | None:
+    def __init__(self, message: str, module: str | None) -> None:
+        super().__init__(message)
+        self.message, self.module = message, module
+
+
+def _forward(model: nn.Module, kind: str, device: str) -> torch.Size:
+    """The output's shape of one no-grad forward of the batch's shape; raises _Failed naming the
+    innermost module holding parameters that was running when it raised (forward pre-hooks push,
+    forward hooks pop)."""
+    stack: list[str] = []
+    handles = []
+    for name, module in model.named_modules():
+        if name and any(True for _ in module.parameters()):
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: _push(stack, n)))
+            handles.append(module.register_forward_hook(lambda m, a, o: _pop(stack)))
+    try:
+        with torch.no_grad():
+            out = wrap(model, kind)(torch.zeros(BATCH, SEQ, dtype=torch.long, device=device))
+        return out.shape
+    except Exception as e:  # noqa: BLE001
+        raise _Failed(f"{type(e).__name__}: {_first_line(e)}", stack[-1] if stack else None) from e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _push(stack: list[str], name: str) -> None:
+    stack.append(name)  # a hook returning a value would replace the module's input or output
+
+
+def _pop(stack: list[str]) -> None:
+    stack.pop()
+
+
+def _probe(model_type: str, cfg, meta: nn.Module, kind: str) -> tuple[tuple, tuple]:
+    """(the output's shape, the modules pinned to float32) from a forward in float32 then in
+    float64: on the meta device (shapes and dtypes, no arithmetic, no weights), or on the CPU with
+    real weights for a model whose meta forward fails (it reads values: `.item()`). Raises Skip
+    when the float32 forward of a base model fails (it needs more than token ids)."""
+    device, model = "meta", meta
+    try:
+        shape = _forward(model, kind, device)
+    except _Failed:
+        device, model = "cpu", build_lm(model_type, cfg, torch.float32)
         try:
-            with torch.no_grad():
-                model.to(dtype)(
-                    input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long, device=device),
-                    use_cache=False,
-                )
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {_first_line(e)}"
-        return None
+            shape = _forward(model, kind, device)
+        except _Failed as e:
+            if kind == HIDDEN:
+                raise Skip(
+                    f"its model {type(model).__name__} does not run from token ids alone: "
+                    f"{e.message}"
+                ) from None
+            return (), ()  # a causal LM that fails is run anyway: its error is the verdict
+    return tuple(shape), _float32_pinned(model, kind, device)
 
-    if fails(meta, torch.float32, "meta") is None:
-        return fails(meta, torch.float64, "meta")
-    real = build_lm(model_type, cfg, torch.float32)
-    return fails(real, torch.float64, "cpu") if fails(real, torch.float32, "cpu") is None else None
+
+def _float32_pinned(model: nn.Module, kind: str, device: str) -> tuple[str, ...]:
+    """The modules to keep in float32 so that the model runs with the rest in float64 (the ground
+    truth): a module that casts its input to float32 (a router, say) runs in no other dtype. Found
+    by running: while the float64 forward fails, the innermost module running when it raised is
+    pinned; raises Skip when pinning does not make it run."""
+    pinned: list[str] = []
+    try:
+        while True:
+            model.to(torch.float64)
+            for name in pinned:
+                model.get_submodule(name).float()
+            try:
+                _forward(model, kind, device)
+            except _Failed as e:
+                if e.module is None or e.module in pinned or len(pinned) >= 16:
+                    raise Skip(
+                        "it does not run in float64, the ground truth tpcheck bounds errors "
+                        f"with: {e.message}"
+                    ) from None
+                pinned.append(e.module)
+                continue
+            return _outermost(pinned)
+    finally:
+        model.to(torch.float32)
+
+
+def _outermost(names: list[str]) -> tuple[str, ...]:
+    """`names` without those inside another of them, sorted."""
+    return tuple(
+        sorted(n for n in names if not any(n.startswith(m + ".") for m in names if m != n))
+    )
 
 
 def prepare_spec(spec: CaseSpec) -> tuple[Prepared, dict[str, str] | None]:
@@ -571,10 +1055,11 @@ def hf_case(spec: CaseSpec) -> Case:
     """The Case of `spec.block` = "hf:<model_type>"
     (rules overriding the plan in `spec.overrides`)."""
     prep, rules = prepare_spec(spec)
-    model_type, cfg = prep.model_type, prep.config
+    model_type, cfg, kind = prep.model_type, prep.config, prep.kind
 
     def build_dense(dtype: torch.dtype) -> nn.Module:
-        return CausalLMLogits(build_lm(model_type, cfg, dtype))
+        pinned = prep.pinned if dtype == torch.float64 else ()
+        return wrap(build_lm(model_type, cfg, dtype, pinned=pinned), kind)
 
     def build_tp(group: TPGroup, dtype: torch.dtype) -> nn.Module:
         return TransformersTP(model_type, cfg, dtype, group, rules)
@@ -588,8 +1073,8 @@ def hf_case(spec: CaseSpec) -> Case:
         build_tp=build_tp,
         plan=None,
         load_tp=load_tp,
-        make_batch=_make_batch,
-        loss=lm_loss,
+        make_batch=_make_batch if kind == LOGITS else hidden_batch(prep.output_shape),
+        loss=lm_loss if kind == LOGITS else hidden_loss,
         grad_inputs=(),
         output_placement=prep.output,
         activations=prep.activations,
@@ -611,6 +1096,8 @@ def hf_spec(
     rules); `settings`: run settings besides the dtype (steps, micro_batches, ...)."""
     overrides = (("tp_plan", tuple(sorted(rules.items()))),) if rules else ()
     label = label or f"{HF_PREFIX}{model_type}/tp{world_size}/{dtype}" + ("/rules" if rules else "")
+    if _has_pinned(model_type, world_size, rules):
+        label += "/float32-truth"  # its float32-pinned modules bound against a float32 truth
     return CaseSpec(
         block=HF_PREFIX + model_type,
         world_size=world_size,
@@ -618,3 +1105,12 @@ def hf_spec(
         overrides=overrides,
         label=label,
     )
+
+
+def _has_pinned(model_type: str, world: int, rules: dict | None) -> bool:
+    """Whether the architecture's float64 truth keeps modules in float32 (its bound there is the
+    float32 one: docs/hf.md); False when it cannot be prepared (the spec says why when run)."""
+    try:
+        return bool(prepare(model_type, world, rules).pinned)
+    except (Skip, UsageError):
+        return False

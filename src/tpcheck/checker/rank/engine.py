@@ -76,13 +76,14 @@ from tpcheck.parallel.layers import finalize_grads
 from tpcheck.plan import Plan, Replicate
 
 
-def _in_float64(value):
-    """An optimizer state entry for the float64 truth: moment tensors in float64, the rest (a scalar
-    step tensor, a number) copied as they are."""
+def _in_float64(value, dtype: torch.dtype = torch.float64):
+    """An optimizer state entry for the float64 truth: moment tensors in float64 (in `dtype`: the
+    truth parameter's, float32 for a module the case keeps so), the rest (a scalar step tensor, a
+    number) copied as they are."""
     if not torch.is_tensor(value):
         return value
     return (
-        value.detach().clone().double()
+        value.detach().clone().to(dtype)
         if value.is_floating_point() and value.dim()
         else value.clone()
     )
@@ -463,7 +464,7 @@ class Engine:
                 t = truth[name]
                 t.copy_(p.detach().double())
                 if dense_opt is not None and (state := dense_opt.state.get(p)):
-                    self.opt_truth.state[t] = {k: _in_float64(v) for k, v in state.items()}
+                    self.opt_truth.state[t] = {k: _in_float64(v, t.dtype) for k, v in state.items()}
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]
