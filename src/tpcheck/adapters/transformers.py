@@ -1079,6 +1079,7 @@ def hf_case(spec: CaseSpec) -> Case:
         output_placement=prep.output,
         activations=prep.activations,
         no_grad_forward=True,
+        plan_rules=prep.tp_plan,
         run=spec.settings,
     )
 

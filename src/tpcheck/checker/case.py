@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -356,6 +356,10 @@ class Case:
         `next_tokens` `[batch, 1]`, `position` the index of that token in its sequence. None:
         `default_decode_inputs` (the first input replaced by the new tokens, `start_pos` /
         `input_pos` set to the position).
+    plan_rules: the TP code's own plan as its rules, pattern -> style (transformers'
+        `{"model.layers.*.self_attn.q_proj": "colwise", ...}`, `*` standing for a layer index), read
+        only to name things in a diagnosis (which rule, if any, covers a parameter whose gradient
+        is wrong); never used to compute the verdict. None: the TP code has no such plan.
     run: how it is run (RunSettings); inject: what a planted fault changes (Injection).
     """
 
@@ -383,6 +387,7 @@ class Case:
     setup: Callable[[TPGroup], None] | None = None
     decode_steps: int = 0
     decode_inputs: Callable[[dict, torch.Tensor, int], dict] | None = None
+    plan_rules: Mapping[str, str] | None = None
     run: RunSettings = RunSettings()
     inject: Injection = Injection()
 
@@ -398,6 +403,7 @@ class Case:
                 "in Plan(activations=...)"
             )
         self._check_tp_names()
+        self._check_plan_rules()
         if not isinstance(self.dropout, dict):
             raise UsageError(
                 f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
@@ -470,6 +476,25 @@ class Case:
             raise UsageError(
                 f"Case {self.name!r}: tp_names must be a dict {{dense name: TP name}} (str to "
                 f"str) or a function of the dense name, not {bad}"
+            )
+
+    def _check_plan_rules(self) -> None:
+        """`plan_rules`: None or a mapping of str -> str."""
+        rules = self.plan_rules
+        if rules is None:
+            return
+        bad = (
+            type(rules).__name__
+            if not isinstance(rules, Mapping)
+            else next(
+                (f"{k!r}: {v!r}" for k, v in rules.items() if not (type(k) is type(v) is str)),
+                None,
+            )
+        )
+        if bad is not None:
+            raise UsageError(
+                f"Case {self.name!r}: plan_rules must be a mapping {{pattern: style}} (str to "
+                f"str), your TP code's own plan, not {bad}"
             )
 
     def grad_input_names(self, inputs: dict) -> tuple[str, ...]:

@@ -391,7 +391,7 @@ def _entries() -> list[Fault]:
             "over the ranks again.",
             "post-accumulate-grad hooks on the sequence-parallel norm weights",
             "grads",
-            "mismatch",
+            "grad_accumulation_reduced",
             i.reduce_grads_every_microbatch,
             blocks=("mlp", "attention", "layer", "lm"),
             sequence_parallel=True,

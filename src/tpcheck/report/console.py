@@ -73,6 +73,13 @@ def signature_text(r: dict) -> str:
     return "hang" if r.get("verdict") == "hang" else ""
 
 
+def finding_line(r: dict) -> str:
+    """'finding: <doc> (<title>)' for a case whose diagnosis matches a documented upstream defect
+    (the report's `finding`, tpcheck/findings.py); '' otherwise."""
+    f = r.get("finding")
+    return f"finding: {f['doc']} ({f['title']})" if f else ""
+
+
 def summary_table(results: list[dict]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
     # On a narrow terminal the long columns wrap; the short ones keep their width.
@@ -111,6 +118,8 @@ def print_summary(results: list[dict], out: TextIO | None = None) -> None:
     _print_table(console, summary_table(results))
     for r in results:
         if r["as_expected"]:
+            if r.get("finding"):  # expected, and a documented upstream defect: say which
+                console.print(Text(f"{r['name']}: ", style="bold") + Text(finding_line(r)))
             continue
         console.print(Text(f"{r['name']}: ", style="bold") + Text(r.get("summary", "")))
         cause = (r.get("diagnosis") or {}).get("cause")
@@ -118,6 +127,8 @@ def print_summary(results: list[dict], out: TextIO | None = None) -> None:
             console.print(f"  cause: {cause}", markup=False)
         if line := float64_line(r):
             console.print(f"  {line}", markup=False)
+        if r.get("finding"):
+            console.print(f"  {finding_line(r)}", markup=False)
     ok = sum(r["as_expected"] for r in results)
     style = "green" if ok == len(results) else "bold red"
     console.print(Text(f"{ok} of {len(results)} case(s) as expected", style=style))

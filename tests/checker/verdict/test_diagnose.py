@@ -310,6 +310,8 @@ def test_record_fields():
         "clip_replicated_counted",
         "held_off_rank",
         "no_placement",
+        "grad_accumulation_reduced",
+        "no_plan_rule",
     }
 
 

@@ -51,6 +51,7 @@ from tpcheck.checker.rank.buffers import BufferChecks, eval_forward
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.forward_only import ForwardOnly
+from tpcheck.checker.rank.grad_evidence import GradEvidence
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
 from tpcheck.checker.rank.loading import (
     cast,
@@ -151,6 +152,7 @@ class Engine:
         if case.inject.tamper is not None:
             case.inject.tamper(self.tp, group)
         self.forward_only = ForwardOnly.of(case, self.tp)  # no optimizer: forward_only.py
+        self.grad_evidence = GradEvidence()  # per-micro-batch grads, plan rules: grad_evidence.py
         if self.forward_only is None:
             self._build_optimizers()
 
@@ -249,6 +251,7 @@ class Engine:
             if micro == 0 and self.case.no_grad_forward:
                 self._no_grad_forward(step, batch[0])
             self._forward_backward(step, micro, batch)
+            self.grad_evidence.take(self)
         if step == self.settings.steps:
             eval_forward(self, step, batch[0])
         with self.tap.tp_phase("optimizer"):
@@ -267,6 +270,7 @@ class Engine:
             dict(self.tp.named_parameters()),
             lambda p: p.grad,
         )
+        self.grad_evidence.annotate(self, step)
         self.cmp.flush_replicas()
         training.clip_grads(self, step)
         self.dense_master.take_grads()

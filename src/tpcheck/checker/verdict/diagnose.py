@@ -45,6 +45,11 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     picked other indices than the dense side's where the competing values are
                     further apart than rounding explains (a flip at a near-tie is replayed,
                     never a failure: checker/rank/decisions.py)
+  grad_accumulation_reduced  (a gradient check, several micro-batches) TP = W^(n-1)·G_1 + ... +
+                    G_n within the bound, the plain sum not: the accumulated .grad all-reduced
+                    after every backward (mechanisms.py)
+  no_plan_rule      a partial_sum gradient of a parameter no rule of the TP code's own plan
+                    (Case.plan_rules) covers (mechanisms.py)
   mismatch          none of the above
 """
 
@@ -55,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpcheck.checker.payload import evidence_key
+from tpcheck.checker.verdict import mechanisms
 
 # How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or
 # 16 ulps of the working dtype when coarser (bf16). Chosen per diagnosis from the evidence's dtype.
@@ -143,6 +149,7 @@ CAUSES = {
         "rounding margin (the router's input computed from a rank's shard or partial sum of the "
         "hidden state)"
     ),
+    **mechanisms.CAUSES,
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 # a buffer (checker/rank/buffers.py) laid out as no placement of the dense one
@@ -185,8 +192,12 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
         micro_batches=micro_batches,
     )
     off = first["ranks"][0] if first["ranks"] else 0
+    if found := mechanisms.reduced_accumulated(first, ev, world):
+        return _diagnosis(first, found[0], found[1], cause=found[2])
     if len(ev) == world:
         signature, details = c.classify(ev, world, evidence, off)
+        if signature == "partial_sum" and (found := mechanisms.unruled(first, ev)):
+            return _diagnosis(first, found[0], {**details, **found[1]}, cause=found[2])
         if first["stage"] == "replicas" and signature in ("near_bound", "mismatch"):
             # copies of one element on several ranks differ, by however little
             signature = "replicas_differ"

@@ -27,6 +27,7 @@ from tpcheck.checker.verdict.diagnose import diagnose
 from tpcheck.checker.verdict.failures import failure_fields
 from tpcheck.checker.vocabulary import Verdict
 from tpcheck.errors import ExitCode
+from tpcheck.findings import finding_for
 
 
 @dataclass
@@ -96,6 +97,8 @@ class CaseResult:
         if self.checks is not None:
             out["self_test"] = self.self_test
             out["diagnosis"] = self.diagnosis
+        if finding := finding_for(self.diagnosis):
+            out["finding"] = finding
         return out
 
     @classmethod

@@ -1,0 +1,134 @@
+"""Two mechanisms of a wrong gradient of a replicated parameter, named from the numbers the ranks
+kept beside its evidence (checker/rank/grad_evidence.py):
+
+  grad_accumulation_reduced  the TP gradient, with n micro-batches whose gradients (summed over
+                    the ranks) are G_1..G_n, is W^(n-1)·G_1 + ... + W·G_{n-1} + G_n (W the world
+                    size) instead of G_1 + ... + G_n, within the check's bound, and the plain sum
+                    is not: a hook all-reduces the *accumulated* `.grad` after every backward
+                    (`register_post_accumulate_grad_hook`), so each earlier micro-batch's gradient,
+                    already reduced, is summed over the ranks again.
+  no_plan_rule      the gradient is a partial sum over the ranks (`partial_sum`) and the TP code's
+                    own plan (`Case.plan_rules`) has no rule for the parameter or any module it
+                    lives in: nothing reduces it because nothing in the plan says it must be.
+
+Both are tests on numbers and on the plan's keys, never on a model or a parameter's name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GRAD_ACCUMULATION_REDUCED = "grad_accumulation_reduced"
+NO_PLAN_RULE = "no_plan_rule"
+
+CAUSES = {
+    GRAD_ACCUMULATION_REDUCED: (
+        "a micro-batch's gradient counted world times: the accumulated .grad is all-reduced after "
+        "every backward (a post-accumulate-grad hook), so each earlier micro-batch's gradient is "
+        "summed over the ranks again; reduce each micro-batch's gradient as it arrives (a tensor "
+        "hook), not the accumulated .grad"
+    ),
+    NO_PLAN_RULE: (
+        "no rule of the TP plan covers this replicated parameter: its gradient is a partial sum "
+        "over the ranks that nothing reduces"
+    ),
+}
+
+
+def _param(first: dict) -> str | None:
+    """The parameter of a gradient check ('grad:NAME', grads stage), else None."""
+    if first["stage"] != "grads" or not first["name"].startswith("grad:"):
+        return None
+    return first["name"].split(":", 1)[1]
+
+
+def accumulation_weights(world: int, n: int) -> np.ndarray:
+    """The factors of G_1..G_n in a gradient whose accumulated `.grad` is all-reduced after each
+    of n backwards over `world` ranks: W^(n-1), ..., W, 1."""
+    return float(world) ** np.arange(n - 1, -1, -1)
+
+
+def reduced_accumulated(first: dict, ev: dict[int, dict], world: int) -> tuple | None:
+    """(signature, details, cause) when the first divergent gradient is the accumulated `.grad`
+    reduced after every micro-batch; else None."""
+    param, bound = _param(first), first.get("bound")
+    if param is None or world < 2 or len(ev) != world or not bound:
+        return None
+    parts = [ev[r].get("micro_grads") for r in range(world)]
+    if any(p is None for p in parts) or parts[0].shape[0] < 2:
+        return None
+    n = parts[0].shape[0]
+    factors = accumulation_weights(world, n)
+    off_formula = off_sum = 0.0
+    for r in range(world):
+        tp, g = np.asarray(ev[r]["tp"], dtype=np.float64), parts[r]
+        if g.shape[1:] != tp.shape:
+            return None
+        off_formula = max(off_formula, float(np.abs(tp - np.tensordot(factors, g, 1)).max()))
+        off_sum = max(off_sum, float(np.abs(tp - g.sum(0)).max()))
+    if not (off_formula <= bound < off_sum):
+        return None
+    terms = " + ".join(
+        f"{world}^{n - 1 - k}·G_{k + 1}" if n - 1 - k > 1 else f"{world}·G_{k + 1}"
+        for k in range(n - 1)
+    )
+    details = {
+        "parameter": param,
+        "world": world,
+        "micro_batches": n,
+        "tp_minus_formula": off_formula,
+        "tp_minus_sum": off_sum,
+        "bound": bound,
+        **_style(ev),
+    }
+    cause = (
+        f"a micro-batch's gradient counted world times: the gradient of {param} is {terms} + G_{n} "
+        f"(W = {world} ranks, n = {n} micro-batches, G_k micro-batch k's gradient summed over the "
+        f"ranks) instead of {' + '.join(f'G_{k + 1}' for k in range(n))} (within the bound "
+        f"{bound:.3g}; the plain sum is "
+        f"{off_sum:.3g} off): the accumulated .grad is all-reduced after every backward, so each "
+        "earlier micro-batch's gradient is summed over the ranks again. Fix: reduce each "
+        "micro-batch's gradient as it arrives (a tensor hook, param.register_hook), not the "
+        "accumulated .grad (register_post_accumulate_grad_hook)"
+    )
+    return GRAD_ACCUMULATION_REDUCED, details, cause
+
+
+def unruled(first: dict, ev: dict[int, dict]) -> tuple | None:
+    """(signature, details, cause) when the first divergent gradient, a partial sum over the
+    ranks, is of a parameter no rule of the TP code's plan covers; else None (no plan given,
+    or a rule covers it)."""
+    param = _param(first)
+    rule = next((e["plan_rule"] for _, e in sorted(ev.items()) if "plan_rule" in e), None)
+    if param is None or rule is None or rule.get("rule") is not None:
+        return None
+    module = param.rpartition(".")[0] or param
+    own = module.rpartition(".")[2]
+    cause = (
+        f"no rule of the TP plan matches {param} or a module it is in ({module}, ...): the "
+        "parameter stays replicated, its gradient is a partial sum over the ranks, and nothing "
+        "reduces it"
+    )
+    details = {"parameter": param, "plan_rule": None, "plan_styles": rule.get("styles", [])}
+    if sibling := rule.get("sibling"):
+        cause += (
+            f"; its sibling {sibling} has a rule ({rule['sibling_rule']!r}: "
+            f"{rule['sibling_style']}), {own} has none"
+        )
+        details.update(
+            sibling=sibling, sibling_rule=rule["sibling_rule"], sibling_style=rule["sibling_style"]
+        )
+    cause += f". Fix: a rule for {module} in the plan (a style that all-reduces its gradient)"
+    return NO_PLAN_RULE, details, cause
+
+
+def _style(ev: dict[int, dict]) -> dict:
+    """The plan rule and style covering the parameter, where the TP code's plan was given."""
+    rule = next((e["plan_rule"] for _, e in sorted(ev.items()) if "plan_rule" in e), None)
+    if rule is None:
+        return {}
+    return {
+        "plan_rule": rule.get("rule"),
+        "style": rule.get("style"),
+        "plan_styles": rule.get("styles", []),
+    }

@@ -1,0 +1,75 @@
+"""The mechanism signatures on transformers' own plans (`tpcheck hf`): the plan the adapter applies
+travels as `Case.plan_rules`, the rule matching agrees with transformers' own, and the two
+documented defects of transformers 5.24.0 are named and pointed at their write-ups.
+
+Needs the extra `tpcheck[transformers]`: skipped with the reason without it, or with another
+version (the findings are that version's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="the extra tpcheck[transformers] is not installed"
+)
+from tpcheck.adapters import transformers as hf  # noqa: E402
+from tpcheck.checker.plan_rules import covering  # noqa: E402
+from tpcheck.checker.pool.session import run_specs  # noqa: E402
+from tpcheck.resolve import launcher  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    transformers.__version__ != hf.PINNED,
+    reason=f"findings pinned for transformers {hf.PINNED}, found {transformers.__version__}",
+)
+
+from transformers.distributed.parallel_utils import _get_parameter_plan  # noqa: E402
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "sarvam_moe", "llama", "mixtral"])
+def test_rule_matching_agrees_with_transformers(model_type):
+    """For every parameter, on the wildcard plan and on the resolved one: where transformers finds
+    a style (the parameter's rule, else its module's), `covering` finds that style; where
+    `covering` finds none, neither does transformers."""
+    prep = hf.prepare(model_type, 2, None)
+    model = hf.build_lm(model_type, prep.config, torch.float32, device="meta")
+    for plan in (dict(model.tp_plan), prep.tp_plan):
+        for name, _ in model.named_parameters():
+            theirs = _get_parameter_plan(name, plan, is_weight=True)
+            ours = covering(name, plan)
+            if theirs is not None:
+                assert ours.get("style") == theirs, (name, ours, theirs)
+            if ours["rule"] is None:
+                assert theirs is None, name
+
+
+def test_the_resolved_plan_travels_as_plan_rules():
+    spec = hf.hf_spec("sarvam_moe", 2, steps=1, micro_batches=1)
+    case = hf.hf_case(spec)
+    assert case.plan_rules == hf.prepare_spec(spec)[0].tp_plan
+    assert case.plan_rules["model.layers.0.self_attn.q_proj"] == "colwise"
+
+
+def test_the_two_documented_defects_are_named_and_pointed_at():
+    """qwen3 with two micro-batches: its q_norm gradient under `replicated_with_grad_allreduce` is
+    2·G_1 + G_2; sarvam_moe with one micro-batch: its plan has no rule for q_norm, whose partial
+    gradient is never reduced. Each names its write-up in docs/findings."""
+    specs = [
+        hf.hf_spec("qwen3", 2, steps=1, micro_batches=2, label="qwen3"),
+        hf.hf_spec("sarvam_moe", 2, steps=1, micro_batches=1, label="sarvam"),
+    ]
+    with launcher(60) as pool:
+        results = {r.spec.label: r.to_json() for r in run_specs(specs, pool)}
+    qwen3, sarvam = results["qwen3"], results["sarvam"]
+    for r in (qwen3, sarvam):
+        assert r["verdict"] == "not equivalent", r["summary"]
+        assert r["first_divergence"]["name"] == "grad:model.layers.0.self_attn.q_norm.weight"
+    d = qwen3["diagnosis"]
+    assert d["signature"] == "grad_accumulation_reduced", d
+    assert d["evidence"]["style"] == "replicated_with_grad_allreduce"
+    assert qwen3["finding"]["doc"] == "docs/findings/hf-replicated-grad-allreduce-accumulation.md"
+    d = sarvam["diagnosis"]
+    assert d["signature"] == "no_plan_rule", d
+    assert "no rule of the TP plan matches model.layers.0.self_attn.q_norm.weight" in d["cause"]
+    assert sarvam["finding"]["doc"] == "docs/findings/hf-moe-missing-norm-rules.md"
