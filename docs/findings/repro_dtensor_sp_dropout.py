@@ -60,7 +60,7 @@ def free_port() -> int:
 def main() -> int:
     print(f"torch {torch.__version__}, 2 gloo ranks")
     out = mp.Manager().dict()
-    mp.spawn(run, args=(2, free_port(), out), nprocs=2)
+    mp.start_processes(run, args=(2, free_port(), out), nprocs=2, start_method="fork")
     print(f"output of the SP rowwise linear on each rank: {out['kind']}")
     print(f"as shipped: masks of the 2 sequence shards identical: {out['bug']}")
     print(f"     fixed: masks of the 2 sequence shards identical: {out['fixed']}")

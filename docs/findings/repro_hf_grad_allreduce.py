@@ -109,7 +109,7 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, 2 gloo ranks")
     out = mp.Manager().dict()
-    mp.spawn(run, args=(2, free_port(), out), nprocs=2)
+    mp.start_processes(run, args=(2, free_port(), out), nprocs=2, start_method="fork")
     for (variant, mb), (err, scale) in sorted(out.items()):
         print(
             f"{variant:>10}: {mb} micro-batch(es): max |grad_TP - grad_dense| of {NAME} = "

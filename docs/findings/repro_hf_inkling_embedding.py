@@ -168,7 +168,7 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, 2 gloo ranks")
     out = mp.Manager().dict()
-    mp.spawn(run, args=(2, free_port(), out), nprocs=2)
+    mp.start_processes(run, args=(2, free_port(), out), nprocs=2, start_method="fork")
     for variant in ("as shipped", "embedding fixed", "fixed"):
         for key, value in out[variant].items():
             shown = value if isinstance(value, str) else f"{value:.3g}"

@@ -167,7 +167,7 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, 2 gloo ranks")
     out = mp.Manager().dict()
-    mp.spawn(run, args=(2, free_port(), out), nprocs=2)
+    mp.start_processes(run, args=(2, free_port(), out), nprocs=2, start_method="fork")
     reproduced, fixed = [], []
     for arch, case in CASES.items():
         for variant in ("as shipped", "fixed"):

@@ -95,7 +95,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, megatron-core {version('megatron-core')}, gloo on CPU")
     out = mp.Manager().dict()
     for world in (1, 2):
-        mp.spawn(run, args=(world, free_port(), out), nprocs=world)
+        mp.start_processes(run, args=(world, free_port(), out), nprocs=world, start_method="fork")
     logits, target = data()
     ref = logits.clone().requires_grad_(True)
     dense = F.cross_entropy(  # Megatron's definition: 1 - a on the label, a/(V-1) elsewhere
