@@ -319,3 +319,29 @@ def test_cli_list():
     assert out.returncode == 0
     listed = out.stdout.split()
     assert {"llama", "mixtral", "qwen3", "gemma2"} <= set(listed) and len(listed) >= 150
+
+
+def test_the_sweep_runs_every_rank_on_one_thread(monkeypatch):
+    """`tpcheck hf` forks its ranks under a cap of one intra-op thread (rank 0's float64 passes
+    too): its models are too small for a thread team to pay, and on a loaded machine the team's
+    waits cost seconds an op. The cap is lifted when the command returns."""
+    import os
+
+    from tpcheck.checker.pool import spawn
+    from tpcheck.cli import hf as cli_hf
+    from tpcheck.cli import main
+
+    monkeypatch.setattr(spawn, "_PARENT_KEPT_TO_ONE_THREAD", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    seen = []
+
+    def execute(specs, args, finish_report=None):
+        seen.append((spawn.rank_threads(2), spawn.threads_while_others_wait(2)))
+        return 0
+
+    monkeypatch.setattr(cli_hf, "execute", execute)
+    assert main(["hf", "llama", "-q"]) == 0
+    assert seen == [(1, 1)]
+    assert (spawn.rank_threads(2), spawn.threads_while_others_wait(2)) == (4, 8)
