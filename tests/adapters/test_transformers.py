@@ -324,7 +324,8 @@ def test_cli_list():
 def test_the_sweep_runs_every_rank_on_one_thread(monkeypatch):
     """`tpcheck hf` forks its ranks under a cap of one intra-op thread (rank 0's float64 passes
     too): its models are too small for a thread team to pay, and on a loaded machine the team's
-    waits cost seconds an op. The cap is lifted when the command returns."""
+    waits cost seconds an op. The cap is lifted when the command returns. Its cases run in two
+    lanes (pools side by side)."""
     import os
 
     from tpcheck.checker.pool import spawn
@@ -337,11 +338,11 @@ def test_the_sweep_runs_every_rank_on_one_thread(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     seen = []
 
-    def execute(specs, args, finish_report=None):
-        seen.append((spawn.rank_threads(2), spawn.threads_while_others_wait(2)))
+    def execute(specs, args, finish_report=None, lanes=1):
+        seen.append((spawn.rank_threads(2), spawn.threads_while_others_wait(2), lanes))
         return 0
 
     monkeypatch.setattr(cli_hf, "execute", execute)
     assert main(["hf", "llama", "-q"]) == 0
-    assert seen == [(1, 1)]
+    assert seen == [(1, 1, cli_hf.SWEEP_LANES)] and cli_hf.SWEEP_LANES == 2  # two pools
     assert (spawn.rank_threads(2), spawn.threads_while_others_wait(2)) == (4, 8)

@@ -282,7 +282,7 @@ class Launcher:
 
     def abort(self) -> None:
         """Stop every rank now (an interrupt): no goodbye to the ranks, no waiting for them."""
-        for pool in self.pools.values():
+        for pool in list(self.pools.values()):  # a copy: `Lanes` may abort from another thread
             pool.ranks.kill()
         self.pools.clear()
         self.cache.remove()
