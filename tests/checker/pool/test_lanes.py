@@ -8,6 +8,7 @@ import pytest
 
 from tpcheck import CaseSpec, RunSettings
 from tpcheck.checker.pool import session
+from tpcheck.checker.pool.launch import MAX_LIVE_RANKS
 from tpcheck.checker.pool.session import Lanes, run_specs
 from tpcheck.resolve import launcher
 
@@ -52,6 +53,8 @@ def test_lanes_give_one_launchers_results_in_the_order_of_the_specs():
     assert _verdicts(seen) == _verdicts(alone)
     assert _verdicts(alone) == EXPECTED
     assert used == [True, True]  # both lanes ran cases
+    # the ranks alive at once over both lanes stay within one launcher's cap
+    assert [lane.max_live_ranks for lane in lanes.launchers] == [MAX_LIVE_RANKS // 2] * 2
     assert all(not lane.pools for lane in lanes.launchers)  # closed together
 
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from tpcheck.checker.case import CaseSpec
-from tpcheck.checker.pool.launch import Launcher, TorchrunLauncher
+from tpcheck.checker.pool.launch import MAX_LIVE_RANKS, Launcher, TorchrunLauncher
 from tpcheck.checker.verdict.float64_run import float64_spec, merge_float64
 from tpcheck.checker.verdict.result import CaseResult, merge
 
@@ -20,13 +20,16 @@ class Lanes:
     """Launchers that run one list of specs side by side, each case on one of them (`run_specs`):
     while a case's ranks wait for one another (rank 0's float64 truth, a collective) another case's
     ranks compute on the idle CPUs. Each launcher keeps its own pools, so a pool never serves two
-    cases at once. Closed and aborted together; specs are prepared by the first one's resolver."""
+    cases at once, and an equal share of MAX_LIVE_RANKS alive. Closed and aborted together; specs
+    are prepared by the first one's resolver."""
 
     def __init__(self, launchers: Sequence[Launcher]) -> None:
         if not launchers:
             raise ValueError("Lanes needs at least one launcher")
         self.launchers = list(launchers)
         self.resolver = self.launchers[0].resolver
+        for launcher in self.launchers:  # the ranks alive at once stay within one launcher's cap
+            launcher.max_live_ranks = max(1, MAX_LIVE_RANKS // len(self.launchers))
         self.stop = threading.Event()  # set: no lane takes another case
         self.threads: list[threading.Thread] = []
 
