@@ -3,7 +3,8 @@
 `plan_sweep` turns architecture names into case specs (one per architecture and world size) and the
 rows of those that cannot be checked ("skipped", with the reason: decided in this process, before
 any rank runs, from the shape-reduced config and transformers' resolved plan); the cases then run in
-one rank pool per world size (ranks and transformers' mesh reused from case to case).
+two lanes (checker/pool/session.py `Lanes`: two rank pools per world size side by side, each rank on
+one intra-op thread; ranks and transformers' mesh reused from case to case).
 `sweep_section` is the report's `sweep` object: one row per architecture and world size (verdict,
 first divergent module, signature, seconds, reason) and a summary line. `compact` drops a passed
 case's passing checks from the JSON (a sweep of 100 architectures keeps ~2,000 checks each;

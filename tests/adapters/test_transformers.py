@@ -319,3 +319,68 @@ def test_cli_list():
     assert out.returncode == 0
     listed = out.stdout.split()
     assert {"llama", "mixtral", "qwen3", "gemma2"} <= set(listed) and len(listed) >= 150
+
+
+def test_the_sweep_runs_every_rank_on_one_thread(monkeypatch):
+    """`tpcheck hf` forks its ranks under a cap of one intra-op thread (rank 0's float64 passes
+    too): its models are too small for a thread team to pay, and on a loaded machine the team's
+    waits cost seconds an op. The cap is lifted when the command returns. Its cases run in two
+    lanes (pools side by side)."""
+    import os
+
+    from tpcheck.checker.pool import spawn
+    from tpcheck.cli import hf as cli_hf
+    from tpcheck.cli import main
+
+    monkeypatch.setattr(spawn, "_PARENT_KEPT_TO_ONE_THREAD", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    seen = []
+
+    def execute(specs, args, finish_report=None, lanes=1):
+        seen.append((spawn.rank_threads(2), spawn.threads_while_others_wait(2), lanes))
+        return 0
+
+    monkeypatch.setattr(cli_hf, "execute", execute)
+    assert main(["hf", "llama", "-q"]) == 0
+    assert seen == [(1, 1, cli_hf.SWEEP_LANES)] and cli_hf.SWEEP_LANES == 2  # two pools
+    assert (spawn.rank_threads(2), spawn.threads_while_others_wait(2)) == (4, 8)
+
+
+def test_discovery_is_read_from_its_cache_while_the_installation_is_unchanged(
+    tmp_path, monkeypatch
+):
+    """The architectures with a plan are scanned once (every config class imported) and kept under
+    the installation's fingerprint; a cache of another installation (a stale fingerprint) or not
+    ours is scanned again and rewritten."""
+    monkeypatch.setenv("TPCHECK_CACHE_DIR", str(tmp_path))
+    scans = []
+    monkeypatch.setattr(hf, "_scan_architectures", lambda: scans.append(1) or ["llama", "qwen3"])
+    path = hf.discovery_cache_path()
+    assert path.parent == tmp_path and transformers.__version__ in path.name
+    assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 1
+    assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 1  # from the file
+    assert hf.architectures(["qwen3", "bert", "nonsense"]) == ["qwen3"] and len(scans) == 1
+    kept = json.loads(path.read_text())
+    assert kept["fingerprint"] == hf._fingerprint()
+    # stale: written for another installation -> scanned again, not trusted
+    path.write_text(json.dumps({"fingerprint": "another", "architectures": ["gpt2"]}))
+    assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 2
+    assert json.loads(path.read_text())["architectures"] == ["llama", "qwen3"]
+    # a fingerprint that moves with the installation: a newer config file makes the cache stale
+    monkeypatch.setattr(hf, "CONFIG_MAPPING_NAMES", {**hf.CONFIG_MAPPING_NAMES, "new_arch": "X"})
+    assert hf._fingerprint() != kept["fingerprint"]
+    assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 3
+    path.write_text("not json")
+    assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 4
+
+
+@pytest.mark.slow
+def test_the_cached_discovery_is_the_scan(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPCHECK_CACHE_DIR", str(tmp_path))
+    scanned = hf._scan_architectures()
+    assert hf.architectures() == scanned and hf.discovery_cache_path().exists()
+    monkeypatch.setattr(hf, "_scan_architectures", lambda: pytest.fail("scanned again"))
+    assert hf.architectures() == scanned and len(scanned) >= 150
+    assert {"llama", "mixtral", "qwen3"} <= set(scanned) and "bert" not in scanned

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from tpcheck import resolve
 from tpcheck.checker.devices import check_device
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, under_torchrun
-from tpcheck.checker.pool.session import run_specs
+from tpcheck.checker.pool.session import Lanes, run_specs
 from tpcheck.checker.verdict.result import exit_code
 from tpcheck.cli.common import Interrupted, exit_after_outputs, write_stdout
 from tpcheck.errors import ExitCode, UsageError
@@ -32,17 +32,20 @@ def execute(
     seed_mode: str | None = None,
     seed_world_size: int = 2,
     finish_report: Callable[[dict], None] | None = None,
+    lanes: int = 1,
 ) -> int:
     """Run specs (forked pool, or the torchrun ranks), print and write reports, return the exit
     code. seed_mode: the seed's JSON for that mode goes to stdout (inspect: for `seed_world_size`
     ranks). finish_report(report): adds to the report before it is written (the HF sweep's
-    table)."""
+    table). lanes: forked pools that run the cases side by side (session.py `Lanes`)."""
     timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     torchrun = under_torchrun()
     specs = on_device(specs, getattr(args, "device", "cpu"), torchrun)
     if not torchrun:  # bad input fails fast, before any rank is forked
         refuse_if_none_valid(specs)
     launcher = resolve.torchrun_launcher(timeout) if torchrun else resolve.launcher(timeout)
+    if lanes > 1 and not torchrun:
+        launcher = Lanes([launcher, *(resolve.launcher(timeout) for _ in range(lanes - 1))])
     try:
         results, interrupted = run_all(specs, launcher, args.quiet, torchrun)
         is_rank0 = not torchrun or launcher.rank == 0

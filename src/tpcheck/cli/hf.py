@@ -7,11 +7,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tpcheck.checker.pool.spawn import rank_thread_cap
 from tpcheck.cli import options
 from tpcheck.cli.common import exit_after_outputs, write_stdout
 from tpcheck.cli.execute import execute
 from tpcheck.errors import UsageError
 
+SWEEP_RANK_THREADS = 1  # intra-op threads of a rank in `tpcheck hf` (see main)
+# pools running the sweep's cases side by side: one case's ranks compute while another's wait
+# for each other (rank 0's float64 truth, a collective), so the CPUs are not left idle
+SWEEP_LANES = 2
 DEFAULTS = {"steps": 2}  # optimizer steps per architecture in a sweep; the rest RunSettings' own
 EPILOG = """examples:
   tpcheck hf llama qwen3 --world-size 2 4            # two architectures, transformers' own plans
@@ -131,7 +136,10 @@ def main(args: argparse.Namespace) -> int:
                 )
             print(f"tpcheck hf: {report['sweep']['summary']}", file=sys.stderr)
 
-    return execute(specs, args, finish_report=finish)
+    # one intra-op thread per rank, rank 0's float64 passes too: the shape-reduced models are too
+    # small for a thread team to pay, and on a loaded machine its waits cost seconds (spawn.py)
+    with rank_thread_cap(SWEEP_RANK_THREADS):
+        return execute(specs, args, finish_report=finish, lanes=SWEEP_LANES)
 
 
 DEFAULT_REPAIR_BUDGET = 16  # tpcheck.repair.plan.DEFAULT_BUDGET (not imported for --help)

@@ -152,3 +152,21 @@ def test_the_tpcheck_command_keeps_its_process_to_one_thread():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["1", "True"], out.stderr[-2000:]
+
+
+def test_a_thread_cap_holds_every_rank_to_it_and_is_lifted_after(monkeypatch):
+    monkeypatch.setattr(spawn, "_PARENT_KEPT_TO_ONE_THREAD", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with spawn.rank_thread_cap(1):
+        assert [spawn.rank_threads(w) for w in (1, 2, 4)] == [1, 1, 1]
+        assert [spawn.threads_while_others_wait(w) for w in (1, 2, 4)] == [1, 1, 1]
+        with spawn.rank_thread_cap(3):  # nested: the inner cap, then the outer one again
+            assert [spawn.rank_threads(w) for w in (1, 2, 8)] == [3, 3, 2]
+        assert spawn.threads_while_others_wait(2) == 1
+    assert [spawn.rank_threads(w) for w in (1, 2)] == [16, 8]
+    assert spawn.threads_while_others_wait(2) == 16
+    with pytest.raises(TypeError, match="threads must be an int"):
+        with spawn.rank_thread_cap("2"):
+            pass

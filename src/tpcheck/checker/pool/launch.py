@@ -244,6 +244,7 @@ class Launcher:
         self.resolver = resolver
         self.timeout_s, self.stall_s = float(timeout_s), stall_s
         self.pools: dict[tuple[int, str], RankPool] = {}
+        self.max_live_ranks = MAX_LIVE_RANKS  # `Lanes` shares it among its launchers
         self.cache = CompileCache()
 
     def run(self, spec: CaseSpec) -> list[RankPayload]:
@@ -268,10 +269,11 @@ class Launcher:
 
     def _make_room(self, world: int) -> None:
         """Close the least recently used pools while a pool of `world` ranks would put more than
-        MAX_LIVE_RANKS ranks alive: each rank's memory grows with the cases it has run (~1 MB a
-        case), and a sweep over world sizes 1..8 kept 36 ranks alive, more than the machine's memory
-        held (their false "hangs" were ranks stalled on paging)."""
-        while self.pools and sum(p.world for p in self.pools.values()) + world > MAX_LIVE_RANKS:
+        `max_live_ranks` (MAX_LIVE_RANKS) ranks alive: each rank's memory grows with the cases it
+        has run (~1 MB a case), and a sweep over world sizes 1..8 kept 36 ranks alive, more than the
+        machine's memory held (their false "hangs" were ranks stalled on paging)."""
+        live = self.max_live_ranks
+        while self.pools and sum(p.world for p in self.pools.values()) + world > live:
             self.pools.pop(next(iter(self.pools))).close()
 
     def close(self) -> None:
@@ -282,7 +284,7 @@ class Launcher:
 
     def abort(self) -> None:
         """Stop every rank now (an interrupt): no goodbye to the ranks, no waiting for them."""
-        for pool in self.pools.values():
+        for pool in list(self.pools.values()):  # a copy: `Lanes` may abort from another thread
             pool.ranks.kill()
         self.pools.clear()
         self.cache.remove()

@@ -1,11 +1,14 @@
-"""Run a list of CaseSpecs to case results, in this process's pool or under torchrun."""
+"""Run a list of CaseSpecs to case results, in this process's pool or under torchrun; or in
+`Lanes`: several launchers (each with its own pools) running the specs side by side."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
 
 from tpcheck.checker.case import CaseSpec
-from tpcheck.checker.pool.launch import Launcher, TorchrunLauncher
+from tpcheck.checker.pool.launch import MAX_LIVE_RANKS, Launcher, TorchrunLauncher
 from tpcheck.checker.verdict.float64_run import float64_spec, merge_float64
 from tpcheck.checker.verdict.result import CaseResult, merge
 
@@ -13,9 +16,47 @@ from tpcheck.checker.verdict.result import CaseResult, merge
 Progress = Callable[[int, int, dict], None]
 
 
+class Lanes:
+    """Launchers that run one list of specs side by side, each case on one of them (`run_specs`):
+    while a case's ranks wait for one another (rank 0's float64 truth, a collective) another case's
+    ranks compute on the idle CPUs. Each launcher keeps its own pools, so a pool never serves two
+    cases at once, and an equal share of MAX_LIVE_RANKS alive. Closed and aborted together; specs
+    are prepared by the first one's resolver."""
+
+    def __init__(self, launchers: Sequence[Launcher]) -> None:
+        if not launchers:
+            raise ValueError("Lanes needs at least one launcher")
+        self.launchers = list(launchers)
+        self.resolver = self.launchers[0].resolver
+        for launcher in self.launchers:  # the ranks alive at once stay within one launcher's cap
+            launcher.max_live_ranks = max(1, MAX_LIVE_RANKS // len(self.launchers))
+        self.stop = threading.Event()  # set: no lane takes another case
+        self.threads: list[threading.Thread] = []
+
+    def close(self) -> None:
+        self._stop_lanes()
+        for launcher in self.launchers:
+            launcher.close()
+
+    def abort(self) -> None:
+        """Stop every rank of every lane now; a lane inside a case sees its ranks die and stops."""
+        self.stop.set()
+        for launcher in self.launchers:
+            launcher.abort()
+        self._stop_lanes()
+        for launcher in self.launchers:  # a pool a lane forked while it was being stopped
+            launcher.abort()
+
+    def _stop_lanes(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=5.0)
+        self.threads = []
+
+
 def run_specs(
     specs: Sequence[CaseSpec],
-    launcher: Launcher | TorchrunLauncher,
+    launcher: Launcher | TorchrunLauncher | Lanes,
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> list[CaseResult]:
     """Case results in the order of `specs` (empty on torchrun ranks other than 0). Each spec is
@@ -23,8 +64,11 @@ def run_specs(
     result is handed to it as its case finishes (what the caller keeps if the run is interrupted)
     and none is kept here: a sweep of thousands of cases holds one copy of them, the caller's."""
     results = []
-    for spec in specs:
-        result = run_case(spec, launcher)
+    if isinstance(launcher, Lanes):
+        cases = _run_in_lanes(specs, launcher)
+    else:
+        cases = (run_case(spec, launcher) for spec in specs)
+    for result in cases:
         if result is None:
             continue
         if on_result is not None:
@@ -48,3 +92,52 @@ def run_case(spec: CaseSpec, launcher: Launcher | TorchrunLauncher) -> CaseResul
     follow = launcher.resolver.prepare(follow)
     payloads = launcher.run(follow)
     return None if result is None else merge_float64(result, merge(follow, payloads))
+
+
+def _run_in_lanes(specs: Sequence[CaseSpec], lanes: Lanes):
+    """The results of `specs` in their order, each case run on whichever launcher is free (a thread
+    per launcher: it only waits on its ranks' pipes). A failure of the checker itself in a lane is
+    raised here, in the caller's thread, as it would be in one lane; the lanes then take no other
+    case."""
+    launchers = lanes.launchers
+    if len(launchers) == 1 or len(specs) < 2:
+        yield from (run_case(spec, launchers[0]) for spec in specs)
+        return
+    lanes.stop.clear()
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for item in enumerate(specs):
+        todo.put(item)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def lane(launcher: Launcher) -> None:
+        while not lanes.stop.is_set():
+            try:
+                i, spec = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((i, run_case(spec, launcher), None))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                done.put((i, None, e))
+                return
+
+    lanes.threads = [
+        threading.Thread(target=lane, args=(launcher,), daemon=True)
+        for launcher in launchers[: len(specs)]
+    ]
+    for thread in lanes.threads:
+        thread.start()
+    finished: dict[int, CaseResult | None] = {}
+    try:
+        for next_i in range(len(specs)):
+            while next_i not in finished:
+                try:  # a timeout, so a signal's handler runs in this thread while it waits
+                    i, result, error = done.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if error is not None:
+                    raise error
+                finished[i] = result
+            yield finished.pop(next_i)
+    finally:
+        lanes.stop.set()  # an error, an interrupt or the caller stopping: no lane takes another

@@ -15,6 +15,7 @@ so nothing is left in flight when a rank exits.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import gc
@@ -151,6 +152,28 @@ def keep_parent_to_one_thread() -> None:
     _PARENT_KEPT_TO_ONE_THREAD = True
 
 
+# A cap on any rank's intra-op threads set by the command (`rank_thread_cap`); None: none.
+_THREAD_CAP: int | None = None
+
+
+@contextlib.contextmanager
+def rank_thread_cap(threads: int | None):
+    """Within it, ranks forked compute on at most `threads` intra-op threads, rank 0's float64
+    passes included (None: no cap beyond the CPUs and OMP_NUM_THREADS). For cases too small for a
+    thread team to pay (`tpcheck hf`: models of at most a million parameters on 2 x 8 tokens): each
+    op is then too short to split, and on a shared machine a team whose other thread waits for a
+    busy core turns a millisecond op into seconds (a float64 depthwise conv1d: 0.9 ms on one
+    thread, 5.8 s on two under load)."""
+    global _THREAD_CAP
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+        raise TypeError(f"threads must be an int or None, got {threads!r}")
+    before, _THREAD_CAP = _THREAD_CAP, None if threads is None else max(1, threads)
+    try:
+        yield
+    finally:
+        _THREAD_CAP = before
+
+
 def rank_threads(world: int) -> int:
     """Intra-op threads for each of `world` ranks forked now: the CPUs this process may run on
     shared among them (at most OMP_NUM_THREADS when set), if this process kept to
@@ -176,7 +199,8 @@ def _cpus() -> tuple[int, int]:
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     )
     cap = os.environ.get("OMP_NUM_THREADS", "")
-    return cpus, int(cap) if cap.isdigit() and int(cap) > 0 else cpus
+    cap = int(cap) if cap.isdigit() and int(cap) > 0 else cpus
+    return cpus, cap if _THREAD_CAP is None else min(cap, _THREAD_CAP)
 
 
 # Set in each rank by `_entry`: the intra-op threads it may use while the other ranks wait for it.
