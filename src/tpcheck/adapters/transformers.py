@@ -953,8 +953,16 @@ def prepare(model_type: str, world: int, rules: dict | None = None) -> Prepared:
     (a model on the meta
     device: no weights). Raises Skip with the reason when the architecture cannot be checked.
     Cached: the parent prepares each architecture once for the sweep and once more to
-    validate its case."""
-    return _prepare(model_type, world, tuple(sorted((rules or {}).items())))
+    validate its case. On one intra-op thread: its probes run models of at most a million
+    parameters on 2 x 8 tokens, too small for a thread team to pay (a float64 depthwise conv1d
+    takes seconds on two threads of a busy machine, a millisecond on one), and the ranks forked
+    after it inherit no OpenMP team."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _prepare(model_type, world, tuple(sorted((rules or {}).items())))
+    finally:
+        torch.set_num_threads(before)
 
 
 @functools.cache
