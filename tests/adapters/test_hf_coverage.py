@@ -239,7 +239,8 @@ def test_a_loss_that_misses_a_parameter_is_caught(monkeypatch):
 
 
 def run(*specs) -> dict[str, dict]:
-    return {r["name"]: r for r in run_specs(list(specs), launcher("auto"))}
+    with launcher(60) as pool:
+        return {r.name: r.to_json() for r in run_specs(list(specs), pool)}
 
 
 @pytest.mark.slow
