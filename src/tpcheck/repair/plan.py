@@ -240,7 +240,7 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
         "dtype": result.get("dtype"),
         "verdict": result["verdict"],
         "where": _where(result),
-        "failing_modules": [wildcard(m) for m in failing],
+        "failing_modules": list(dict.fromkeys(wildcard(m) for m in failing)),
         "plan_keys": {k: plan.get(k) for k in keys},
         "budget": budget,
         "candidates": len(todo),
