@@ -6,7 +6,7 @@ rank's column shard, not from the whole row, so every sparse layer's MLP is wron
 Plain torch + transformers (5.24.0) on 2 CPU/gloo ranks. `Gemma3nTextMLP._gaussian_topk`
 (`models/gemma3n/modeling_gemma3n.py:959-973`) keeps the activations above
 mean + std * icdf(sparsity), with mean and std over the last dim of gate_proj's output
-(`:969-970`). The plan shards gate_proj `colwise` (`configuration_gemma3n.py:85`), whose output is
+(`:970-971`). The plan shards gate_proj `colwise` (`configuration_gemma3n.py:85`), whose output is
 the rank's local columns, so each rank's cutoff comes from its half of the row.
 Runs Gemma3nForCausalLM (a small config, every layer sparse as in the released model's first
 layers) three ways: the plan as shipped; the plan with the sparse layers' MLP replicated (a rule
