@@ -18,7 +18,11 @@ plan as shipped (raises), the plan with only the embedding rule fixed (raises at
 experts), then with the three overrides: `model.embed_tokens=replicate`, `mlp.shared_experts=`
 a style that runs the module on its local shards and sums the output (defined here: `all_reduce`
 with local parameters and the input's gradient summed), `mlp.experts.gate_up_proj=packed_colwise`.
-Prints the logits and gradient errors. Exit 0: reproduced and the fix verified; 1: not reproduced
+Prints the logits and gradient errors. The same default reaches the other base models whose
+`embed_tokens` is such a subclass and whose plan names no embedding rule: Muse Glimmer's text model
+(`MuseGlimmerTextNormedEmbedding`, also inside `muse_glimmer`) and Muse Spark's
+(`MuseSparkTextNormedEmbedding`): for each, the hidden states as shipped (raises at the norm) and
+with `embed_tokens=replicate`. Exit 0: reproduced and the fix verified; 1: not reproduced
 (fixed upstream); 2: reproduced but the fix did not verify.
 """
 
@@ -140,6 +144,70 @@ def check(dense, tp, ids, labels) -> dict:
     return res
 
 
+# the same default on other normed embeddings: model class -> its config (2 layers, tiny)
+REACH = {
+    "MuseGlimmerTextModel": ("MuseGlimmerTextConfig", dict(hidden_activation="silu")),
+    "MuseSparkTextModel": (
+        "MuseSparkTextConfig",
+        dict(
+            moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=64
+        ),
+    ),
+}
+REACH_SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"],
+    use_cache=False,
+)
+
+
+def reach(model_cls: str, world, mesh, ids) -> dict:
+    """A base model's hidden states as shipped and with `embed_tokens=replicate`."""
+    import transformers
+    from transformers import initialization
+    from transformers.distributed import DistributedConfig
+
+    config_cls, extra = REACH[model_cls]
+    cfg = getattr(transformers, config_cls)(**REACH_SIZES, **extra)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    cls = getattr(transformers, model_cls)
+    res = {}
+    for variant, rules in (
+        ("as shipped", None),
+        ("embed_tokens=replicate", {"embed_tokens": "replicate"}),
+    ):
+        torch.manual_seed(0)
+        dense = cls(cfg).float()
+        with initialization.no_tie_weights():
+            tp = cls(cfg).float()
+        tp.load_state_dict(dense.state_dict(), strict=False)
+        tp = cls.maybe_distribute_model(tp, DistributedConfig(tp_size=world, tp_plan=rules), mesh)
+        with torch.no_grad():
+            want = dense(input_ids=ids).last_hidden_state
+            try:
+                got = tp(input_ids=ids).last_hidden_state
+            except (RuntimeError, AssertionError) as e:
+                where, line = e.__traceback__, "?"
+                while where is not None:
+                    name = where.tb_frame.f_code.co_filename
+                    if "/models/" in name:
+                        line = f"{name.rsplit('/', 1)[1]}:{where.tb_lineno}"
+                    where = where.tb_next
+                res[variant] = f"raised {type(e).__name__} at {line}"
+                continue
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        res[variant] = (got - want).abs().max().item() / want.abs().max().item()
+    return res
+
+
 def run(rank: int, world: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -154,6 +222,10 @@ def run(rank: int, world: int, port: int, out) -> None:
         res = check(*build(world, mesh, rules), ids, labels)
         if rank == 0:
             out[variant] = res
+    for model_cls in REACH:
+        res = reach(model_cls, world, mesh, ids)
+        if rank == 0:
+            out[model_cls] = res
     dist.destroy_process_group()
 
 
@@ -173,16 +245,27 @@ def main() -> int:
         for key, value in out[variant].items():
             shown = value if isinstance(value, str) else f"{value:.3g}"
             print(f"{variant:>15}: {key}: {shown}")
+    for model_cls in REACH:
+        for variant, value in out[model_cls].items():
+            shown = (
+                value if isinstance(value, str) else f"max relative hidden-state error {value:.3g}"
+            )
+            print(f"{model_cls} ({variant}): {shown}")
     bug, fix = out["as shipped"], out["fixed"]
     if "no-grad" not in bug and "grad-enabled" not in bug:
         print("NOT REPRODUCED: the TP forward runs (fixed upstream?)")
         return 1
     print("REPRODUCED: the TP forward raises at the vocab-parallel normed embedding")
+    reached = [m for m in REACH if isinstance(out[m]["as shipped"], str)]
+    print(f"REPRODUCED also (raises at the normed embedding): {', '.join(reached) or 'none'}")
     ok = (
         fix.get("grad-enabled max |logits_TP - logits_dense|", 1.0) < 1e-6
         and float(fix.get("worst relative grad error", "1").split()[0]) < 1e-4
+        and all(out[m]["embed_tokens=replicate"] < 1e-5 for m in reached)
     )
-    print(f"FIX {'VERIFIED' if ok else 'FAILED'}: {FIX}")
+    print(
+        f"FIX {'VERIFIED' if ok else 'FAILED'}: {FIX}; {', '.join(reached)}: embed_tokens=replicate"
+    )
     return 0 if ok else 2
 
 

@@ -19,6 +19,9 @@ REPROS = {
     "repro_hf_llama4_inplace_add.py": "transformers",
     "repro_hf_inkling_embedding.py": "transformers",
     "repro_hf_doge_dt_proj.py": "transformers",
+    "repro_hf_gemma3n_sparsity.py": "transformers",
+    "repro_hf_esmc_qk_norm.py": "transformers",
+    "repro_hf_t5gemma2_embedding.py": "transformers",
     "repro_dtensor_sp_dropout.py": "torch",
     "repro_megatron_label_smoothing.py": "megatron.core",
 }
