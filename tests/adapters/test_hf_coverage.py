@@ -246,12 +246,18 @@ def run(*specs) -> dict[str, dict]:
 def test_newly_covered_architectures_run_end_to_end():
     """A base model (hidden states), a causal LM found in its modeling module, float32-pinned
     routers, a prefix-cut layer pattern: each checked, every path."""
-    results = run(
-        *(hf.hf_spec(a, 2, steps=1) for a in ("eurobert", "mistral4", "inkling2_text", "dory"))
-    )
+    names = ("eurobert", "mistral4", "inkling2_text", "dory")
+    # a None layer pattern filled, an audio head, a model run from embeddings
+    names += ("lfm2_moe", "higgs_audio_v2", "qwen3_omni_moe_talker_text")
+    results = run(*(hf.hf_spec(a, 2, steps=1) for a in names))
     for name, r in results.items():
         assert r["verdict"] in ("equivalent", "not equivalent", "error"), (name, r["summary"])
-    assert results["hf:eurobert/tp2/float32"]["verdict"] == "equivalent"
+    for name in ("eurobert", "lfm2_moe", "higgs_audio_v2"):
+        assert results[f"hf:{name}/tp2/float32"]["verdict"] == "equivalent", name
+    # given embeddings, it hits the documented q_norm/k_norm gradient defect, nothing else
+    talker = results["hf:qwen3_omni_moe_talker_text/tp2/float32"]
+    assert talker["verdict"] == "not equivalent"
+    assert "self_attn.q_norm.weight" in talker["summary"]
 
 
 def test_an_mla_query_head_stays_the_sum_of_its_parts():
@@ -409,3 +415,29 @@ def test_the_hidden_state_loss_reaches_every_parameter_from_embeddings():
 def test_formerly_skipped_architectures_prepare(model_type):
     prep = hf.prepare(model_type, 2)
     assert prep.tp_plan and prep.output_shape
+
+
+def test_per_layer_overrides_are_reduced_and_moved_to_the_kept_layer_of_their_kind():
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    wide = {"head_dim": 512, "num_key_value_heads": 1}
+    defaults = {
+        "num_hidden_layers": 24,
+        "layer_types": types * 4,
+        "hidden_size": 1536,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "per_layer_config": {"05": wide, "11": wide, "17": wide, "23": wide},
+    }
+    out = hf.small_overrides(defaults, {}, 2)
+    assert out["layer_types"] == ["sliding_attention", "full_attention"]
+    # twice the default head stays twice the reduced one; a single KV head gets the rules' count
+    assert out["per_layer_config"] == {"01": {"head_dim": 16, "num_key_value_heads": 4}}
+
+
+def test_a_reduced_per_layer_head_builds_consistent_layers():
+    prep = hf.prepare("embedding_gemma2_text", 2)
+    meta = hf.build_lm("embedding_gemma2_text", prep.config, torch.float32, device="meta")
+    for layer in meta.layers:
+        attn = layer.self_attn
+        assert attn.k_proj.out_features % (2 * attn.head_dim) == 0  # KV heads shard over 2 ranks

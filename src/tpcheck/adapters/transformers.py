@@ -473,6 +473,9 @@ def small_overrides(
     if fill:
         out.update(_filled_layer_patterns(defaults, out, layers, layer_kinds or {}))
     out.update(_rope_sections(defaults, out, attribute_map, rope_keys, sections))
+    for field, value in defaults.items():
+        if _per_layer(value):  # per-layer overrides ({"05": {"head_dim": 512}}): reduced alike
+            out[field] = _per_layer_reduced(value, defaults, out, attribute_map, world, head_dim)
     if nested:
         for field, value in defaults.items():
             if isinstance(value, dict) and isinstance(value.get("model_type"), str):
@@ -525,6 +528,51 @@ def _layer_kinds(config_cls) -> dict[str, list[str]]:
         if value not in kinds[field]:
             kinds[field].append(value)
     return kinds
+
+
+def _per_layer(value) -> bool:
+    """Whether a config value holds per-layer overrides: a dict keyed by layer index whose values
+    are dicts of config fields."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items())
+    )
+
+
+def _per_layer_reduced(
+    value: dict, defaults: dict, out: dict, attribute_map: dict, world: int, head_dim: int
+) -> dict:
+    """Per-layer overrides reduced by the same rules, re-keyed to the kept layers: the override of
+    a layer of a kind (in the default `layer_types`) goes to the first kept layer of that kind,
+    one override per kind; without layer types, those of the first 2 layers stay. A dim or rank
+    that is a multiple of the default's keeps that multiple of the reduced value (a global layer's
+    head twice as wide stays twice as wide)."""
+    old, new = defaults.get("layer_types"), out.get("layer_types")
+    reduced = {}
+    for key, fields in value.items():
+        index = int(key)
+        if old and new:
+            kind = old[index] if index < len(old) else None
+            if kind not in new:
+                continue
+            index = new.index(kind)
+        elif index >= 2:
+            continue
+        small = {**fields, **small_overrides(fields, attribute_map, world, head_dim=head_dim)}
+        for field, v in fields.items():
+            d, r = defaults.get(field), out.get(field)
+            if (
+                field.endswith(("_dim", "_rank"))
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in (v, d, r))
+                and d > 0
+                and v % d == 0
+            ):
+                small[field] = r * (v // d)
+        reduced.setdefault(
+            str(index).zfill(len(str(key))) if isinstance(key, str) else index, small
+        )
+    return reduced
 
 
 _LAYER_COUNT = re.compile(r"^(n|num)_\w+_layers$")
