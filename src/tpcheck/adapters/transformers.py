@@ -247,14 +247,22 @@ def model_class(model_type: str) -> ModelChoice:
     base_cls = getattr(transformers, base, None) if isinstance(base, str) else None
     candidates = [base_cls] if base_cls is not None else []
     candidates += [c for c in own if "For" not in c.__name__ and c is not base_cls]
+    candidates = [c for c in candidates if getattr(c, "config_class", None) is config_cls]
     for cls in candidates:
-        if getattr(cls, "config_class", None) is config_cls and _takes_token_ids(cls):
+        if _takes_token_ids(cls):
             return ModelChoice(cls, HIDDEN)
+    for cls in candidates:
+        if not _unmade_inputs(cls):
+            return ModelChoice(cls, HIDDEN)  # run from random pixels or embeddings
     if own or base_cls is not None:
         inputs = sorted({_signature(c) for c in (own or [base_cls])})
+        unmade = sorted({i for c in candidates for i in _unmade_inputs(c)})
         raise Skip(
             "it takes no token ids: its models encode another modality "
-            f"({'; '.join(inputs[:2])}); the token-id forward is what is checked"
+            f"({'; '.join(inputs[:2])}) and need "
+            f"{', '.join(f'`{i}`' for i in unmade) or 'inputs'} that no generic rule makes "
+            "(made: token ids, `pixel_values` of its config's image size, random "
+            "`*_embeds` / `*hidden_states` of its hidden size)"
         )
     raise Skip(
         "no model class is built from its config class (no causal LM, no base model): it is "
@@ -262,9 +270,78 @@ def model_class(model_type: str) -> ModelChoice:
     )
 
 
+_EMBEDDED = re.compile(r"(_embeds|hidden_states)$")
+
+
+def _required_inputs(cls) -> list[str]:
+    """The forward's parameters without a default (not `self`, not `*args`/`**kwargs`)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return []
+    return [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+
+
+def _unmade_inputs(cls) -> list[str]:
+    """The required inputs of a forward that takes no token ids that no generic rule makes: made
+    are `pixel_values` (an image of the config's size) and `*_embeds` / `*hidden_states` (random
+    vectors of its hidden size). A forward requiring nothing it needs (no input at all) is
+    unmade too."""
+    required = _required_inputs(cls)
+    unmade = [n for n in required if n != "pixel_values" and not _EMBEDDED.search(n)]
+    return unmade if required else ["an input"]
+
+
 def _signature(cls) -> str:
     args = list(inspect.signature(cls.forward).parameters)[1:3]
     return f"{cls.__name__}.forward({', '.join(args)}, ...)"
+
+
+IDS = (("input_ids", (BATCH, SEQ), "ids"),)
+
+
+def _input_sets(cls, cfg) -> list[tuple]:
+    """The input sets a forward is tried with, in turn, each a tuple of (name, shape, "ids" |
+    "float"): token ids; random `inputs_embeds` of the hidden size (a model that embeds nothing
+    itself); each of those with random `encoder_hidden_states` where the forward takes them (a
+    decoder that cross-attends). A forward taking no token ids: its required inputs,
+    `pixel_values` of the config's image size and `*_embeds` / `*hidden_states` of its hidden
+    size (`model_class` chose it only when it needs nothing else)."""
+    cfg = _own_config(cls, cfg)
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return [IDS]
+    hidden = getattr(cfg, "hidden_size", None)
+    vector = lambda name: (name, (BATCH, SEQ, hidden), "float")  # noqa: E731
+    if "input_ids" in params:
+        sets = [IDS]
+        if not isinstance(hidden, int):
+            return sets
+        if "inputs_embeds" in params:
+            sets.append((vector("inputs_embeds"),))
+        if "encoder_hidden_states" in params:
+            sets += [s + (vector("encoder_hidden_states"),) for s in sets]
+        return sets
+    return [
+        tuple(
+            (name, _image_shape(cfg), "float") if name == "pixel_values" else vector(name)
+            for name in _required_inputs(cls)
+        )
+    ]
+
+
+def _image_shape(cfg) -> tuple[int, ...]:
+    """(batch, channels, height, width) of the config's images (`num_channels` or `in_channels`,
+    `image_size`; 4 patches a side without one)."""
+    channels = getattr(cfg, "num_channels", None) or getattr(cfg, "in_channels", None) or 3
+    size = getattr(cfg, "image_size", None) or 4 * (getattr(cfg, "patch_size", None) or 16)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return (BATCH, channels, h, w)
 
 
 def causal_lm_class(model_type: str):
@@ -309,6 +386,8 @@ _PATTERNS = (
     (re.compile(r"_(n|kv)_heads$"), "kv"),  # indexer_n_heads, indexer_kv_heads
     (re.compile(r"_compress_ratio$"), 2),
     (re.compile(r"_budget$"), SEQ // 2),  # tokens a sparse attention keeps
+    (re.compile(r"codebook_size$"), VOCAB),  # an audio codebook: a vocabulary per codebook
+    (re.compile(r"^num_dense_layers$"), 1),  # leading dense layers: one, the next ones MoE
 )
 
 
@@ -331,6 +410,7 @@ def small_overrides(
     nested: bool = False,
     sections: bool = False,
     rope_keys: tuple[str, ...] = (),
+    layer_kinds: dict[str, list[str]] | None = None,
 ) -> dict:
     """Config fields to override (by the config's own field names), from its default values: the
     reduction rules, one set for every architecture. Grouped-query attention keeps 2 query heads per
@@ -344,7 +424,10 @@ def small_overrides(
     (`n_*_layers`, `num_*_layers`) scaled to it; `nested` reduces the sub-configs (a composite
     config's `text_config`, `audio_config`, ...) by the same rules; `sections` gives a rope that
     has none multimodal sections (`_rope_sections`). `rope_keys`: the rope keys the config class
-    lets its model default (`ignore_keys_at_rope_validation`)."""
+    lets its model default (`ignore_keys_at_rope_validation`). `layer_kinds`: the kinds the model
+    compares each per-layer pattern field to (`_layer_kinds`); under `fill`, such a field left
+    None gets one layer of each kind, and an empty `rope_parameters` one default rope per layer
+    type (a model that reads `rope_parameters[layer_type]`)."""
     s = _sizes(world)
     s["head_dim"] = head_dim
     heads_field = attribute_map.get("num_attention_heads", "num_attention_heads")
@@ -446,7 +529,12 @@ def small_overrides(
         out[layers] = len(kept)
     elif layers in defaults:
         out[layers] = 2
+    if fill:
+        out.update(_filled_layer_patterns(defaults, out, layers, layer_kinds or {}))
     out.update(_rope_sections(defaults, out, attribute_map, rope_keys, sections))
+    for field, value in defaults.items():
+        if _per_layer(value):  # per-layer overrides ({"05": {"head_dim": 512}}): reduced alike
+            out[field] = _per_layer_reduced(value, defaults, out, attribute_map, world, head_dim)
     if nested:
         for field, value in defaults.items():
             if isinstance(value, dict) and isinstance(value.get("model_type"), str):
@@ -455,6 +543,95 @@ def small_overrides(
                 sub = small_overrides(value, sub_map, world, fill=fill, head_dim=head_dim)
                 out[field] = {**value, **sub}
     return out
+
+
+def _filled_layer_patterns(defaults: dict, out: dict, layers: str, kinds: dict) -> dict:
+    """Under `fill`: a per-layer pattern field the defaults leave None (`layer_types`,
+    `mlp_layer_types`) -> one layer of each kind its model compares it to (at least 2 layers);
+    an empty `rope_parameters` beside a `layer_types` -> one default rope per layer type."""
+    fixed: dict = {}
+    for field, values in kinds.items():
+        if field in defaults and defaults[field] is None and values:
+            n = max(len(values), out.get(layers, 2) or 2)
+            fixed[field] = [values[i % len(values)] for i in range(n)]
+            fixed[layers] = max(fixed.get(layers, 0), n)
+    types = fixed.get("layer_types", out.get("layer_types", defaults.get("layer_types")))
+    if defaults.get("rope_parameters") == {} and isinstance(types, list) and types:
+        theta = defaults.get("rope_theta") or 10000.0
+        fixed["rope_parameters"] = {
+            t: {"rope_type": "default", "rope_theta": theta} for t in dict.fromkeys(types)
+        }
+    return fixed
+
+
+_COMPARED = re.compile(r"config\.(\w*layer_types)\[[^\]]+\]\s*(?:==|!=)\s*[\"'](\w+)[\"']")
+
+
+def _layer_kinds(config_cls) -> dict[str, list[str]]:
+    """The kinds each per-layer pattern field takes, read from the architecture's modeling module:
+    the string literals it compares `config.<field>[i]` to (`config.mlp_layer_types[i] ==
+    "sparse"`); `layer_types` also holds "full_attention", the layer type transformers' attention
+    masks are keyed by."""
+    import importlib
+
+    try:
+        module = importlib.import_module(
+            config_cls.__module__.replace(".configuration_", ".modeling_")
+        )
+        source = inspect.getsource(module)
+    except Exception:  # noqa: BLE001 - no modeling source: no kinds known
+        return {}
+    kinds: dict[str, list[str]] = {}
+    for field, value in _COMPARED.findall(source):
+        kinds.setdefault(field, ["full_attention"] if field == "layer_types" else [])
+        if value not in kinds[field]:
+            kinds[field].append(value)
+    return kinds
+
+
+def _per_layer(value) -> bool:
+    """Whether a config value holds per-layer overrides: a dict keyed by layer index whose values
+    are dicts of config fields."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items())
+    )
+
+
+def _per_layer_reduced(
+    value: dict, defaults: dict, out: dict, attribute_map: dict, world: int, head_dim: int
+) -> dict:
+    """Per-layer overrides reduced by the same rules, re-keyed to the kept layers: the override of
+    a layer of a kind (in the default `layer_types`) goes to the first kept layer of that kind,
+    one override per kind; without layer types, those of the first 2 layers stay. A dim or rank
+    that is a multiple of the default's keeps that multiple of the reduced value (a global layer's
+    head twice as wide stays twice as wide)."""
+    old, new = defaults.get("layer_types"), out.get("layer_types")
+    reduced = {}
+    for key, fields in value.items():
+        index = int(key)
+        if old and new:
+            kind = old[index] if index < len(old) else None
+            if kind not in new:
+                continue
+            index = new.index(kind)
+        elif index >= 2:
+            continue
+        small = {**fields, **small_overrides(fields, attribute_map, world, head_dim=head_dim)}
+        for field, v in fields.items():
+            d, r = defaults.get(field), out.get(field)
+            if (
+                field.endswith(("_dim", "_rank"))
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in (v, d, r))
+                and d > 0
+                and v % d == 0
+            ):
+                small[field] = r * (v // d)
+        reduced.setdefault(
+            str(index).zfill(len(str(key))) if isinstance(key, str) else index, small
+        )
+    return reduced
 
 
 _LAYER_COUNT = re.compile(r"^(n|num)_\w+_layers$")
@@ -512,7 +689,7 @@ def _rope_sections(
     the field itself or in `rope_parameters` (per layer type or not). Where the config leaves the
     sections to its model's default (`mrope_section` a rope key it does not validate, no value;
     or any rope without sections under `sections`), three near-equal sections of the reduced rotated
-    dims are set."""
+    dims are set (the first two equal, the last taking the remainder)."""
     old = _rope_dim(defaults, attribute_map)
     new = _rope_dim({**defaults, **out}, attribute_map)
     if not old or not new:
@@ -527,7 +704,9 @@ def _rope_sections(
     ):
         factor = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor")) or 1.0
         half = int(new * factor) // 2
-        return {"rope_parameters": {**rope, "mrope_section": _apportion([1, 1, 1], half)}}
+        # near-equal, the first two equal (height and width, which some models rotate together)
+        third = half // 3
+        return {"rope_parameters": {**rope, "mrope_section": [third, third, half - 2 * third]}}
 
     def scaled(value):
         if isinstance(value, dict):
@@ -573,9 +752,13 @@ def small_config(model_type: str, world: int):
     defaults = default.to_dict()
     attribute_map = dict(getattr(cls, "attribute_map", {}) or {})
     keys = tuple(getattr(cls, "ignore_keys_at_rope_validation", ()) or ())
-    first_error, built = None, None
+    first_error, built, kinds = None, None, None
     for options in _fallbacks(defaults):
-        overrides = small_overrides(defaults, attribute_map, world, rope_keys=keys, **options)
+        if options.get("fill") and kinds is None:
+            kinds = _layer_kinds(cls)  # read only once the first reduction failed
+        overrides = small_overrides(
+            defaults, attribute_map, world, rope_keys=keys, layer_kinds=kinds, **options
+        )
         try:
             cfg = _built_config(model_type, cls, overrides, world)
         except Skip as e:
@@ -590,19 +773,37 @@ def small_config(model_type: str, world: int):
 
 
 def _runs(model_type: str, cfg) -> bool:
-    """Whether the model of `cfg` is within the size cap and its float32 forward runs: on the meta
-    device, else on the CPU (a model that reads values)."""
+    """Whether the model of `cfg` is within the size cap and its float32 forward runs (of one of
+    its input sets: `_input_sets`): on the meta device, else on the CPU (a model that reads
+    values)."""
     meta = build_lm(model_type, cfg, torch.float32, device="meta")
     if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
         return False
     try:
-        _forward(meta, _kind(model_type), "meta")
+        _running(model_type, cfg, meta)
     except _Failed:
-        try:
-            _forward(build_lm(model_type, cfg, torch.float32), _kind(model_type), "cpu")
-        except _Failed:
-            return False
+        return False
     return True
+
+
+def _running(model_type: str, cfg, meta: nn.Module) -> tuple:
+    """(device, model, inputs, output shape) of the first of the architecture's input sets whose
+    float32 forward runs: each on the meta device, else on the CPU with real weights (built once,
+    only when a meta forward fails). Token ids alone come first, so a model that runs from them is
+    run once. Raises the first set's _Failed when none runs."""
+    kind = _kind(model_type)
+    cpu, first = None, None
+    for inputs in _input_sets(model_class(model_type).cls, cfg):
+        try:
+            return "meta", meta, inputs, _forward(meta, kind, "meta", inputs)
+        except _Failed:
+            pass
+        cpu = cpu or build_lm(model_type, cfg, torch.float32)
+        try:
+            return "cpu", cpu, inputs, _forward(cpu, kind, "cpu", inputs)
+        except _Failed as e:
+            first = first or e
+    raise first
 
 
 def _kind(model_type: str) -> str:
@@ -628,12 +829,7 @@ def _built_config(model_type: str, cls, overrides: dict, world: int):
     """The config of `overrides` with its model built on the meta device; a field the model reads
     that the config lacks (`AttributeError`) is set by the reduction rules and the build retried.
     Raises Skip with the reason."""
-    try:
-        cfg = cls(**overrides)
-    except Exception as e:  # noqa: BLE001
-        raise Skip(
-            f"the shape-reduced config does not build: {type(e).__name__}: {_first_line(e)}"
-        ) from None
+    cfg = _validated(cls, dict(overrides))
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"  # the grouped-matmul kernels take no float64 (the truth)
     cfg.use_cache = False
@@ -651,6 +847,31 @@ def _built_config(model_type: str, cls, overrides: dict, world: int):
                 ) from None
             setattr(cfg, missing.group(1), value)
     raise Skip("the model does not build from the shape-reduced config")  # pragma: no cover
+
+
+_REQUIRES = re.compile(r"requires (\w+)\s*=\s*(-?\d+)\b")
+
+
+def _validated(cls, overrides: dict):
+    """`cls(**overrides)`; where a validator rejects it stating the value a field requires
+    ("requires indexer_kv_heads=1"), that value is set and the config built again. Raises Skip
+    with the reason."""
+    for _ in range(4):
+        try:
+            return cls(**overrides)
+        except Exception as e:  # noqa: BLE001
+            required = _REQUIRES.search(str(e))
+            field = required.group(1) if required else None
+            if (
+                field is None
+                or not hasattr(cls, field)
+                or overrides.get(field) == int(required.group(2))
+            ):
+                raise Skip(
+                    f"the shape-reduced config does not build: {type(e).__name__}: {_first_line(e)}"
+                ) from None
+            overrides[field] = int(required.group(2))
+    raise Skip("the shape-reduced config does not build")  # pragma: no cover
 
 
 def _missing_value(field: str, world: int):
@@ -673,18 +894,20 @@ def _first_line(e: BaseException) -> str:
 # ------------------------------------------------------------------------------ models
 
 
-def _call_kwargs(model: nn.Module, input_ids: torch.Tensor) -> dict:
-    """The forward's keyword arguments: the token ids, and no KV cache where it takes one."""
-    kwargs = {"input_ids": input_ids}
+def _call_kwargs(model: nn.Module, inputs: dict) -> dict:
+    """The forward's keyword arguments: the batch's inputs, and no KV cache where it takes one."""
+    kwargs = dict(inputs)
     if "use_cache" in inspect.signature(type(model).forward).parameters:
         kwargs["use_cache"] = False
     return kwargs
 
 
 def _last_hidden_state(out) -> torch.Tensor:
+    """The last hidden state of a base model's output; else its first output (a tuple's, or a
+    ModelOutput's first field set: the logits of a head class registered as the base model)."""
     hidden = getattr(out, "last_hidden_state", None)
     if hidden is None:
-        hidden = out[0] if isinstance(out, (tuple, list)) else out
+        hidden = out if torch.is_tensor(out) else out[0]
     return hidden
 
 
@@ -699,16 +922,16 @@ class CausalLMLogits(nn.Module):
         object.__setattr__(self, "_parameters", lm._parameters)
         object.__setattr__(self, "_buffers", lm._buffers)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(**_call_kwargs(self.lm, input_ids)).logits
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.lm(**_call_kwargs(self.lm, inputs)).logits
 
 
 class HiddenStates(CausalLMLogits):
     """A base model (no LM head) seen as `input_ids -> last hidden state`, under the HF names
     (the same sharing of submodules as `CausalLMLogits`)."""
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return _last_hidden_state(self.lm(**_call_kwargs(self.lm, input_ids)))
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return _last_hidden_state(self.lm(**_call_kwargs(self.lm, inputs)))
 
 
 def wrap(model: nn.Module, kind: str) -> nn.Module:
@@ -906,10 +1129,27 @@ def output_placement(tp_plan: dict[str, str], kind: str = LOGITS) -> Placement:
 # ------------------------------------------------------------------------------ the case
 
 
+def batch_maker(inputs: tuple, kind: str = LOGITS, shape: tuple[int, ...] = ()):
+    """`make_batch` of the architecture's inputs (`_input_sets`: token ids, or random pixels or
+    vectors in the run's dtype) and its target: token labels for a causal LM's logits, a random
+    tensor of the output's `shape` for a base model's hidden states."""
+
+    def make_batch(g: torch.Generator, dtype: torch.dtype):
+        batch = {
+            name: torch.randint(0, VOCAB, size, generator=g)
+            if k == "ids"
+            else torch.randn(size, generator=g).to(dtype)
+            for name, size, k in inputs or IDS
+        }
+        if kind == LOGITS:
+            return batch, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        return batch, torch.randn(shape, generator=g).to(dtype)
+
+    return make_batch
+
+
 def _make_batch(g: torch.Generator, dtype: torch.dtype):
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return {"input_ids": ids}, labels
+    return batch_maker(IDS)(g, dtype)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -919,11 +1159,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def hidden_batch(shape: tuple[int, ...]):
     """`make_batch` of a base model: token ids and a random target of its hidden states' shape."""
 
-    def make_batch(g: torch.Generator, dtype: torch.dtype):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        return {"input_ids": ids}, torch.randn(shape, generator=g).to(dtype)
-
-    return make_batch
+    return batch_maker(IDS, HIDDEN, shape)
 
 
 def hidden_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -946,6 +1182,7 @@ class Prepared:
     kind: str = LOGITS
     output_shape: tuple[int, ...] = ()
     pinned: tuple[str, ...] = ()  # modules kept in float32 in the float64 truth
+    inputs: tuple = ()  # the forward's inputs, (name, shape, "ids" | "float") each: `_input_sets`
 
 
 def prepare(model_type: str, world: int, rules: dict | None = None) -> Prepared:
@@ -994,7 +1231,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
             f"{big[0]} {list(big[1].shape)}): sizes in its config that the "
             "reduction rules do not know"
         )
-    shape, pinned = _probe(model_type, cfg, meta, choice.kind)
+    shape, pinned, inputs = _probe(model_type, cfg, meta, choice.kind)
     try:
         tp_plan = resolved_plan(meta, world, rules) if world > 1 else {}
     except Exception as e:  # noqa: BLE001
@@ -1012,6 +1249,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
         choice.kind,
         shape,
         pinned,
+        inputs,
     )
 
 
@@ -1023,8 +1261,9 @@ class _Failed(Exception):
         self.message, self.module = message, module
 
 
-def _forward(model: nn.Module, kind: str, device: str) -> torch.Size:
-    """The output's shape of one no-grad forward of the batch's shape; raises _Failed naming the
+def _forward(model: nn.Module, kind: str, device: str, inputs: tuple = ()) -> torch.Size:
+    """The output's shape of one no-grad forward of `inputs`' shapes (zeros; token ids when
+    empty); raises _Failed naming the
     innermost module holding parameters that was running when it raised (forward pre-hooks push,
     forward hooks pop)."""
     stack: list[str] = []
@@ -1035,13 +1274,21 @@ def _forward(model: nn.Module, kind: str, device: str) -> torch.Size:
             handles.append(module.register_forward_hook(lambda m, a, o: _pop(stack)))
     try:
         with torch.no_grad():
-            out = wrap(model, kind)(torch.zeros(BATCH, SEQ, dtype=torch.long, device=device))
+            out = wrap(model, kind)(**_zeros(inputs or IDS, model, device))
         return out.shape
     except Exception as e:  # noqa: BLE001
         raise _Failed(f"{type(e).__name__}: {_first_line(e)}", stack[-1] if stack else None) from e
     finally:
         for h in handles:
             h.remove()
+
+
+def _zeros(inputs: tuple, model: nn.Module, device: str) -> dict:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {
+        name: torch.zeros(shape, dtype=torch.long if k == "ids" else dtype, device=device)
+        for name, shape, k in inputs
+    }
 
 
 def _push(stack: list[str], name: str) -> None:
@@ -1052,29 +1299,32 @@ def _pop(stack: list[str]) -> None:
     stack.pop()
 
 
-def _probe(model_type: str, cfg, meta: nn.Module, kind: str) -> tuple[tuple, tuple]:
-    """(the output's shape, the modules pinned to float32) from a forward in float32 then in
-    float64: on the meta device (shapes and dtypes, no arithmetic, no weights), or on the CPU with
-    real weights for a model whose meta forward fails (it reads values: `.item()`). Raises Skip
-    when the float32 forward of a base model fails (it needs more than token ids)."""
-    device, model = "meta", meta
+def _probe(model_type: str, cfg, meta: nn.Module, kind: str) -> tuple[tuple, tuple, tuple]:
+    """(the output's shape, the modules pinned to float32, the inputs) from a forward in float32
+    then in float64: on the meta device (shapes and dtypes, no arithmetic, no weights), or on the
+    CPU with real weights for a model whose meta forward fails (it reads values: `.item()`); of
+    the first input set that runs (`_input_sets`). Raises Skip when the float32 forward of a base
+    model fails (it needs more than its inputs made here)."""
     try:
-        shape = _forward(model, kind, device)
-    except _Failed:
-        device, model = "cpu", build_lm(model_type, cfg, torch.float32)
-        try:
-            shape = _forward(model, kind, device)
-        except _Failed as e:
-            if kind == HIDDEN:
-                raise Skip(
-                    f"its model {type(model).__name__} does not run from token ids alone: "
-                    f"{e.message}"
-                ) from None
-            return (), ()  # a causal LM that fails is run anyway: its error is the verdict
-    return tuple(shape), _float32_pinned(model, kind, device)
+        device, model, inputs, shape = _running(model_type, cfg, meta)
+    except _Failed as e:
+        if kind == HIDDEN:
+            raise Skip(
+                f"its model {model_class(model_type).cls.__name__} does not run from the inputs "
+                f"made here ({_input_names(model_type, cfg)}): {e.message}"
+            ) from None
+        return (), (), IDS  # a causal LM that fails is run anyway: its error is the verdict
+    return tuple(shape), _float32_pinned(model, kind, device, inputs), inputs
 
 
-def _float32_pinned(model: nn.Module, kind: str, device: str) -> tuple[str, ...]:
+def _input_names(model_type: str, cfg) -> str:
+    sets = _input_sets(model_class(model_type).cls, cfg)
+    return " or ".join("+".join(name for name, _, _ in inputs) for inputs in sets)
+
+
+def _float32_pinned(
+    model: nn.Module, kind: str, device: str, inputs: tuple = ()
+) -> tuple[str, ...]:
     """The modules to keep in float32 so that the model runs with the rest in float64 (the ground
     truth): a module that casts its input to float32 (a router, say) runs in no other dtype. Found
     by running: while the float64 forward fails, the innermost module running when it raised is
@@ -1086,7 +1336,7 @@ def _float32_pinned(model: nn.Module, kind: str, device: str) -> tuple[str, ...]
             for name in pinned:
                 model.get_submodule(name).float()
             try:
-                _forward(model, kind, device)
+                _forward(model, kind, device, inputs)
             except _Failed as e:
                 if e.module is None or e.module in pinned or len(pinned) >= 16:
                     raise Skip(
@@ -1140,7 +1390,7 @@ def hf_case(spec: CaseSpec) -> Case:
         build_tp=build_tp,
         plan=None,
         load_tp=load_tp,
-        make_batch=_make_batch if kind == LOGITS else hidden_batch(prep.output_shape),
+        make_batch=batch_maker(prep.inputs, kind, prep.output_shape),
         loss=lm_loss if kind == LOGITS else hidden_loss,
         grad_inputs=(),
         output_placement=prep.output,
