@@ -257,7 +257,7 @@ def test_cli_sweep_report(tmp_path):
         "hf",
         "llama",
         "qwen3",
-        "qwen2_vl_text",
+        "t5_gemma_module",
         "--steps",
         "1",
         "--json",
@@ -274,15 +274,15 @@ def test_cli_sweep_report(tmp_path):
         "grad:model.layers.0.self_attn.q_norm.weight"
     )
     assert (
-        rows["qwen2_vl_text"]["verdict"] == "skipped"
-        and "causal-LM" in rows["qwen2_vl_text"]["reason"]
+        rows["t5_gemma_module"]["verdict"] == "skipped"
+        and "no model class" in rows["t5_gemma_module"]["reason"]
     )
     assert report["sweep"]["counts"] == {"equivalent": 1, "not equivalent": 1, "skipped": 1}
     llama = next(c for c in report["cases"] if c["name"] == "hf:llama/tp2/float32")
     assert llama["checks"] == [] and llama["checks_omitted"]["passed"] > 500
-    assert "qwen2_vl_text (tp2) skipped" in out.stderr
+    assert "t5_gemma_module (tp2) skipped" in out.stderr
     page = (tmp_path / "r.html").read_text()
-    assert "id=sweep" in page and "qwen2_vl_text" in page
+    assert "id=sweep" in page and "t5_gemma_module" in page
     again = tpcheck("report", str(tmp_path / "r.json"), "--html", str(tmp_path / "again.html"))
     # the report's own validator accepts the sweep; as a gate it exits 1, as the run did (qwen3)
     assert again.returncode == 1 and "Traceback" not in again.stderr, again.stderr
