@@ -3,6 +3,8 @@
 checked on CPU/gloo against the dense model; a row-parallel layer without its group (no all-reduce)
 caught at that layer."""
 
+import importlib.util
+
 import pytest
 
 from tpcheck.api import check
@@ -10,8 +12,18 @@ from tpcheck.checker.usercode import file_spec
 
 from paths import REPO
 
-pytest.importorskip("deepspeed", reason="deepspeed not installed: pip install 'tpcheck[deepspeed]'")
-pytest.importorskip("transformers", reason="transformers not installed (tpcheck[deepspeed])")
+# found, not imported: the ranks import DeepSpeed; this process, whose later checks fork ranks,
+# keeps out of its import-time setup
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed not installed: pip install 'tpcheck[deepspeed]'",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None,
+        reason="transformers not installed (tpcheck[deepspeed])",
+    ),
+]
 
 EX = REPO / "examples" / "deepspeed_autotp.py"
 
