@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 transformers = pytest.importorskip(
     "transformers", reason="the extra tpcheck[transformers] is not installed"
@@ -31,36 +30,11 @@ from torch.distributed.tensor import Shard as DShard  # noqa: E402
 from transformers.distributed.tensor_parallel import (  # noqa: E402
     ALL_PARALLEL_STYLES,
     RowwiseParallel,
-    TensorParallelLayer,
 )
 
+from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL  # noqa: E402
+
 # ---------------------------------------------------------- styles registered before the ranks fork
-
-
-class ReduceGradOnArrival(TensorParallelLayer):
-    """The fix for transformers' `replicated_with_grad_allreduce` (docs/findings/
-    hf-replicated-grad-allreduce-accumulation.md): each micro-batch's partial gradient is
-    all-reduced as it arrives (a tensor hook, before accumulation), not the accumulated `.grad`
-    after every backward."""
-
-    def install_forward(self, module, mesh):
-        original, hooked = module.forward, {}
-
-        def reduce(grad):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=mesh.get_group())
-            return grad
-
-        def tp_forward(*args, **kwargs):
-            if torch.is_grad_enabled():
-                for name, p in module.named_parameters(recurse=False):
-                    if p.requires_grad and hooked.get(name) is not p:
-                        p.register_hook(reduce)
-                        hooked[name] = p
-            return original(*args, **kwargs)
-
-        module.forward = tp_forward
-        return module
 
 
 class RowwiseNoGradReduceSkipped(RowwiseParallel):
@@ -73,7 +47,6 @@ class RowwiseNoGradReduceSkipped(RowwiseParallel):
         return super().transform_output_post_forward(module, output, mesh)
 
 
-ALL_PARALLEL_STYLES.register("test_reduce_grad_on_arrival", ReduceGradOnArrival())
 ALL_PARALLEL_STYLES.register(
     "test_rowwise_nograd_unreduced",
     RowwiseNoGradReduceSkipped(input_layouts=DShard(-1), output_layouts=DReplicate()),
@@ -171,8 +144,8 @@ def test_replicated_with_grad_allreduce_counts_early_micro_batches_world_times()
     micro-batch: equivalent; two: the q_norm grad is wrong; the style that reduces each
     micro-batch's grad as it arrives (the fix, as a rule override): equivalent with two."""
     fixed = {
-        "model.layers.*.self_attn.q_norm": "test_reduce_grad_on_arrival",
-        "model.layers.*.self_attn.k_norm": "test_reduce_grad_on_arrival",
+        "model.layers.*.self_attn.q_norm": REDUCE_GRAD_ON_ARRIVAL,
+        "model.layers.*.self_attn.k_norm": REDUCE_GRAD_ON_ARRIVAL,
     }
     one = hf.hf_spec("qwen3", 2, steps=1, micro_batches=1, label="one")
     two = hf.hf_spec("qwen3", 2, steps=1, micro_batches=2, label="two")
