@@ -130,6 +130,14 @@ def test_rank_spinning_in_forward_is_the_culprit():
     )
 
 
+def test_ranks_waiting_on_a_compile_longer_than_the_stall_deadline_are_not_a_hang():
+    """Every rank waits 7 s on a child process (a JIT compile) with a 1 s timeout (a 5 s stall
+    deadline when ranks compute): the wait is the subprocess's, the deadline stretches, and the
+    case is checked to the end."""
+    result = _run_file("compiles", timeout_s=1)
+    assert result["verdict"] == "equivalent", result["summary"]
+
+
 def test_stopped_rank_is_named_as_not_responding():
     """SIGSTOP on rank 1: no heartbeat; the process state says why."""
     result = _run_file("stop")

@@ -94,7 +94,7 @@ class RankPayload:
     seconds: float = 0.0
     traceback: str | None = None
     last_collective: tuple | None = None
-    waiting_in: str | None = None  # collective | checkpoint | compute | unresponsive (hangs)
+    waiting_in: str | None = None  # collective | checkpoint | subprocess | compute | unresponsive
     checkpoint: str | None = None
     where: dict | None = None  # the launcher's evidence of where the rank was (heartbeat.py)
     inferred_plan: str | None = None  # a case without a written plan: the plan inferred, as code

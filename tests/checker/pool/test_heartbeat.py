@@ -167,3 +167,44 @@ def test_spot_of_torchs_logging_wrapper_is_the_collective_it_wraps():
     spot = spot_of(inner, tapped=None, checkpoint=None)
     assert spot.state == "collective" and spot.call == "all_reduce", spot
     assert spot.at.endswith(f"test_heartbeat.py:{_spot_line()} in _frames_from"), spot.at
+
+
+def _dumped(rows):
+    """Frames (innermost first) from (file, line, function) rows, as faulthandler dumps them."""
+    return [hb._Dumped(hb._Code(path, fn), line) for path, line, fn in rows]
+
+
+SUBPROCESS = os.path.join(os.path.dirname(os.__file__), "subprocess.py")
+BATON = os.path.join(os.path.dirname(torch.__file__), "utils", "file_baton.py")
+BUILDER = "/venv/site-packages/deepspeed/ops/op_builder/builder.py"
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        [(SUBPROCESS, 2000, "_wait"), (SUBPROCESS, 1260, "wait"), (SUBPROCESS, 550, "run")],
+        [(BATON, 42, "wait")],
+    ],
+    ids=["its own compiler", "another process's build lock"],
+)
+def test_a_rank_waiting_on_a_build_is_in_a_subprocess_and_stretches_the_deadline(inner):
+    frames = _dumped([*inner, (BUILDER, 613, "jit_load"), ("/u/case.py", 9, "build_tp")])
+    spot = hb._spot(frames, None, None, None)
+    assert spot.state == "subprocess" and spot.at.endswith("builder.py:613 in jit_load"), spot
+    clock = Clock()
+    w = Watch(world=2, case=1, timeout_s=20, clock=clock)
+    w.note(beat(0, state="subprocess", at=spot.at))
+    w.note(beat(1))
+    assert w.deadline() - clock.t == pytest.approx(hb.WORLD1_FACTOR * (20 + hb.STALL_EXTRA_S))
+    # bounded still: past the stretched deadline it is a hang, told as a wait on a subprocess
+    ranks, why = culprits([w.evidence(0, None)])
+    assert ranks == [0] and "waiting on a subprocess" in why
+    assert "on a child process or another process's build lock" in describe(w.evidence(0, None))
+    # the compile done, the rank computes again: the deadline is the usual one
+    w.note(beat(0, at="/u/case.py:10 in build_tp"))
+    assert w.deadline() - clock.t == pytest.approx(20 + hb.STALL_EXTRA_S)
+
+
+def test_a_subprocess_module_of_the_users_own_is_not_a_wait():
+    frames = _dumped([("/u/mylib/subprocess.py", 3, "wait"), ("/u/case.py", 9, "forward")])
+    assert hb._spot(frames, None, None, None).state == "compute"

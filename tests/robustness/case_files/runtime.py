@@ -1,7 +1,7 @@
 """Case files that misbehave at run time, on some ranks: they spin, stop, sleep, issue a collective
-alone or one of another size, interrupt themselves, or spawn processes. The module is a replicated
-linear layer, so the correct case (`ok`) is equivalent and every other outcome comes from the
-misbehaviour."""
+alone or one of another size, interrupt themselves, spawn processes, or wait on one. The module is
+a replicated linear layer, so the correct case (`ok`) is equivalent and every other outcome comes
+from the misbehaviour."""
 
 import os
 import signal
@@ -56,6 +56,13 @@ def spawning_tp(group, dtype):
     return TP(group, "ok", dtype)
 
 
+def compiling_tp(group, dtype):
+    """Waits 7 s on a child process before building, as a library compiling its op on first use
+    (DeepSpeed's, torch.utils.cpp_extension's `load`) does."""
+    subprocess.run([sys.executable, "-c", "import time; time.sleep(7)"], check=True)  # COMPILE
+    return TP(group, "ok", dtype)
+
+
 def init(module, g):
     with torch.no_grad():
         for p in module.parameters():
@@ -88,3 +95,4 @@ sigint = _case("sigint")
 sleeps = _case("sleeps")
 mismatched = _case("mismatched")  # gloo aborts a rank: the sizes of the first all-reduce differ
 spawns = _case("spawns", spawning_tp)
+compiles = _case("compiles", compiling_tp)

@@ -3,6 +3,8 @@
 Every rank's heartbeat thread samples its main thread's Python stack a few times a second and sends
 the parent a `Beat`: what the rank is doing ("collective" -- inside a torch.distributed collective,
 tapped by tpcheck or the user's own; "checkpoint" -- waiting at the checker's store rendezvous;
+"subprocess" -- waiting on a child process, or on the file lock of another process's build: a
+just-in-time compile of a C++/CUDA op, as DeepSpeed and other libraries run on first use;
 "compute" -- anything else, a query such as `dist.get_rank()` included), where (the innermost frame
 that is not torch's or Python's own: the user's file:line, or tpcheck's), for how long it has been
 in that spot, and the collectives it issued since the last beat. A stopped process (SIGSTOP, a
@@ -18,7 +20,8 @@ When a rank's collective or checkpoint times out, the parent (`Watch`) does not 
 own timeouts: it reads their latest beats and names the culprit at once -- a rank computing, or
 silent, while the others wait in a collective; or the ranks that wait somewhere else than the rest.
 A case in which no rank waits and no rank's stack moves for `timeout + STALL_EXTRA_S` is a hang as
-well (every rank spinning); world 1, which has no collective, gets `WORLD1_FACTOR` times that.
+well (every rank spinning); world 1, which has no collective, gets `WORLD1_FACTOR` times that, and
+so does a case in which some rank waits on a subprocess (a compile takes minutes, not seconds).
 """
 
 from __future__ import annotations
@@ -81,6 +84,12 @@ COLLECTIVES = frozenset(USER_COLLECTIVES) | {
     "split_group",
 }
 _SYNC_FILE = os.path.join("tpcheck", "checker", "sync.py")
+# a rank in one of these waits on another process: a child it started (subprocess.run, Popen.wait,
+# communicate) or the lock another process's build holds (torch.utils.cpp_extension's FileBaton)
+_SUBPROCESS_WAITS = (
+    ("python", os.sep + "subprocess.py", ("wait", "_wait", "communicate", "_communicate")),
+    ("torch", os.path.join("torch", "utils", "file_baton.py"), ("wait",)),
+)
 # tpcheck's collective plumbing: a collective issued through a TPGroup is placed at its caller
 _PLUMBING = tuple(
     os.path.join("tpcheck", *p)
@@ -150,6 +159,15 @@ def _collective(frames: list) -> tuple[str | None, int]:
     return (_called(frames[calls[-1]]), calls[-1] + 1) if calls else (None, 0)
 
 
+def _waits_on_a_process(row: tuple[str, int, str]) -> bool:
+    """Whether a frame (file, line, function) is Python's or torch's wait on another process."""
+    path, _, name = row
+    return any(
+        path.endswith(file) and name in names and frame_kind(path) == kind
+        for kind, file, names in _SUBPROCESS_WAITS
+    )
+
+
 def spot_of(frame, tapped: tuple | None, checkpoint: str | None, held: Spot | None = None) -> Spot:
     """Classify the main thread's stack (`frame`: its innermost frame, or None). `tapped` is the
     collective the checker's tap is inside, `checkpoint` the rendezvous waited at, if any; `held`
@@ -179,6 +197,8 @@ def _spot(frames: list, tapped: tuple | None, checkpoint: str | None, held: Spot
         return Spot("collective", at, call, stack)
     if tapped is not None:
         return held if held is not None else Spot("collective", at, tapped[0], stack)
+    if any(_waits_on_a_process(f) for f in rows):
+        return Spot("subprocess", at, None, stack)
     return Spot("compute", at, None, stack)
 
 
@@ -325,7 +345,8 @@ class Watch:
         if self.stall_s is not None:  # the caller's own limit (tests)
             return self.stall_s
         limit = self.timeout_s + STALL_EXTRA_S
-        return limit * WORLD1_FACTOR if self.world == 1 else limit
+        waits = any(b.spot.state == "subprocess" for b in self.beats.values())
+        return limit * WORLD1_FACTOR if self.world == 1 or waits else limit
 
     def deadline(self) -> float:
         """When the case counts as stuck if nothing moves: no stack moved and no rank progressed."""

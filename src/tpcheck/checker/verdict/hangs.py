@@ -21,11 +21,11 @@ def culprits(evidence: list[dict]) -> tuple[list[int], str]:
             ], "some rank stopped responding while the others waited for it"
         return [
             e["rank"] for e in away
-        ], "some rank never reached the collective the others wait in (stuck in compute)"
+        ], f"some rank never reached the collective the others wait in ({_stuck(away)})"
     if away:
         return [
             e["rank"] for e in away
-        ], "no rank entered a collective or moved for the whole deadline (stuck in compute)"
+        ], f"no rank entered a collective or moved for the whole deadline ({_stuck(away)})"
     groups: dict[tuple, list[int]] = {}
     for e in waiting:
         groups.setdefault(
@@ -42,6 +42,13 @@ def culprits(evidence: list[dict]) -> tuple[list[int], str]:
     return [], "every rank waits in the same place"
 
 
+def _stuck(away: list[dict]) -> str:
+    """Where the ranks that hold the others up are stuck, in words."""
+    if all(e["state"] == "subprocess" for e in away):
+        return "waiting on a subprocess"
+    return "stuck in compute"
+
+
 def describe(e: dict) -> str:
     """One rank's evidence in words."""
     r, s = e["rank"], e["seconds"]
@@ -50,6 +57,11 @@ def describe(e: dict) -> str:
         return f"rank {r} sent no heartbeat for {s:g} s (process {e['process']}){where}"
     if e["state"] == "compute":
         return f"rank {r} was computing at {e['at']} (there for {s:g} s, in no collective)"
+    if e["state"] == "subprocess":
+        return (
+            f"rank {r} waited {s:g} s at {e['at']} on a child process or another process's build "
+            "lock (a compile that did not finish?)"
+        )
     if e["state"] == "checkpoint":
         return f"rank {r} waited {s:g} s at the checker's checkpoint after {e['checkpoint']}"
     # counted by ledger.count_user_collectives
