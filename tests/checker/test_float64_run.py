@@ -77,6 +77,36 @@ def test_a_structural_bug_under_bfloat16_rounding_is_caught_only_in_float64(resu
     assert r["first_divergence"]["kind"] == "fp64" and r["diagnosis"]["signature"] != "near_bound"
 
 
+def test_a_bfloat16_and_a_float16_case_of_one_spec_share_one_float64_run(monkeypatch):
+    """The float64 run does not depend on the working dtype: in one check it runs once for both,
+    and the second case's record names the first; a case of another seed runs its own."""
+    from tpcheck.checker.pool.launch import Launcher
+
+    ran, run = [], Launcher.run
+
+    def counted(self, spec):
+        ran.append((spec.settings.dtype, spec.settings.seed))
+        return run(self, spec)
+
+    monkeypatch.setattr(Launcher, "run", counted)
+    fp16 = dataclasses.replace(BF16, dtype="float16")
+    specs = [
+        spec("partial_1pct"),
+        spec("partial_1pct", fp16),
+        spec("partial_1pct", dataclasses.replace(fp16, seed=BF16.seed + 1)),
+    ]
+    bf, fp, other = check(specs)
+    assert ran.count(("float64", BF16.seed)) == 1 and ran.count(("float64", BF16.seed + 1)) == 1
+    assert "same_as" not in bf["float64_run"] and "same_as" not in other["float64_run"]
+    assert fp["float64_run"]["same_as"] == bf["name"] and fp["name"] != bf["name"]
+    assert bf["verdict"] == fp["verdict"] == other["verdict"] == "not equivalent", fp["summary"]
+    shared = {k: v for k, v in fp["float64_run"].items() if k != "same_as"}
+    assert shared == bf["float64_run"] and shared["verdict"] == "not equivalent"
+    # merged into each case as its own: bfloat16's 1% is caught only there, float16's in both
+    assert bf["summary"].startswith("not equivalent only in the float64 run")
+    assert "in the float64 run too: structural" in fp["summary"]
+
+
 def test_a_precision_specific_bug_is_caught_by_the_working_run_only(results):
     """Partial sums all-reduced in bfloat16 from a float32 model: the float64 run (asked for with
     "on") passes, the float32 run fails, and the summary says precision-specific."""

@@ -61,10 +61,10 @@ def test_lanes_give_one_launchers_results_in_the_order_of_the_specs():
 def test_a_checker_failure_in_a_lane_reaches_the_caller(monkeypatch):
     real = session.run_case
 
-    def broken(spec, launcher):
+    def broken(spec, launcher, ran=None):
         if spec.fault == "missing_backward_reduce":
             raise RuntimeError("the checker broke on this case")
-        return real(spec, launcher)
+        return real(spec, launcher, ran)
 
     monkeypatch.setattr(session, "run_case", broken)
     lanes = Lanes([launcher(60), launcher(60)])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from tpcheck.checker.verdict.result import CaseResult, merge
 
 # (cases done, cases planned, the last one's report case)
 Progress = Callable[[int, int, dict], None]
+# a float64 run's spec -> (the name of the case that ran it, its result)
+Float64Runs = dict[CaseSpec, tuple[str, CaseResult]]
 
 
 class Lanes:
@@ -64,10 +67,11 @@ def run_specs(
     result is handed to it as its case finishes (what the caller keeps if the run is interrupted)
     and none is kept here: a sweep of thousands of cases holds one copy of them, the caller's."""
     results = []
+    ran: Float64Runs = {}  # the float64 runs of this list, shared by the cases that want the same
     if isinstance(launcher, Lanes):
-        cases = _run_in_lanes(specs, launcher)
+        cases = _run_in_lanes(specs, launcher, ran)
     else:
-        cases = (run_case(spec, launcher) for spec in specs)
+        cases = (run_case(spec, launcher, ran) for spec in specs)
     for result in cases:
         if result is None:
             continue
@@ -78,30 +82,44 @@ def run_specs(
     return results
 
 
-def run_case(spec: CaseSpec, launcher: Launcher | TorchrunLauncher) -> CaseResult | None:
+def run_case(
+    spec: CaseSpec, launcher: Launcher | TorchrunLauncher, ran: Float64Runs | None = None
+) -> CaseResult | None:
     """One case: its run in the working dtype, then, where its settings want one, its float64 run,
-    merged in (checker/verdict/float64_run.py). None on torchrun ranks other than 0."""
+    merged in (checker/verdict/float64_run.py). None on torchrun ranks other than 0. `ran`: the
+    float64 runs done so far in this list of cases, by spec: a case whose float64 run is one of
+    them (a bfloat16 and a float16 case of one spec want the same: the float64 run does not depend
+    on the working dtype) takes that result instead of running it again (`float64_run.same_as`)."""
     spec = launcher.resolver.prepare(spec)
     payloads = launcher.run(spec)
     result = None if payloads is None else merge(spec, payloads)
     follow = result and float64_spec(spec, result)
-    if isinstance(launcher, TorchrunLauncher):  # every rank runs what rank 0's results decide
+    torchrun = isinstance(launcher, TorchrunLauncher)
+    if torchrun:  # every rank runs what rank 0's results decide
         follow = launcher.share(follow)
     if follow is None:
         return result
-    follow = launcher.resolver.prepare(follow)
-    payloads = launcher.run(follow)
-    return None if result is None else merge_float64(result, merge(follow, payloads))
+    if not torchrun and ran is not None and follow in ran:
+        first, f64 = ran[follow]
+        return merge_float64(result, copy.deepcopy(f64), same_as=first)
+    key, follow = follow, launcher.resolver.prepare(follow)
+    payloads = launcher.run(follow)  # on every torchrun rank
+    if result is None:
+        return None
+    f64 = merge(follow, payloads)
+    if ran is not None:
+        ran[key] = (result.name, f64)
+    return merge_float64(result, f64)
 
 
-def _run_in_lanes(specs: Sequence[CaseSpec], lanes: Lanes):
+def _run_in_lanes(specs: Sequence[CaseSpec], lanes: Lanes, ran: Float64Runs):
     """The results of `specs` in their order, each case run on whichever launcher is free (a thread
     per launcher: it only waits on its ranks' pipes). A failure of the checker itself in a lane is
     raised here, in the caller's thread, as it would be in one lane; the lanes then take no other
     case."""
     launchers = lanes.launchers
     if len(launchers) == 1 or len(specs) < 2:
-        yield from (run_case(spec, launchers[0]) for spec in specs)
+        yield from (run_case(spec, launchers[0], ran) for spec in specs)
         return
     lanes.stop.clear()
     todo: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,7 +134,7 @@ def _run_in_lanes(specs: Sequence[CaseSpec], lanes: Lanes):
             except queue.Empty:
                 return
             try:
-                done.put((i, run_case(spec, launcher), None))
+                done.put((i, run_case(spec, launcher, ran), None))
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 done.put((i, None, e))
                 return

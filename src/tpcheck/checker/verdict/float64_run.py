@@ -18,7 +18,9 @@ A case that cannot run in float64 (its build raises, a module pinned to another 
 declared for other dtypes) has its float64 run skipped with a note naming why, never an error of
 the whole case: the verdict is then the working run's. `float64_spec` says which run follows;
 checker/pool/session.py runs it, the one place every front end (the API, the CLI, the pytest
-plugin, torchrun) goes through.
+plugin, torchrun) goes through. The float64 run does not depend on the working dtype, so a
+bfloat16 and a float16 case of one spec in one check share theirs: it runs once, and the second
+case's record names the first (`same_as`).
 """
 
 from __future__ import annotations
@@ -42,13 +44,17 @@ def float64_spec(spec: CaseSpec, result: CaseResult) -> CaseSpec | None:
     return dataclasses.replace(spec, run=run)
 
 
-def merge_float64(result: CaseResult, f64: CaseResult) -> CaseResult:
+def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = None) -> CaseResult:
     """`result` (the working run) with its float64 run `f64` merged in (see the module docstring);
-    `result` is changed and returned."""
-    result.seconds += f64.seconds
+    `result` is changed and returned. `same_as`: the case that ran `f64` (the same float64 run,
+    wanted by two cases of one check; its seconds are that case's)."""
+    if same_as is None:
+        result.seconds += f64.seconds
     if f64.verdict == "invalid" or (f64.verdict == "error" and f64.problems):
         return _skipped(result, _why_not(f64))
     result.float64_run = record(f64)
+    if same_as is not None:
+        result.float64_run["same_as"] = same_as
     if f64.verdict in FINISHED and f64.run.dtype != "float64":  # the ranks' own word on it
         return _failed(
             result,
