@@ -162,6 +162,44 @@ def test_hf_qwen3_repair_prints_a_verified_override_that_passes_when_rerun(tmp_p
     assert "1 equivalent" in again.stderr
 
 
+def test_a_failing_parameters_own_rule_is_tried_first_with_the_packed_styles():
+    """Inkling2's grouped experts: `experts.gate_up_proj` has a rule of its own (colwise); its
+    failed gradient puts that key first, and the packed split of the fused gate/up weight is its
+    first candidate."""
+    prep = hf.prepare("inkling2_text", 2)
+    meta = hf.build_lm("inkling2_text", prep.config, torch.float32, device="meta")
+    modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
+    key = "model.layers.*.mlp.experts.gate_up_proj"
+    assert meta.tp_plan[key] == "colwise"
+    result = {
+        "verdict": "not equivalent",
+        "first_divergence": {"name": "routing:model.layers.1.mlp.gate.topk#1"},
+        "checks": [
+            {"name": "act:model.layers.0", "passed": False},
+            {"name": "grad:model.layers.0.mlp.experts.gate_up_proj", "passed": False},
+            {"name": "grad:model.layers.0.mlp.experts.down_proj", "passed": True},
+        ],
+    }
+    assert plan.own_param_keys(result, params, meta.tp_plan) == [key]
+    assert plan.module_kind(key, modules, params) == "param"
+    assert plan.style_choices("param", "colwise")[0] == "packed_colwise"
+    # a parameter without a rule of its own (a norm's weight) adds no key: its module's rule counts
+    norm = {"checks": [{"name": "grad:model.layers.0.input_layernorm.weight", "passed": False}]}
+    assert plan.own_param_keys(norm, params, meta.tp_plan) == []
+
+
+@pytest.mark.slow
+def test_hf_inkling2_repair_splits_the_fused_gate_up_as_packed():
+    """Inkling2's plan shards its fused experts.gate_up_proj `colwise` (one block: a rank's columns
+    hold gate rows only or up rows only); the repair's first candidate, `packed_colwise`, is
+    verified equivalent."""
+    rule = "model.layers.*.mlp.experts.gate_up_proj=packed_colwise"
+    out = tpcheck("hf", "inkling2_text", "--steps", "1", "--repair")
+    assert out.returncode == 1, out.stderr
+    assert f"pass: tpcheck hf inkling2_text --rule '{rule}'" in out.stderr
+    assert "verified (the full check re-run with the override): equivalent" in out.stderr
+
+
 @pytest.mark.slow
 def test_hf_repair_says_when_no_plan_change_fixes_it():
     """Inkling normalizes its vocab-parallel embedding's partial lookup inside the sharded module

@@ -7,16 +7,18 @@ For a case that is `not equivalent` or `error`:
    the modules whose class's `forward` holds a line of the traceback (the innermost frame whose
    modules share one plan key), else none; their submodules' plan keys are candidates too.
 2. **The plan keys** that cover them in transformers' plan (the layer-wildcarded key equal to the
-   module, or an ancestor's key); a failing module no rule covers gets a new key of its own. With no
-   failing module (only the model's output failed, or the frame is outside every module), every
-   key of the plan.
+   module, or an ancestor's key); a failing module no rule covers gets a new key of its own. A
+   failing parameter with a rule of its own (a MoE's grouped `experts.gate_up_proj`) puts that key
+   first. With no failing module (only the model's output failed, or the frame is outside every
+   module), every key of the plan.
 3. **Candidate overrides**, smallest change first: one key at a time, then pairs of keys with the
    same style and module kind set to one style together (q_norm and k_norm), then every such key at
    once, then every key of one kind at once;
    each key's candidate styles are transformers' own for its kind of module (a Linear: colwise,
    rowwise, ...; a module whose parameters are vectors, a norm: tpcheck's
    `tpcheck_reduce_grad_on_arrival`, `replicated_with_grad_allreduce`, `replicate`; an embedding:
-   the embedding styles) other than its current one.
+   the embedding styles; a parameter's own rule: `packed_colwise`, `packed_rowwise`, `colwise`,
+   `rowwise`, `replicate`) other than its current one.
 4. **Each candidate checked with the full check**, the run's own settings, one at a time; the
    first whose verdict is `equivalent` is the repair. A budget caps the candidates tried
    (`--repair-budget`); when it runs out with candidates left untried, the entry says so. When
@@ -42,6 +44,9 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
 _LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicate")
 _EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise", "replicate")
 _CONTAINER_STYLES = ("replicate", "all_reduce")
+# a parameter with a rule of its own (a MoE's grouped experts: gate_up_proj, down_proj): the packed
+# styles first (a fused gate/up weight split as one block is the usual defect), then the plain ones
+_PARAM_STYLES = ("packed_colwise", "packed_rowwise", "colwise", "rowwise", "replicate")
 
 
 def verified(result: dict) -> bool:
@@ -125,6 +130,17 @@ def wildcard(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name + ".")[:-1] if name else name
 
 
+def own_param_keys(result: dict, params: set[str], plan: dict[str, str]) -> list[str]:
+    """The plan keys that are failing parameters' own rules (a key naming the parameter, not its
+    module), first divergence first."""
+    first = (result.get("first_divergence") or {}).get("name")
+    names = ([first] if first else []) + [
+        c["name"] for c in result.get("checks", ()) if not c.get("passed", True)
+    ]
+    keys = [wildcard(t) for n in names for t in n.split(":")[1:] if t in params]
+    return list(dict.fromkeys(k for k in keys if k in plan))
+
+
 def covering_keys(failing: list[str], plan: dict[str, str]) -> list[str]:
     """The plan keys covering each failing module (its own key, else its closest ancestor's), a new
     key for a module no rule covers; in the order of `failing`."""
@@ -159,7 +175,7 @@ def style_choices(kind: str, current: str | None) -> list[str]:
     from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL
 
     styles = {
-        "param": ("replicate",),
+        "param": _PARAM_STYLES,
         "embedding": _EMBEDDING_STYLES,
         "linear": _LINEAR_STYLES,
         "vectors": (REDUCE_GRAD_ON_ARRIVAL, "replicated_with_grad_allreduce", "replicate"),
@@ -225,7 +241,9 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
     plan = {**meta.tp_plan, **target.rules}
     failing = failing_modules(result, modules, params)
-    keys = covering_keys(failing, plan) if failing else list(plan)
+    # a failing parameter's own rule first (the most specific), then its module's and the others'
+    keys = own_param_keys(result, params, plan)
+    keys += [k for k in (covering_keys(failing, plan) if failing else plan) if k not in keys]
     raising = raising_modules(result, modules) if result.get("verdict") == "error" else []
     for module in raising:
         inside = wildcard(module) + "."  # the rules of the raising module's submodules
