@@ -225,5 +225,13 @@ def test_keys_of_one_kind_under_different_styles_are_tried_together_last():
     rules = {Q: "replicated_with_grad_allreduce", K: "replicated_with_grad_allreduce"}
     todo = plan.candidates([Q, K, act], rules, dict.fromkeys([Q, K, act], "vectors"))
     assert todo[-3] == {Q: ARRIVAL, K: ARRIVAL, act: ARRIVAL}
-    assert [len(c) for c in todo] == sorted(len(c) for c in todo)  # smallest change first
+    # group by group (q_norm and k_norm first: the first divergence's), smallest first in each
+    assert [len(c) for c in todo] == [1] * 4 + [2] * 2 + [1] * 3 + [3] * 3
     assert len({tuple(sorted(c.items())) for c in todo}) == len(todo)  # each once
+    # the first divergence's pair before another module's single keys (EmbeddingGemma: q_norm and
+    # k_norm first, then the projections whose outputs the bad norms' gradients reach)
+    down = "model.layers.*.mlp.down_proj"
+    kinds = {Q: "vectors", K: "vectors", down: "linear"}
+    todo = plan.candidates([Q, K, down], {**rules, down: "rowwise"}, kinds)
+    pair = todo.index({Q: ARRIVAL, K: ARRIVAL})
+    assert pair < min(i for i, c in enumerate(todo) if down in c) and pair == 4

@@ -11,9 +11,10 @@ For a case that is `not equivalent` or `error`:
    failing parameter with a rule of its own (a MoE's grouped `experts.gate_up_proj`) puts that key
    first. With no failing module (only the model's output failed, or the frame is outside every
    module), every key of the plan.
-3. **Candidate overrides**, smallest change first: one key at a time, then pairs of keys with the
-   same style and module kind set to one style together (q_norm and k_norm), then every such key at
-   once, then every key of one kind at once;
+3. **Candidate overrides**, group by group, the first divergence's group first (keys of one module
+   kind under one current style, q_norm and k_norm), smallest change first within a group: one key
+   at a time, then pairs set to one style together, then the whole group; last, every key of one
+   kind at once;
    each key's candidate styles are transformers' own for its kind of module (a Linear: colwise,
    rowwise, ...; a module whose parameters are vectors, a norm: tpcheck's
    `tpcheck_reduce_grad_on_arrival`, `replicated_with_grad_allreduce`, `replicate`; an embedding:
@@ -185,20 +186,22 @@ def style_choices(kind: str, current: str | None) -> list[str]:
 
 
 def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> list[dict]:
-    """Overrides {key: style}, smallest first: single keys, then pairs of keys of one kind and one
-    current style set to the same style, then each such group of 3 or more at once, then every key
-    of one kind at once (3 or more, of several current styles: q_norm and k_norm under one style
-    and an activation's scalars under no rule)."""
-    out = [{k: s} for k in keys for s in style_choices(kinds[k], plan.get(k))]
+    """Overrides {key: style}, group by group: keys of one kind under one current style form a
+    group, taken in the order of their first key (the first divergence's first); within a group,
+    smallest first: each key alone, then pairs set to the same style, then the whole group (3 or
+    more). Last, every key of one kind at once (3 or more, of several current styles: q_norm and
+    k_norm under one style and an activation's scalars under no rule)."""
     groups: dict[tuple, list[str]] = {}
     for k in keys:
         groups.setdefault((kinds[k], plan.get(k)), []).append(k)
+    out = []
     for (kind, current), members in groups.items():
+        styles = style_choices(kind, current)
+        out += [{k: s} for k in members for s in styles]
         for a, b in itertools.combinations(members, 2):
-            out += [{a: s, b: s} for s in style_choices(kind, current)]
-    for (kind, current), members in groups.items():
+            out += [{a: s, b: s} for s in styles]
         if len(members) > 2:
-            out += [dict.fromkeys(members, s) for s in style_choices(kind, current)]
+            out += [dict.fromkeys(members, s) for s in styles]
     kinds_keys: dict[str, list[str]] = {}
     for k in keys:
         kinds_keys.setdefault(kinds[k], []).append(k)
