@@ -199,7 +199,9 @@ def test_a_rank_waiting_on_a_build_is_in_a_subprocess_and_stretches_the_deadline
     # bounded still: past the stretched deadline it is a hang, told as a wait on a subprocess
     ranks, why = culprits([w.evidence(0, None)])
     assert ranks == [0] and "waiting on a subprocess" in why
-    assert "on a child process or another process's build lock" in describe(w.evidence(0, None))
+    assert describe(w.evidence(0, None)).endswith(
+        "on a child process (a compile that did not finish?)"
+    )
     # the compile done, the rank computes again: the deadline is the usual one
     w.note(beat(0, at="/u/case.py:10 in build_tp"))
     assert w.deadline() - clock.t == pytest.approx(20 + hb.STALL_EXTRA_S)
@@ -208,3 +210,39 @@ def test_a_rank_waiting_on_a_build_is_in_a_subprocess_and_stretches_the_deadline
 def test_a_subprocess_module_of_the_users_own_is_not_a_wait():
     frames = _dumped([("/u/mylib/subprocess.py", 3, "wait"), ("/u/case.py", 9, "forward")])
     assert hb._spot(frames, None, None, None).state == "compute"
+
+
+def test_a_rank_waiting_on_a_stale_build_lock_is_told_the_lock_file(tmp_path):
+    """torch's FileBaton waiting on a lock that a killed compile left behind (a real frame of a
+    real wait): the evidence names the file and says what to do."""
+    import threading
+
+    from torch.utils.file_baton import FileBaton
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    waiter = threading.Thread(target=FileBaton(str(lock), wait_seconds=0.01).wait)
+    waiter.start()
+    try:
+        frame = None
+        while frame is None or frame.f_code.co_name != "wait":
+            frame = sys._current_frames().get(waiter.ident)
+            frame = frame and next(
+                (f for f in _outward(frame) if f.f_code.co_filename.endswith("file_baton.py")), None
+            )
+        spot = spot_of(frame, None, None)
+    finally:
+        lock.unlink()
+        waiter.join()
+    assert spot.state == "subprocess" and spot.call == f"torch's build lock {lock}", spot
+    clock = Clock()
+    w = Watch(world=2, case=1, timeout_s=20, clock=clock)
+    w.note(beat(0, state="subprocess", at=spot.at, call=spot.call))
+    said = describe(w.evidence(0, None))
+    assert f"on torch's build lock {lock}" in said and "delete the file" in said
+
+
+def _outward(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back

@@ -104,8 +104,9 @@ _PLUMBING = tuple(
 
 @dataclass
 class Spot:
-    """What a rank's main thread is doing: state (collective | checkpoint | compute), `call` (the
-    torch.distributed function, for a collective), `at` (file:line in function) and its stack."""
+    """What a rank's main thread is doing: state (collective | checkpoint | subprocess | compute),
+    `call` (the torch.distributed function, for a collective; what it waits on, for a subprocess),
+    `at` (file:line in function) and its stack."""
 
     state: str
     at: str
@@ -168,6 +169,15 @@ def _waits_on_a_process(row: tuple[str, int, str]) -> bool:
     )
 
 
+def _waited_on(frame) -> str:
+    """What a rank in a wait on another process waits on, in words: torch's build lock names its
+    file (a compile that was killed leaves it behind, and every later build waits on it)."""
+    lock = getattr(frame.f_locals.get("self"), "lock_file_path", None)
+    if isinstance(lock, str):
+        return f"torch's build lock {lock}"
+    return "a child process"
+
+
 def spot_of(frame, tapped: tuple | None, checkpoint: str | None, held: Spot | None = None) -> Spot:
     """Classify the main thread's stack (`frame`: its innermost frame, or None). `tapped` is the
     collective the checker's tap is inside, `checkpoint` the rendezvous waited at, if any; `held`
@@ -197,8 +207,8 @@ def _spot(frames: list, tapped: tuple | None, checkpoint: str | None, held: Spot
         return Spot("collective", at, call, stack)
     if tapped is not None:
         return held if held is not None else Spot("collective", at, tapped[0], stack)
-    if any(_waits_on_a_process(f) for f in rows):
-        return Spot("subprocess", at, None, stack)
+    if waits := [i for i, f in enumerate(rows) if _waits_on_a_process(f)]:
+        return Spot("subprocess", at, _waited_on(frames[waits[0]]), stack)
     return Spot("compute", at, None, stack)
 
 
@@ -378,6 +388,8 @@ class Watch:
             "seconds": round(beat.since_s, 1),
             "stack": beat.spot.stack,
         }
+        if beat.spot.state == "subprocess":
+            out["waits_on"] = beat.spot.call
         if beat.spot.state == "collective":
             out["call"] = beat.spot.call
             if isinstance(beat.label, tuple):
