@@ -4,7 +4,6 @@ checked on CPU/gloo against the dense model; a row-parallel layer without its gr
 caught at that layer."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 
@@ -30,21 +29,26 @@ pytestmark = [
 
 EX = REPO / "examples" / "deepspeed_autotp.py"
 
-# DeepSpeed's own first-use step: its CPU all-reduce op compiled (a minute of g++ on a loaded
-# machine) and cached under ~/.cache/torch_extensions, where the ranks load it
+# DeepSpeed's own first-use step: its CPU all-reduce op compiled (half a minute to a minute of
+# g++) into torch's extensions directory, where the ranks load it
 BUILD_SHM_OP = "import importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op()"
 
 
 @pytest.fixture(scope="module")
-def shm_op_built():
-    """The op compiled once, before the checks: a rank waiting on a compile is no hang (the
-    launcher stretches its deadline; tests/robustness/test_hang.py), but the checks should time
-    AutoTP, not g++."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", BUILD_SHM_OP], env=env, capture_output=True, text=True, timeout=1800
-    )
-    assert done.returncode == 0, f"DeepSpeed's shm op did not build:\n{done.stderr[-3000:]}"
+def shm_op_built(tmp_path_factory):
+    """The op compiled once, before the checks, into a directory of this test's own (a compile
+    killed elsewhere leaves a lock in ~/.cache/torch_extensions that every later build waits on);
+    the ranks, forked from this process, find it there. A rank waiting on a compile is no hang
+    (the launcher stretches its deadline; tests/robustness/test_hang.py), but the checks should
+    time AutoTP, not g++."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
+        env.setenv("DS_ACCELERATOR", "cpu")
+        done = subprocess.run(
+            [sys.executable, "-c", BUILD_SHM_OP], capture_output=True, text=True, timeout=1800
+        )
+        assert done.returncode == 0, f"DeepSpeed's shm op did not build:\n{done.stderr[-3000:]}"
+        yield
 
 
 @pytest.mark.slow
