@@ -36,10 +36,20 @@ def tpcheck(*args):
     )
 
 
-def qwen3_model():
-    prep = hf.prepare("qwen3", 2)
-    meta = hf.build_lm("qwen3", prep.config, torch.float32, device="meta")
+def meta_model(arch: str = "qwen3"):
+    """The reduced model on the meta device, its modules and parameter names."""
+    prep = hf.prepare(arch, 2)
+    meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
     return meta, dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
+
+
+def not_equivalent(first: str, checks: dict[str, bool]) -> dict:
+    """A failed case's result as the search reads it: its first divergence and its checks."""
+    return {
+        "verdict": "not equivalent",
+        "first_divergence": {"name": first},
+        "checks": [{"name": n, "passed": p} for n, p in checks.items()],
+    }
 
 
 # ------------------------------------------------------------------ the search, in this process
@@ -56,16 +66,15 @@ def test_tpchecks_style_is_registered_in_transformers():
 
 
 def test_the_failed_checks_name_the_plan_keys_and_the_candidates_smallest_first():
-    meta, modules, params = qwen3_model()
-    result = {
-        "verdict": "not equivalent",
-        "first_divergence": {"name": "grad:model.layers.0.self_attn.q_norm.weight"},
-        "checks": [
-            {"name": "grad:model.layers.1.self_attn.k_norm.weight", "passed": False},
-            {"name": "update:model.layers.0.self_attn.q_norm.weight", "passed": False},
-            {"name": "act:model.layers.0.mlp.down_proj", "passed": True},
-        ],
-    }
+    meta, modules, params = meta_model()
+    result = not_equivalent(
+        "grad:model.layers.0.self_attn.q_norm.weight",
+        {
+            "grad:model.layers.1.self_attn.k_norm.weight": False,
+            "update:model.layers.0.self_attn.q_norm.weight": False,
+            "act:model.layers.0.mlp.down_proj": True,
+        },
+    )
     failing = plan.failing_modules(result, modules, params)
     assert failing == ["model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm"]
     keys = plan.covering_keys(failing, meta.tp_plan)
@@ -86,7 +95,7 @@ def test_the_failed_checks_name_the_plan_keys_and_the_candidates_smallest_first(
 
 
 def test_an_error_names_the_module_whose_forward_raised():
-    meta, modules, params = qwen3_model()
+    meta, modules, params = meta_model()
     import inspect
 
     from transformers.models.qwen3 import modeling_qwen3
@@ -166,20 +175,17 @@ def test_a_failing_parameters_own_rule_is_tried_first_with_the_packed_styles():
     """Inkling2's grouped experts: `experts.gate_up_proj` has a rule of its own (colwise); its
     failed gradient puts that key first, and the packed split of the fused gate/up weight is its
     first candidate."""
-    prep = hf.prepare("inkling2_text", 2)
-    meta = hf.build_lm("inkling2_text", prep.config, torch.float32, device="meta")
-    modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
+    meta, modules, params = meta_model("inkling2_text")
     key = "model.layers.*.mlp.experts.gate_up_proj"
     assert meta.tp_plan[key] == "colwise"
-    result = {
-        "verdict": "not equivalent",
-        "first_divergence": {"name": "routing:model.layers.1.mlp.gate.topk#1"},
-        "checks": [
-            {"name": "act:model.layers.0", "passed": False},
-            {"name": "grad:model.layers.0.mlp.experts.gate_up_proj", "passed": False},
-            {"name": "grad:model.layers.0.mlp.experts.down_proj", "passed": True},
-        ],
-    }
+    result = not_equivalent(
+        "routing:model.layers.1.mlp.gate.topk#1",
+        {
+            "act:model.layers.0": False,
+            "grad:model.layers.0.mlp.experts.gate_up_proj": False,
+            "grad:model.layers.0.mlp.experts.down_proj": True,
+        },
+    )
     assert plan.own_param_keys(result, params, meta.tp_plan) == [key]
     assert plan.module_kind(key, modules, params) == "param"
     assert plan.style_choices("param", "colwise")[0] == "packed_colwise"
