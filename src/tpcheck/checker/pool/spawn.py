@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -63,6 +64,10 @@ class Ranks:
         self.tmpdir = tempfile.mkdtemp(prefix="tpcheck-")
         self.store_path = os.path.join(self.tmpdir, "store")
         self.conns: list[Connection] = []
+        # `kill` may run in two threads at once (a lane whose ranks died, and `Lanes.abort`): one
+        # closes each pipe, the other finds it closed (two os.close of one fd: EBADF, or worse, the
+        # fd of a file opened in between)
+        self._closing = threading.Lock()
         self.procs = []
         self.threads = (rank_threads(world), threads_while_others_wait(world))
         # the parent's objects as of now are left out of the ranks' garbage collections: a
@@ -107,8 +112,9 @@ class Ranks:
         self.signal_all()
         for p in self.procs:
             p.join(timeout=join_s)
-        for conn in self.conns:
-            conn.close()
+        with self._closing:
+            for conn in self.conns:
+                conn.close()  # a closed Connection's close does nothing
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         LIVE.discard(self)  # last: a second Ctrl-C during the joins still finds this one (kill_all)
 
