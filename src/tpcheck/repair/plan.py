@@ -62,13 +62,8 @@ def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str
     """Module names (concrete, the model's own) of the first divergent tensor and of every failed
     check, first divergence first; for an error, the modules whose forward holds the raising
     line."""
-    names = []
-    first = result.get("first_divergence") or {}
-    if first.get("name"):
-        names.append(first["name"])
-    names += [c["name"] for c in result.get("checks", ()) if not c.get("passed", True)]
     found: list[str] = []
-    for check in names:
+    for check in _failed_names(result):
         for token in check.split(":")[1:]:
             module = _module_of(token, modules, params)
             if module and module not in found:
@@ -76,6 +71,13 @@ def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str
     if result.get("verdict") == "error":
         found += [m for m in raising_modules(result, modules) if m not in found]
     return found
+
+
+def _failed_names(result: dict) -> list[str]:
+    """The names of the first divergent check and of every failed check, in that order."""
+    first = (result.get("first_divergence") or {}).get("name")
+    failed = [c["name"] for c in result.get("checks", ()) if not c.get("passed", True)]
+    return ([first] if first else []) + failed
 
 
 def raising_modules(result: dict, modules: dict[str, nn.Module]) -> list[str]:
@@ -134,11 +136,7 @@ def wildcard(name: str) -> str:
 def own_param_keys(result: dict, params: set[str], plan: dict[str, str]) -> list[str]:
     """The plan keys that are failing parameters' own rules (a key naming the parameter, not its
     module), first divergence first."""
-    first = (result.get("first_divergence") or {}).get("name")
-    names = ([first] if first else []) + [
-        c["name"] for c in result.get("checks", ()) if not c.get("passed", True)
-    ]
-    keys = [wildcard(t) for n in names for t in n.split(":")[1:] if t in params]
+    keys = [wildcard(t) for n in _failed_names(result) for t in n.split(":")[1:] if t in params]
     return list(dict.fromkeys(k for k in keys if k in plan))
 
 

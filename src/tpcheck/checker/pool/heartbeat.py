@@ -105,7 +105,8 @@ _PLUMBING = tuple(
 @dataclass
 class Spot:
     """What a rank's main thread is doing: state (collective | checkpoint | subprocess | compute),
-    `call` (the torch.distributed function, for a collective; what it waits on, for a subprocess),
+    `call` (the torch.distributed function, for a collective; the build lock's file, for a
+    subprocess wait on one),
     `at` (file:line in function) and its stack."""
 
     state: str
@@ -169,13 +170,11 @@ def _waits_on_a_process(row: tuple[str, int, str]) -> bool:
     )
 
 
-def _waited_on(frame) -> str:
-    """What a rank in a wait on another process waits on, in words: torch's build lock names its
-    file (a compile that was killed leaves it behind, and every later build waits on it)."""
+def _build_lock(frame) -> str | None:
+    """The file of torch's build lock a rank waits on (a compile that was killed leaves it behind,
+    and every later build waits on it); None for a wait on a child process."""
     lock = getattr(frame.f_locals.get("self"), "lock_file_path", None)
-    if isinstance(lock, str):
-        return f"torch's build lock {lock}"
-    return "a child process"
+    return lock if isinstance(lock, str) else None
 
 
 def spot_of(frame, tapped: tuple | None, checkpoint: str | None, held: Spot | None = None) -> Spot:
@@ -207,8 +206,9 @@ def _spot(frames: list, tapped: tuple | None, checkpoint: str | None, held: Spot
         return Spot("collective", at, call, stack)
     if tapped is not None:
         return held if held is not None else Spot("collective", at, tapped[0], stack)
-    if waits := [i for i, f in enumerate(rows) if _waits_on_a_process(f)]:
-        return Spot("subprocess", at, _waited_on(frames[waits[0]]), stack)
+    waiting = next((f for f, row in zip(frames, rows) if _waits_on_a_process(row)), None)
+    if waiting is not None:
+        return Spot("subprocess", at, _build_lock(waiting), stack)
     return Spot("compute", at, None, stack)
 
 
@@ -388,8 +388,8 @@ class Watch:
             "seconds": round(beat.since_s, 1),
             "stack": beat.spot.stack,
         }
-        if beat.spot.state == "subprocess":
-            out["waits_on"] = beat.spot.call
+        if beat.spot.state == "subprocess" and beat.spot.call:
+            out["lock"] = beat.spot.call
         if beat.spot.state == "collective":
             out["call"] = beat.spot.call
             if isinstance(beat.label, tuple):

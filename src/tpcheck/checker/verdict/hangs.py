@@ -57,15 +57,17 @@ def describe(e: dict) -> str:
         return f"rank {r} sent no heartbeat for {s:g} s (process {e['process']}){where}"
     if e["state"] == "compute":
         return f"rank {r} was computing at {e['at']} (there for {s:g} s, in no collective)"
+    if e["state"] == "subprocess" and e.get("lock"):
+        return (
+            f"rank {r} waited {s:g} s at {e['at']} on torch's build lock {e['lock']}: another "
+            "process's compile holds it, or a compile that was killed left it behind (if no "
+            "compile is running, delete the file)"
+        )
     if e["state"] == "subprocess":
-        on = e.get("waits_on") or "a child process"
-        if on.startswith("torch's build lock"):
-            return (
-                f"rank {r} waited {s:g} s at {e['at']} on {on}: another process's compile holds "
-                "it, or a compile that was killed left it behind (if no compile is running, "
-                "delete the file)"
-            )
-        return f"rank {r} waited {s:g} s at {e['at']} on {on} (a compile that did not finish?)"
+        return (
+            f"rank {r} waited {s:g} s at {e['at']} on a child process (a compile that did not "
+            "finish?)"
+        )
     if e["state"] == "checkpoint":
         return f"rank {r} waited {s:g} s at the checker's checkpoint after {e['checkpoint']}"
     # counted by ledger.count_user_collectives
