@@ -24,3 +24,7 @@ STAGES: tuple[Stage, ...] = get_args(Stage)
 # ok | usage (bad input) | error (raised) | crash (died) | hang (a wait timed out) | aborted
 # (stopped after another rank's failure)
 Status = Literal["ok", "usage", "error", "crash", "hang", "aborted"]
+# the whole model's output of a forward without autograd, compared beside the training forward's:
+# each step's first micro-batch (`Case.no_grad_forward`), and the last step's in eval mode
+NO_GRAD_OUTPUT, EVAL_OUTPUT = "output:no_grad", "output:eval"
+WITHOUT_AUTOGRAD = (NO_GRAD_OUTPUT, EVAL_OUTPUT)

@@ -4,6 +4,7 @@ rank 0's bounds and the other ranks' errors; everything when the ranks' check or
 
 import dataclasses
 import json
+import os
 
 from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.checker.payload import Check
@@ -108,4 +109,100 @@ def test_diagnosis_reads_the_evidence_it_needs_and_a_mutant_sending_none_loses_t
     assert r["verdict"] == "not equivalent" and r["diagnosis"]["signature"] == "partial_sum"
     monkeypatch.setattr(evidence, "needed_evidence", lambda checks, kept, rendezvous: set())
     (r,) = check([fault])
+    assert r["verdict"] == "not equivalent" and r["diagnosis"]["signature"] != "partial_sum"
+
+
+def _tensor_check(name, step, stage="forward"):
+    return Check(
+        stage=stage,
+        step=step,
+        name=name,
+        rank=0,
+        error=0.0,
+        diff_vs_dense=0.0,
+        bound=1.0,
+        kind="calibrated",
+        reason="",
+        passed=None,
+    )
+
+
+def test_a_step_releases_the_tensors_of_its_passing_checks_back_to_the_budget():
+    import torch
+
+    kept = evidence.Evidence()
+    t = torch.ones(10)
+    kept.keep(_tensor_check("param:w", 0, "weights"), t, t, t)
+    for name in ("act:a", "act:b", "act:a"):  # act:a recurs (a second micro-batch): counted once
+        kept.keep(_tensor_check(name, 1), t, t, t)
+    kept.keep(_tensor_check("act:a", 2), t, t, t)
+    assert kept.left == evidence.EVIDENCE_BUDGET - 4 * 30
+    kept.release(1, None)  # the ranks could not tell: nothing goes
+    assert len(kept.kept) == 4
+    kept.release(1, {("forward", 1, "act:b")})
+    # act:a of step 1 passed: dropped; the failing act:b, the weights and step 2's stay
+    assert set(kept.kept) == {
+        ("weights", 0, "param:w"),
+        ("forward", 1, "act:b"),
+        ("forward", 2, "act:a"),
+    }
+    assert kept.left == evidence.EVIDENCE_BUDGET - 3 * 30
+    kept.release(0, set())  # the loaded weights are never released
+    assert ("weights", 0, "param:w") in kept.kept
+
+
+def _late_skip():
+    """The forward all-reduce of the MLP's down projection skipped from the second step's forward
+    on (its first call is step 1's): a bug whose first divergence is at step 2."""
+    from tpcheck.faults import injectors as i
+    from tpcheck.faults.catalogue import Fault
+
+    calls = {"n": 0}
+
+    def skip_late(x, perform):
+        calls["n"] += 1
+        return x if calls["n"] > 1 else perform(x)
+
+    return Fault(
+        "test_late_missing_forward_reduce",
+        "the forward all-reduce skipped from step 2 on",
+        "forward all-reduce of the down projection",
+        "forward",
+        "partial_sum",
+        i.intercept("all_reduce", "down", "forward", skip_late),
+        sequence_parallel=False,
+    )
+
+
+def test_a_late_first_divergence_keeps_its_tensors_when_step_1_spent_the_budget(
+    monkeypatch, tmp_path
+):
+    """With a budget that step 1's tensors fill, the step-2 divergence of a missing all-reduce is
+    still diagnosed `partial_sum`: step 1's passing checks give their elements back. A mutant that
+    releases nothing leaves step 2 without tensors and loses the signature."""
+    fault = _late_skip()
+    monkeypatch.setitem(CATALOGUE, fault.name, fault)
+    spec = fault.prepare(
+        CaseSpec(block="mlp", preset="tiny", run=RunSettings(steps=2, micro_batches=1))
+    )
+    (r,) = check([spec])
+    assert r["verdict"] == "not equivalent"
+    assert r["first_divergence"]["step"] == 2 and r["diagnosis"]["signature"] == "partial_sum"
+    real_release = evidence.Evidence.release
+
+    def measuring(self, step, needed):  # in the ranks: what step 1 kept, written for the test
+        path = tmp_path / f"spent{step}-{os.getpid()}"
+        path.write_text(str(evidence.EVIDENCE_BUDGET - self.left))
+        real_release(self, step, needed)
+
+    monkeypatch.setattr(evidence.Evidence, "release", measuring)
+    check([spec])
+    spent = max(int(p.read_text()) for p in tmp_path.glob("spent1-*"))
+    # a budget step 1 fills to within a few elements: step 2's tensors fit only after the release
+    monkeypatch.setattr(evidence, "EVIDENCE_BUDGET", spent + 8)
+    monkeypatch.setattr(evidence.Evidence, "release", real_release)
+    (r,) = check([spec])
+    assert r["first_divergence"]["step"] == 2 and r["diagnosis"]["signature"] == "partial_sum"
+    monkeypatch.setattr(evidence.Evidence, "release", lambda self, step, needed: None)
+    (r,) = check([spec])
     assert r["verdict"] == "not equivalent" and r["diagnosis"]["signature"] != "partial_sum"

@@ -79,6 +79,51 @@ def test_no_grad_forward_catches_an_inference_only_bug_and_the_correct_twin_pass
     }
 
 
+class AlwaysSkipsReduce(EX.TPBlock):
+    """A bug in both paths: the row-parallel partial sums are never all-reduced."""
+
+    def forward(self, x):
+        h_local = F.gelu(self.fc1(x))
+        return x + F.linear(h_local, self.fc2.weight) + self.fc2.bias
+
+
+def _check(name, step=1, stage="forward"):
+    from tpcheck.checker.payload import Check
+
+    return Check(
+        stage=stage,
+        step=step,
+        name=name,
+        rank=0,
+        error=1.0,
+        diff_vs_dense=1.0,
+        bound=0.5,
+        kind="calibrated",
+        reason="",
+        passed=False,
+    )
+
+
+def test_a_bug_in_the_training_forward_too_is_named_there_not_at_the_output_without_autograd():
+    """The output without autograd is compared first (before its micro-batch's training forward);
+    where that forward fails too, its failure is the first divergence: it names a module (here
+    the output of the block, which the activation checks reach). A failure without autograd alone
+    stays first; a later step's training forward never stands in for it."""
+    from tpcheck.checker.verdict.result import _first
+
+    (r,) = check([file_spec(_case("both_paths", AlwaysSkipsReduce, no_grad_forward=True), 2)])
+    assert r["verdict"] == "not equivalent"
+    failed = [c["name"] for c in r["checks"] if not c["passed"]]
+    # compared first, and failing: the rule, not the order, makes the output the first divergence
+    assert failed.index("output:no_grad") < failed.index("output")
+    assert r["first_divergence"]["name"] == "output", r["first_divergence"]
+    alone = [_check("output:no_grad"), _check("output", step=2), _check("output:eval", step=2)]
+    assert _first(alone)["name"] == "output:no_grad"
+    both = [_check("output:no_grad"), _check("act:fc2"), _check("output")]
+    assert _first(both)["name"] == "act:fc2"
+    assert _first([_check("output:eval", 2), _check("output", 2)])["name"] == "output"
+
+
 def test_activations_are_refused_beside_a_written_plan():
     with pytest.raises(UsageError, match="activations are given twice"):
         dataclasses.replace(EX.correct, activations={"fc1": Shard(2)})

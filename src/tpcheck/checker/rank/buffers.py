@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tpcheck.checker import vocabulary
 from tpcheck.checker.rank.inference import candidates
 from tpcheck.checker.rank.names import strip_wrappers
 from tpcheck.errors import UsageError
@@ -47,7 +48,7 @@ from tpcheck.plan import Placement
 if TYPE_CHECKING:
     from tpcheck.checker.rank.engine import Engine
 
-EVAL_OUTPUT = "output:eval"
+EVAL_OUTPUT = vocabulary.EVAL_OUTPUT
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

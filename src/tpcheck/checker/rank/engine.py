@@ -26,8 +26,10 @@ not name are inferred), then a ledger sync and the RNG placement checks of the m
 random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
-optimizer steps, update and state against the replay, weights, buffers (buffers.py: at step 0 too).
-At the last step, after its micro-batches, the forward in eval mode (buffers.py: `eval_forward`).
+optimizer steps, update and state against the replay, weights, buffers (buffers.py: at step 0 too),
+and (but at the last step) the release of the step's evidence of the checks that passed on every
+rank (evidence.py). At the last step, after its micro-batches, the forward in eval mode
+(buffers.py: `eval_forward`).
 
 A case that does not train (`RunSettings(train=False)`, no TP parameter that requires grad, or
 `Case.decode_steps`) builds no optimizer and, after the weights, runs forward_only.py's loop instead
@@ -71,6 +73,7 @@ from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.checker.usercode import defined_at, require_graph
+from tpcheck.checker.vocabulary import NO_GRAD_OUTPUT
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.layers import finalize_grads
@@ -295,6 +298,10 @@ class Engine:
         self.tp_master.check_copy_back(self, step)
         self.buffers.compare(step)
         self.cmp.flush_replicas()
+        if step < self.settings.steps:  # the last step's are chosen with the whole run's
+            kept = self.cmp.evidence
+            step_checks = [c for c in self.cmp.checks if c.step == step]
+            kept.release(step, evidence.needed_evidence(step_checks, kept, self.rendezvous))
 
     def _forward_backward(self, step: int, micro: int, batch) -> None:
         case, group, cmp = self.case, self.group, self.cmp
@@ -495,7 +502,7 @@ class Engine:
             for k, v in inputs.items()
         }
 
-    def _no_grad_forward(self, step: int, inputs: dict, name: str = "output:no_grad") -> None:
+    def _no_grad_forward(self, step: int, inputs: dict, name: str = NO_GRAD_OUTPUT) -> None:
         """The forward without autograd on every side, its output compared (`name`): TP code may
         take another path when no gradient is needed (local matmuls and a plain all-reduce instead
         of DTensor's autograd-aware ops), and that path is the one inference and evaluation run."""

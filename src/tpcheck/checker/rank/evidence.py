@@ -3,9 +3,12 @@ diagnosis, and the part of them the rank sends.
 
 Small tensors are kept as they are compared (every control's few elements and every RNG check's
 record outside the budget); after the run one store exchange tells every rank which checks fail on
-some rank, and only their tensors travel (with the loaded weights and the controls). A key is
-`(stage, step, name)`, a check's own three fields (`payload.evidence_key`), on the rank and
-in the payload alike.
+some rank, and only their tensors travel (with the loaded weights and the controls). The same
+exchange at the end of every step but the last releases what that step kept for checks that passed
+on every rank (`Evidence.release`): the budget then holds the tensors of the failures, so a first
+divergence at a late step of a large model still has its tensors (with the budget spent by step 1,
+its diagnosis would have no numbers to read). A key is `(stage, step, name)`, a check's own three
+fields (`payload.evidence_key`), on the rank and in the payload alike.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Evidence:
     def __init__(self) -> None:
         self.kept: dict[Key, dict] = {}
         self.left = EVIDENCE_BUDGET  # elements still to keep (a control's are outside the budget)
+        self.cost: dict[Key, int] = {}  # what each entry took from the budget
 
     def __iter__(self) -> Iterator[Key]:
         return iter(self.kept)
@@ -49,6 +53,9 @@ class Evidence:
             if tp_local.numel() > EVIDENCE_MAX_NUMEL or self.left < 3 * dense.numel():
                 return
             self.left -= 3 * dense.numel()
+            key = key_of(check)  # a name that recurs (one per micro-batch) keeps its last tensors
+            self.left += self.cost.pop(key, 0)
+            self.cost[key] = 3 * dense.numel()
         # copies (later steps change these tensors in place), made numpy in `sent` if needed
         kept = self.kept[key_of(check)] = {
             "tp": tp_local.detach().clone(),
@@ -78,6 +85,17 @@ class Evidence:
             "eps": 0.0,
             "rng": info,
         }
+
+    def release(self, step: int, needed: set[Key] | None) -> None:
+        """Drop what step `step` kept for checks outside `needed` (`needed_evidence` of the step's
+        checks: those failing on some rank, and the weights), giving their elements back to the
+        budget; nothing when `needed` is None (the ranks could not tell)."""
+        if needed is None:
+            return
+        for key in [k for k in self.cost if k[1] == step and k not in needed]:
+            if key[0] != "weights":
+                del self.kept[key]
+                self.left += self.cost.pop(key)
 
     def sent(self, keys: set[Key] | None) -> dict[Key, dict]:
         """The evidence sent to the parent, as float64 arrays, under the payload's keys: the entries

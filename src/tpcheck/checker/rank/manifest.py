@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tpcheck.checker.vocabulary import NO_GRAD_OUTPUT
 from tpcheck.plan import Placement, copies
 
 if TYPE_CHECKING:
@@ -68,9 +69,9 @@ def _forward(e: Engine, step: int) -> list[list]:
     if shared_output:
         out.append(["replicas", step, "output", micro])
     if case.no_grad_forward:
-        out.append(["forward", step, "output:no_grad", 1])
+        out.append(["forward", step, NO_GRAD_OUTPUT, 1])
         if shared_output:
-            out.append(["replicas", step, "output:no_grad", 1])
+            out.append(["replicas", step, NO_GRAD_OUTPUT, 1])
     if e.settings.capture:
         for module, placement in e.plan.activations.items():
             # as often as the dense module produced an output (a mixture's expert that no token

@@ -25,7 +25,7 @@ from tpcheck.checker.rank import tolerance
 from tpcheck.checker.verdict.collectives import check_ledger
 from tpcheck.checker.verdict.diagnose import diagnose
 from tpcheck.checker.verdict.failures import failure_fields
-from tpcheck.checker.vocabulary import Verdict
+from tpcheck.checker.vocabulary import WITHOUT_AUTOGRAD, Verdict
 from tpcheck.errors import ExitCode
 from tpcheck.findings import finding_for
 
@@ -458,7 +458,21 @@ def _fill_bounds(checks: list[Check]) -> list[Check]:
 
 
 def _first(failed: list[Check]) -> dict:
+    """The first divergence: the first failed check in execution order, but for the whole
+    output of a forward without autograd (compared before the training forward of its micro-batch,
+    or in eval mode) where the same step's training forward fails too: that forward's first
+    failure names the module, the output only that something in the model went wrong (a failure
+    of the output without autograd alone stays first: a path taken only without autograd)."""
     first = failed[0]
+    if first.name in WITHOUT_AUTOGRAD:
+        first = next(
+            (
+                c
+                for c in failed
+                if c.stage == "forward" and c.step == first.step and c.name not in WITHOUT_AUTOGRAD
+            ),
+            first,
+        )
     ranks = sorted(
         {
             c.rank
