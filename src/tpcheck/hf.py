@@ -83,6 +83,7 @@ def plan_sweep(
     """(case specs, rows of skipped architectures) for every architecture x world size x dtype."""
     specs, skipped = [], []
     for world in world_sizes:
+        hf.prepare_all(names, world, rules or None)  # the CPUs shared; cached for what follows
         for name in names:
             try:
                 hf.prepare(name, world, rules or None)

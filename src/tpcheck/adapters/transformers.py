@@ -51,7 +51,9 @@ import contextlib
 import copy
 import functools
 import inspect
+import os
 import re
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -1194,15 +1196,108 @@ def prepare(model_type: str, world: int, rules: dict | None = None) -> Prepared:
     parameters on 2 x 8 tokens, too small for a thread team to pay (a float64 depthwise conv1d
     takes seconds on two threads of a busy machine, a millisecond on one), and the ranks forked
     after it inherit no OpenMP team."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    key = (model_type, world, tuple(sorted((rules or {}).items())))
+    if key not in _PREPARED:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _PREPARED[key] = _prepare(*key)
+        except Skip as e:
+            _PREPARED[key] = e  # an architecture that cannot be checked says why each time asked
+            raise
+        finally:
+            torch.set_num_threads(before)
+    outcome = _PREPARED[key]
+    if isinstance(outcome, Skip):
+        raise Skip(str(outcome))
+    return outcome
+
+
+# prepare's outcomes by (model_type, world, rules): what the ranks forked later find here
+_PREPARED: dict[tuple, Prepared | Skip] = {}
+
+
+def prepare_all(model_types: list[str], world: int, rules: dict | None = None) -> None:
+    """`prepare` each of `model_types` ahead of its use, the CPUs shared: the sweep prepares ~150
+    architectures (a meta-device build, a float64 probe, the resolved plan: 13 s on one core here)
+    before the first rank forks. Each CPU but this process's gets a worker forked from it, with
+    a share of the architectures (every `workers`-th); this process prepares its own share
+    meanwhile, then takes in the workers' outcomes (a Prepared, or a Skip's reason) into its cache.
+    An architecture whose preparation raised anything else, or whose worker died, is left to
+    `prepare`, which raises it where it is asked for. With one CPU for this process's forks
+    (`spawn._cpus`: a parent that may have started a thread team forks nothing that computes on
+    several threads), or a few architectures, nothing runs here."""
+    import multiprocessing as mp
+
+    from tpcheck.checker.pool.spawn import _cpus
+
+    items = tuple(sorted((rules or {}).items()))
+    todo = [(m, world, items) for m in dict.fromkeys(model_types)]
+    todo = [key for key in todo if key not in _PREPARED]
+    workers = min(_cpus()[0], len(todo) // PREPARE_CHUNK)
+    if workers < 2:
+        return
+    ctx = mp.get_context("fork")
+    shares = [todo[i::workers] for i in range(workers)]
+    conns, procs = [], []
     try:
-        return _prepare(model_type, world, tuple(sorted((rules or {}).items())))
+        for share in shares[1:]:
+            mine, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_prepare_share, args=(share, theirs, os.getpid()), daemon=True
+            )
+            proc.start()
+            theirs.close()
+            conns.append(mine)
+            procs.append(proc)
+        for key in shares[0]:
+            _prepared(key)
+        for conn in conns:
+            try:
+                outcomes = conn.recv()
+            except (EOFError, OSError):  # the worker died: its share is prepared when asked
+                continue
+            for key, kind, value in outcomes:
+                if kind == "ok":
+                    _PREPARED[key] = value
+                elif kind == "skip":
+                    _PREPARED[key] = Skip(value)
     finally:
-        torch.set_num_threads(before)
+        for conn in conns:
+            conn.close()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
 
 
-@functools.cache
+PREPARE_CHUNK = 8  # fewer architectures per worker than this: not worth forking one
+
+
+def _prepare_share(share: list[tuple], conn, parent_pid: int) -> None:
+    """A worker of `prepare_all`: prepares `share`, sends the outcomes, exits. The parent's signal
+    handlers are not its own: SIGTERM and SIGHUP end it, Ctrl-C is the parent's to handle (it
+    kills the workers), and it dies with the parent."""
+    from tpcheck.checker.pool.spawn import die_with_parent
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+    conn.send([_prepared(key) for key in share])
+    conn.close()
+
+
+def _prepared(key: tuple) -> tuple[tuple, str, object]:
+    """(key, "ok", Prepared) | (key, "skip", reason) | (key, "raised", None), cached here too."""
+    try:
+        return key, "ok", prepare(key[0], key[1], dict(key[2]))
+    except Skip as e:
+        return key, "skip", str(e)
+    except Exception:  # noqa: BLE001 - asked again where it is used, which raises it there
+        return key, "raised", None
+
+
 def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
     rules = dict(rule_items)
     if not available():
