@@ -326,6 +326,31 @@ def test_a_value_a_validator_requires_is_set():
         hf._validated(Stubborn, {"kv_heads": 4})
 
 
+def test_a_sum_a_validator_states_is_set_from_the_reduced_terms():
+    """dots3_note_text's validator: "SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim";
+    the reduced terms' sum is set (a term the overrides do not set: the class's default). A
+    message stating a sum of terms that are not numbers leaves it a Skip."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Config:
+        head_dim: int = 256
+        qk_nope_head_dim: int = 128
+        qk_rope_head_dim: int = 64
+        name: str = "x"
+
+        def __post_init__(self):
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError("SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim")
+
+    made = hf._validated(Config, {"head_dim": 16, "qk_nope_head_dim": 8})
+    assert made.head_dim == 8 + 64
+    assert hf._required(Config, {}, "head_dim must equal name + qk_rope_head_dim") == (None, None)
+    prep = hf.prepare("dots3_note_text", 2)
+    cfg = prep.config
+    assert cfg.head_dim == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+
 def test_sections_left_to_the_model_keep_height_and_width_equal():
     defaults = {"hidden_size": 2560, "num_attention_heads": 20, "head_dim": 128}
     defaults["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
@@ -411,6 +436,7 @@ def test_the_hidden_state_loss_reaches_every_parameter_from_embeddings():
         "qwen4_exp_text",
         "cohere_compass_text",
         "ernie4_5_vl_moe_text",
+        "dots3_note_text",
     ],
 )
 def test_formerly_skipped_architectures_prepare(model_type):

@@ -852,28 +852,39 @@ def _built_config(model_type: str, cls, overrides: dict, world: int):
 
 
 _REQUIRES = re.compile(r"requires (\w+)\s*=\s*(-?\d+)\b")
+# a validator stating a sum: "head_dim must equal qk_nope_head_dim + qk_rope_head_dim"
+_EQUALS_SUM = re.compile(r"(\w+) must equal (\w+(?:\s*\+\s*\w+)+)")
 
 
 def _validated(cls, overrides: dict):
     """`cls(**overrides)`; where a validator rejects it stating the value a field requires
-    ("requires indexer_kv_heads=1"), that value is set and the config built again. Raises Skip
-    with the reason."""
+    ("requires indexer_kv_heads=1") or a sum it must equal ("head_dim must equal qk_nope_head_dim +
+    qk_rope_head_dim", of the reduced values), that value is set and the config built again.
+    Raises Skip with the reason."""
     for _ in range(4):
         try:
             return cls(**overrides)
         except Exception as e:  # noqa: BLE001
-            required = _REQUIRES.search(str(e))
-            field = required.group(1) if required else None
-            if (
-                field is None
-                or not hasattr(cls, field)
-                or overrides.get(field) == int(required.group(2))
-            ):
+            field, value = _required(cls, overrides, str(e))
+            if field is None or not hasattr(cls, field) or overrides.get(field) == value:
                 raise Skip(
                     f"the shape-reduced config does not build: {type(e).__name__}: {_first_line(e)}"
                 ) from None
-            overrides[field] = int(required.group(2))
+            overrides[field] = value
     raise Skip("the shape-reduced config does not build")  # pragma: no cover
+
+
+def _required(cls, overrides: dict, message: str) -> tuple[str | None, int | None]:
+    """(field, value) a validator's `message` states, of the reduced `overrides` (a term they do
+    not set: the class's default); (None, None) when it states none this can compute."""
+    if required := _REQUIRES.search(message):
+        return required.group(1), int(required.group(2))
+    if stated := _EQUALS_SUM.search(message):
+        terms = [t.strip() for t in stated.group(2).split("+")]
+        values = [overrides.get(t, getattr(cls, t, None)) for t in terms]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return stated.group(1), sum(values)
+    return None, None
 
 
 def _missing_value(field: str, world: int):
