@@ -240,12 +240,7 @@ class Engine:
         return self.cmp.checks
 
     def _step(self, step: int) -> None:
-        for opt in self._optimizers():
-            training.zero_grad(opt)
-        # under master weights the optimizers hold the masters
-        for model in (self.dense, self.tp, self.truth):
-            if model is not None:
-                model.zero_grad(set_to_none=True)
+        self._zero_grads()
         if step > 1:
             self._tp_from_dense()
         self._truth_from_dense(self.dense.named_parameters())
@@ -299,9 +294,7 @@ class Engine:
         self.buffers.compare(step)
         self.cmp.flush_replicas()
         if step < self.settings.steps:  # the last step's are chosen with the whole run's
-            kept = self.cmp.evidence
-            step_checks = [c for c in self.cmp.checks if c.step == step]
-            kept.release(step, evidence.needed_evidence(step_checks, kept, self.rendezvous))
+            self._release_evidence(step)
 
     def _forward_backward(self, step: int, micro: int, batch) -> None:
         case, group, cmp = self.case, self.group, self.cmp
@@ -441,6 +434,21 @@ class Engine:
                 kw_t[k].grad,
                 case.input_placements.get(k, Replicate()),
             )
+
+    def _zero_grads(self) -> None:
+        for opt in self._optimizers():
+            training.zero_grad(opt)
+        # under master weights the optimizers hold the masters
+        for model in (self.dense, self.tp, self.truth):
+            if model is not None:
+                model.zero_grad(set_to_none=True)
+
+    def _release_evidence(self, step: int) -> None:
+        """The evidence of `step`'s checks that passed on every rank goes back to the budget (one
+        store exchange: evidence.py `needed_evidence`), for the later steps' tensors."""
+        kept = self.cmp.evidence
+        step_checks = [c for c in self.cmp.checks if c.step == step]
+        kept.release(step, evidence.needed_evidence(step_checks, kept, self.rendezvous))
 
     def _tp_from_dense(self) -> None:
         """Every step after the first starts the TP side from the dense side's weights (and
