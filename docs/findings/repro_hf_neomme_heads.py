@@ -8,10 +8,11 @@ once alpha is sharded).
     python docs/findings/repro_hf_neomme_heads.py
 
 Plain torch + transformers (5.24.0) on 2 CPU/gloo ranks, a 2-layer NeoMMEModel (hidden 64, 8 heads,
-4 KV heads, head_dim 16) in float64, so that what is left is rounding at float64's resolution. The fix is a plan change with one custom style (verified: the last hidden
-state and every gradient match): `alpha` sharded with the heads (`colwise` on the parameter) and
-used as a local tensor (`local_params` on `exclusive_self_attention`), and `value_embeddings` split
-over its features with the local part kept (`embedding_colwise_local`, registered here: transformers'
+4 KV heads, head_dim 16) in float64, so that what is left is rounding at float64's resolution.
+The fix is a plan change with one custom style (verified: the last hidden state and every gradient
+match): `alpha` sharded with the heads (`colwise` on the parameter) and used as a local tensor
+(`local_params` on `exclusive_self_attention`), and `value_embeddings` split over its features
+with the local part kept (`embedding_colwise_local`, registered here: transformers'
 `embedding_colwise` gathers every head's features back). Exit 0: reproduced and the fix verified;
 1: not reproduced (fixed upstream); 2: reproduced but the fix did not verify.
 """

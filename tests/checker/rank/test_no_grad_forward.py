@@ -87,7 +87,7 @@ class AlwaysSkipsReduce(EX.TPBlock):
         return x + F.linear(h_local, self.fc2.weight) + self.fc2.bias
 
 
-def _check(name, step=1, stage="forward"):
+def _check(name, step=1, stage="forward", seq=0, passed=False):
     from tpcheck.checker.payload import Check
 
     return Check(
@@ -100,7 +100,8 @@ def _check(name, step=1, stage="forward"):
         bound=0.5,
         kind="calibrated",
         reason="",
-        passed=False,
+        passed=passed,
+        seq=seq,
     )
 
 
@@ -122,6 +123,29 @@ def test_a_bug_in_the_training_forward_too_is_named_there_not_at_the_output_with
     both = [_check("output:no_grad"), _check("act:fc2"), _check("output")]
     assert _first(both)["name"] == "act:fc2"
     assert _first([_check("output:eval", 2), _check("output", 2)])["name"] == "output"
+
+
+def test_a_decision_made_without_autograd_yields_to_the_training_forward_that_fails_too():
+    """Inkling2's shape: the pass without autograd compares the output and the routers' top-k on
+    the way; its layer-1 router flips (seq 56) before the training forward's layer-0 output fails
+    (seq 60). The first divergence is that output: it names the layer where the bug acts. Without
+    the step's checks (the pass's extent unknown: a checker mutant), the router is named."""
+    from tpcheck.checker.verdict.result import _first
+
+    checks = [
+        _check("routing:layers.0.gate.topk#1", seq=55, passed=True),
+        _check("routing:layers.1.gate.topk#1", seq=56),
+        _check("output:no_grad", seq=57),
+        _check("routing:layers.0.gate.topk#1", seq=59, passed=True),
+        _check("act:layers.0", seq=60),
+        _check("routing:layers.1.gate.topk#1", seq=61),
+    ]
+    failed = [c for c in checks if not c.passed]
+    assert _first(failed, checks)["name"] == "act:layers.0"
+    assert _first(failed)["name"] == "routing:layers.1.gate.topk#1"
+    # the pass without autograd alone failing: its first failure stays first
+    alone = [c for c in failed if c.seq <= 57]
+    assert _first(alone, checks)["name"] == "routing:layers.1.gate.topk#1"
 
 
 def test_activations_are_refused_beside_a_written_plan():

@@ -25,7 +25,7 @@ from tpcheck.checker.rank import tolerance
 from tpcheck.checker.verdict.collectives import check_ledger
 from tpcheck.checker.verdict.diagnose import diagnose
 from tpcheck.checker.verdict.failures import failure_fields
-from tpcheck.checker.vocabulary import WITHOUT_AUTOGRAD, Verdict
+from tpcheck.checker.vocabulary import NO_GRAD_OUTPUT, WITHOUT_AUTOGRAD, Verdict
 from tpcheck.errors import ExitCode
 from tpcheck.findings import finding_for
 
@@ -254,7 +254,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         )
         return result
     if failed:
-        result.first_divergence = _first(failed)
+        result.first_divergence = _first(failed, checks)
         # forward only: one pass per batch, no micro-batch losses to be summed
         micro = 1 if forward_only is not None else run.micro_batches
         result.diagnosis = diagnose(result.first_divergence, evidence, spec.world_size, micro)
@@ -457,19 +457,31 @@ def _fill_bounds(checks: list[Check]) -> list[Check]:
     return missing
 
 
-def _first(failed: list[Check]) -> dict:
-    """The first divergence: the first failed check in execution order, but for the whole
-    output of a forward without autograd (compared before the training forward of its micro-batch,
-    or in eval mode) where the same step's training forward fails too: that forward's first
-    failure names the module, the output only that something in the model went wrong (a failure
-    of the output without autograd alone stays first: a path taken only without autograd)."""
+def _first(failed: list[Check], checks: Sequence[Check] = ()) -> dict:
+    """The first divergence: the first failed check in execution order (`failing`), but for one
+    made in a forward without autograd where the same step's training forward fails too: that
+    forward's first failure names the module, while the pass without autograd compares the model's
+    output only (and the decisions made on the way, a router's top-k). The pass without autograd
+    is each step's first (`Case.no_grad_forward`: the checks of the step up to its output's,
+    `checks` on the same rank) and the eval-mode one after the last step's micro-batches. A failure
+    of that pass alone stays first: a path taken only without autograd."""
+    ends = {
+        (c.rank, c.step): c.seq for c in checks if c.name == NO_GRAD_OUTPUT and c.stage == "forward"
+    }
+
+    def without_autograd(c: Check) -> bool:
+        end = ends.get((c.rank, c.step))
+        return c.name in WITHOUT_AUTOGRAD or (
+            c.stage == "forward" and end is not None and c.seq <= end
+        )
+
     first = failed[0]
-    if first.name in WITHOUT_AUTOGRAD:
+    if without_autograd(first):
         first = next(
             (
                 c
                 for c in failed
-                if c.stage == "forward" and c.step == first.step and c.name not in WITHOUT_AUTOGRAD
+                if c.stage == "forward" and c.step == first.step and not without_autograd(c)
             ),
             first,
         )
