@@ -113,18 +113,7 @@ def test_diagnosis_reads_the_evidence_it_needs_and_a_mutant_sending_none_loses_t
 
 
 def _tensor_check(name, step, stage="forward"):
-    return Check(
-        stage=stage,
-        step=step,
-        name=name,
-        rank=0,
-        error=0.0,
-        diff_vs_dense=0.0,
-        bound=1.0,
-        kind="calibrated",
-        reason="",
-        passed=None,
-    )
+    return _check(stage, name, 0.0, 1.0, step=step)
 
 
 def test_a_step_releases_the_tensors_of_its_passing_checks_back_to_the_budget():
