@@ -1289,10 +1289,9 @@ def _prepare_share(share: list[tuple], conn, parent_pid: int) -> None:
     """A worker of `prepare_all`: prepares `share`, sends the outcomes, exits. The parent's signal
     handlers are not its own: SIGTERM and SIGHUP end it, Ctrl-C is the parent's to handle (it
     kills the workers), and it dies with the parent."""
-    from tpcheck.checker.pool.spawn import die_with_parent
+    from tpcheck.checker.pool.spawn import die_with_parent, stop_on_signals
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+    stop_on_signals()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     conn.send([_prepared(key) for key in share])

@@ -223,8 +223,7 @@ def fault_path(store_path: str, rank: int) -> str:
 
 def _entry(target, rank, world, store_path, conn, inherited, parent_pid, args, threads) -> None:
     os.setpgid(0, 0)
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # the parent's handlers are not the rank's
-        signal.signal(sig, signal.SIG_DFL)
+    stop_on_signals()
     signal.signal(signal.SIGINT, _sigint)
     # a rank that a collective library aborts (SIGABRT) dumps its threads' stacks into a file of the
     # pool, where the launcher reads where it died (heartbeat.spot_of_dump) -- not into the parent's
@@ -267,6 +266,14 @@ def interrupt_is_a_signal() -> bool:
     if handler is _sigint:
         return _SIGINT_SEEN
     return handler is signal.default_int_handler
+
+
+def stop_on_signals() -> None:
+    """In a process forked from the command: SIGTERM and SIGHUP end it. The handlers inherited
+    from the parent (the command's, which stop the whole run and wait for its children) are not
+    its own; one left in place keeps a child alive that its parent is waiting to see exit."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def die_with_parent(parent_pid: int) -> None:
