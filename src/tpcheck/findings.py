@@ -4,7 +4,10 @@ terminal summary's `finding:` line).
 
 An entry matches on the diagnosis' signature and a condition on its evidence (the plan style of
 the parameter, the kind of plan the TP code applied), never on an architecture's or a parameter's
-name: any model that hits the same mechanism through the same style gets the same pointer.
+name: any model that hits the same mechanism through the same style gets the same pointer. A defect
+in a model's own code (`op_on_shard`: an operation run on a shard of the dimension it reads) is
+matched by the source file and the operation the diagnosis names: that code, whichever
+architecture runs it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,41 @@ FINDINGS: tuple[Finding, ...] = (
         _transformers_plan,
         "docs/findings/hf-moe-missing-norm-rules.md",
         "transformers: a plan with no rule for a replicated weight whose gradient is partial",
+    ),
+)
+
+
+def _op_in(files: tuple[str, ...], ops: frozenset[str]) -> Callable[[dict], bool]:
+    """The condition "an operation of `ops` in one of `files` (paths within the installed
+    packages) ran on a shard" on an `op_on_shard` diagnosis' evidence."""
+
+    def condition(evidence: dict) -> bool:
+        return any(
+            op.get("op") in ops and op.get("at", "").rpartition(":")[0].endswith(files)
+            for op in evidence.get("ops") or []
+        )
+
+    return condition
+
+
+FINDINGS += (
+    Finding(
+        "op_on_shard",
+        _op_in(("transformers/models/gemma3n/modeling_gemma3n.py",), frozenset({"mean", "std"})),
+        "docs/findings/hf-gemma3n-activation-sparsity.md",
+        "transformers: Gemma3n's activation-sparsity cutoff is a statistic of each rank's shard",
+    ),
+    Finding(
+        "op_on_shard",
+        _op_in(
+            (
+                "transformers/models/inkling2/modeling_inkling2.py",
+                "transformers/models/inkling2_loop/modeling_inkling2_loop.py",
+            ),
+            frozenset({"chunk"}),
+        ),
+        "docs/findings/hf-inkling-embedding-norm.md",
+        "transformers: Inkling2's packed experts.gate_up_proj sharded colwise, not packed_colwise",
     ),
 )
 

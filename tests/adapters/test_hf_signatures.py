@@ -73,3 +73,30 @@ def test_the_two_documented_defects_are_named_and_pointed_at():
     assert d["signature"] == "no_plan_rule", d
     assert "no rule of the TP plan matches model.layers.0.self_attn.q_norm.weight" in d["cause"]
     assert sarvam["finding"]["doc"] == "docs/findings/hf-moe-missing-norm-rules.md"
+
+
+@pytest.mark.slow
+def test_an_op_on_a_shard_in_transformers_code_is_named_at_its_line():
+    """gemma3n_text: the activation-sparsity cutoff (mean + k·std of gate_proj's features) computed
+    on each rank's colwise shard; inkling2_text: the packed experts' gate_up_proj split by
+    `chunk(2)` after a contiguous colwise shard (its experts' output, all-reduced by
+    moe_tp_experts, is checked). Each is named at transformers' line and its write-up."""
+    specs = [
+        hf.hf_spec("gemma3n_text", 2, steps=1, micro_batches=1, label="gemma3n"),
+        hf.hf_spec("inkling2_text", 2, steps=1, micro_batches=1, label="inkling2"),
+    ]
+    with launcher(120) as pool:
+        results = {r.spec.label: r.to_json() for r in run_specs(specs, pool)}
+    gemma, inkling = results["gemma3n"], results["inkling2/float32-truth"]
+    assert gemma["first_divergence"]["name"] == "act:model.layers.0.mlp.down_proj"
+    assert inkling["first_divergence"]["name"] == "act:model.layers.0.mlp.experts"
+    for r, ops, path in (
+        (gemma, {"mean", "std"}, "transformers/models/gemma3n/modeling_gemma3n.py:"),
+        (inkling, {"chunk"}, "transformers/models/inkling2/modeling_inkling2.py:"),
+    ):
+        d = r["diagnosis"]
+        assert d["signature"] == "op_on_shard", d
+        assert {o["op"] for o in d["evidence"]["ops"]} == ops
+        assert path in d["cause"]
+    assert gemma["finding"]["doc"] == "docs/findings/hf-gemma3n-activation-sparsity.md"
+    assert inkling["finding"]["doc"] == "docs/findings/hf-inkling-embedding-norm.md"

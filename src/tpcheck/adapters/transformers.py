@@ -1089,6 +1089,7 @@ _REPLICATED_OUTPUT = {
     "embedding_rowwise",
     "embedding_colwise",
     "all_reduce",
+    "moe_tp_experts",
 }
 _LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
@@ -1097,10 +1098,10 @@ def activation_placements(
     model: nn.Module, tp_plan: dict[str, str], world: int
 ) -> dict[str, Placement]:
     """The module outputs checked, placed as the styles lay them out: colwise -> this rank's slice
-    of the last dim; packed_colwise -> this rank's slice of each packed part; rowwise, gathered and
-    embedding outputs -> whole on every rank; every decoder layer (`*.layers.N`) -> whole (the
-    residual stream). Modules under other styles (experts, MLA, sequence parallel) are checked
-    through their layer."""
+    of the last dim; packed_colwise -> this rank's slice of each packed part; rowwise, gathered,
+    embedding and moe_tp_experts (all-reduced) outputs -> whole on every rank; every decoder layer
+    (`*.layers.N`) -> whole (the residual stream). Modules under other styles (MLA, sequence
+    parallel) are checked through their layer."""
     modules = dict(model.named_modules())
     out: dict[str, Placement] = {}
     for name in modules:

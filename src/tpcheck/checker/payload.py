@@ -112,6 +112,9 @@ class RankPayload:
     # what this rank must have compared, from the plan and the run settings (checker/rank/
     # manifest.py): [stage, step, name, count]; the parent fails the self-test on any it lacks
     manifest: list | None = None
+    # the operations that read a whole dimension and found it smaller on the TP side, in step 1's
+    # first training forward (checker/rank/shard_ops.py): the diagnosis of a mismatch names them
+    shard_ops: list = field(default_factory=list)
 
     def problem_json(self) -> dict:
         return {

@@ -20,6 +20,12 @@ For a case that is `not equivalent` or `error`:
    `tpcheck_reduce_grad_on_arrival`, `replicated_with_grad_allreduce`, `replicate`; an embedding:
    the embedding styles; a parameter's own rule: `packed_colwise`, `packed_rowwise`, `colwise`,
    `rowwise`, `replicate`) other than its current one.
+   A first divergence diagnosed `op_on_shard` (an operation that reads a whole dimension ran on a
+   rank's shard of it) puts its own candidates before these: for a reduction, every rule inside the
+   module whose code runs it set to `replicate` together (the dimension it reads is then whole on
+   every rank); for a split, each `colwise` rule there set to `packed_colwise` (each packed part
+   sharded on its own). The rules are the layer-wildcarded ones where the operation ran on a shard
+   in every module of that key, else the concrete ones of the modules where it did.
 4. **Each candidate checked with the full check**, the run's own settings, one at a time; the
    first whose verdict is `equivalent` is the repair. A budget caps the candidates tried
    (`--repair-budget`); when it runs out with candidates left untried, the entry says so. When
@@ -231,6 +237,33 @@ def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> 
     return list(unique.values())
 
 
+def shard_op_candidates(result: dict, modules: dict[str, nn.Module], plan: dict[str, str]):
+    """The overrides an `op_on_shard` diagnosis points at (step 3 of the module docstring)."""
+    diagnosis = result.get("diagnosis") or {}
+    if diagnosis.get("signature") != "op_on_shard":
+        return []
+    evidence = diagnosis.get("evidence") or {}
+    out: list[dict] = []
+    for op in evidence.get("ops") or ():
+        owner = op["module"]
+        if not owner:
+            continue  # the model's own code: every rule is inside it
+        key = wildcard(owner)
+        inside = [k for k in plan if k.startswith(key + ".")]
+        ran = set(op.get("in_modules") or [owner])
+        every = {m for m in modules if wildcard(m) == key}
+        if not every <= ran:  # not in every module of the key: those where it ran on a shard
+            inside = [m + k[len(key) :] for m in sorted(ran) for k in inside]
+        if op["kind"] == "reduction" and inside:
+            out.append(dict.fromkeys(inside, "replicate"))
+        elif op["kind"] == "split":
+            out += [{k: "packed_colwise"} for k in inside if plan.get(wildcard(k)) == "colwise"]
+    unique: dict[tuple, dict] = {}
+    for c in out:
+        unique.setdefault(tuple(sorted(c.items())), c)
+    return list(unique.values())
+
+
 def rule_flags(override: dict[str, str]) -> str:
     return " ".join(f"--rule {shlex.quote(f'{k}={v}')}" for k, v in override.items())
 
@@ -249,7 +282,10 @@ class Target:
 
 def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     """The report's repair entry for one failed case; `run_one(spec) -> result dict` runs a full
-    check."""
+    check. A candidate that is not equivalent but moves the first divergence on (the check that
+    diverged first now passes everywhere: it fixed that defect, and another one follows) is kept,
+    and the search goes on from its run, within the same budget: a model with two defects gets
+    both rules."""
     import torch
 
     from tpcheck.adapters import transformers as hf
@@ -260,6 +296,65 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
     modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
     plan = {**meta.tp_plan, **target.rules}
+    entry = {
+        "kind": "plan_rule",
+        "case": result["name"],
+        "architecture": arch,
+        "world_size": spec.world_size,
+        "dtype": result.get("dtype"),
+        "verdict": result["verdict"],
+        "where": _where(result),
+        "budget": budget,
+        "tried": [],
+        "kept": [],  # the overrides that moved the first divergence on, in order
+        "override": None,
+        "flags": "",
+        "verified": None,
+    }
+    kept: dict[str, str] = {}
+    current, near, untried = result, None, 0
+    while True:
+        keys, todo = _search_space(current, modules, params, {**plan, **kept})
+        if current is result:
+            entry.update(
+                failing_modules=list(
+                    dict.fromkeys(wildcard(m) for m in failing_modules(result, modules, params))
+                ),
+                plan_keys={k: plan.get(k) for k in keys},
+                candidates=len(todo),
+            )
+        moved = None
+        for n, override in enumerate(todo):
+            if len(entry["tried"]) >= budget:
+                untried = len(todo) - n
+                break
+            full = {**kept, **override}
+            r, candidate = _try(target, full, run_one, len(entry["tried"]) + 1, entry)
+            if verified(r):
+                return _repaired(entry, "repaired", target, full, r)
+            if near is None and spec.settings.dtype != "float64" and rounding_only(r):
+                f64 = run_one(_in_float64(candidate))
+                entry["tried"][-1]["float64"] = f64.get("verdict")
+                if verified(f64):
+                    near = (full, r, f64)
+            if moved_on(current, r):
+                entry["tried"][-1]["moved_on"] = _where(r)
+                moved = (override, r)
+                break
+        if moved is None:
+            break
+        kept.update(moved[0])
+        entry["kept"].append({"override": moved[0], "moved_on": _where(moved[1])})
+        current = moved[1]
+    if near is not None:
+        return _repaired(entry, "verified_in_float64", target, *near)
+    entry["untried"] = untried
+    entry["status"] = "budget_spent" if untried else "no_plan_fix"
+    return entry
+
+
+def _search_space(result: dict, modules: dict, params: set[str], plan: dict[str, str]):
+    """(the plan keys of the failing modules, the candidate overrides) of one failed run."""
     failing = failing_modules(result, modules, params)
     # a failing parameter's own rule first (the most specific), then its module's and the others'
     keys = own_param_keys(result, params, plan)
@@ -269,74 +364,76 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
         inside = wildcard(module) + "."  # the rules of the raising module's submodules
         keys += [k for k in plan if k.startswith(inside) and k not in keys]
     kinds = {k: module_kind(k, modules, params) for k in keys}
-    todo = candidates(keys, plan, kinds)
-    entry = {
-        "kind": "plan_rule",
-        "case": result["name"],
-        "architecture": arch,
-        "world_size": spec.world_size,
-        "dtype": result.get("dtype"),
-        "verdict": result["verdict"],
-        "where": _where(result),
-        "failing_modules": list(dict.fromkeys(wildcard(m) for m in failing)),
-        "plan_keys": {k: plan.get(k) for k in keys},
-        "budget": budget,
-        "candidates": len(todo),
-        "tried": [],
-        "override": None,
-        "flags": "",
-        "verified": None,
-    }
-    near = None  # (override, its working run, its float64 run): rounding only, float64 equivalent
-    for n, override in enumerate(todo[:budget], 1):
-        rules = {**target.rules, **override}
-        candidate = dataclasses.replace(
-            spec,
-            overrides=(("tp_plan", tuple(sorted(rules.items()))),),
-            label=f"{result['name']}/repair{n}",
-        )
-        r = run_one(candidate)
-        entry["tried"].append(
-            {
-                "override": override,
-                "verdict": r.get("verdict"),
-                "summary": (r.get("summary") or "")[:300],
-                "seconds": round(float(r.get("seconds", 0.0)), 3),
-            }
-        )
-        if verified(r):
-            entry.update(
-                status="repaired",
-                override=override,
-                flags=rule_flags({**target.rules, **override}),
-                verified={"case": r["name"], "verdict": r["verdict"], "summary": r["summary"]},
-            )
-            return entry
-        if near is None and spec.settings.dtype != "float64" and rounding_only(r):
-            f64 = run_one(_in_float64(candidate))
-            entry["tried"][-1]["float64"] = f64.get("verdict")
-            if verified(f64):
-                near = (override, r, f64)
-    if near is not None:
-        override, r, f64 = near
-        failed = sum(not c.get("passed", True) for c in r.get("checks") or ())
-        entry.update(
-            status="verified_in_float64",
-            override=override,
-            flags=rule_flags({**target.rules, **override}),
-            verified={"case": f64["name"], "verdict": f64["verdict"], "summary": f64["summary"]},
-            working={
-                "case": r["name"],
-                "verdict": r["verdict"],
-                "failed": failed,
-                "worst_over_bound": max(
-                    c["error"] / c["bound"] for c in r["checks"] if not c.get("passed", True)
-                ),
-                "summary": r["summary"],
-            },
-        )
-        return entry
-    entry["status"] = "budget_spent" if len(todo) > budget else "no_plan_fix"
+    first = shard_op_candidates(result, modules, plan)
+    return keys, first + [c for c in candidates(keys, plan, kinds) if c not in first]
+
+
+def _try(target: Target, override: dict, run_one, n: int, entry: dict):
+    """Check the plan with `override` (the run's own rules under it); its run and spec."""
+    rules = {**target.rules, **override}
+    candidate = dataclasses.replace(
+        target.spec,
+        overrides=(("tp_plan", tuple(sorted(rules.items()))),),
+        label=f"{target.result['name']}/repair{n}",
+    )
+    r = run_one(candidate)
+    entry["tried"].append(
+        {
+            "override": override,
+            "verdict": r.get("verdict"),
+            "summary": (r.get("summary") or "")[:300],
+            "seconds": round(float(r.get("seconds", 0.0)), 3),
+        }
+    )
+    return r, candidate
+
+
+def moved_on(before: dict, after: dict) -> bool:
+    """Whether `after` (a candidate's failed run) fixed `before`'s first divergence: that check
+    (its name, at its step) is in `after` and passed on every rank; or, where the candidate's plan
+    no longer checks it (a module no longer sharded), `after` first diverges at a later step or a
+    later stage of the step."""
+    first, later = before.get("first_divergence") or {}, after.get("first_divergence") or {}
+    if after.get("verdict") != "not equivalent" or not first.get("name") or not later.get("name"):
+        return False
+    same = [
+        c
+        for c in after.get("checks") or ()
+        if c["name"] == first["name"] and c.get("step") == first.get("step")
+    ]
+    if same:
+        return all(c.get("passed", True) for c in same)
+    return _position(later) > _position(first)
+
+
+_STAGE_ORDER = ("weights", "forward", "loss", "backward", "grads", "optimizer", "buffers")
+
+
+def _position(divergence: dict) -> tuple[int, int]:
+    """Where a divergence sits in the run: its step, then its stage in a step's flow."""
+    stage = divergence.get("stage")
+    return divergence.get("step") or 0, _STAGE_ORDER.index(stage) if stage in _STAGE_ORDER else -1
+
+
+def _repaired(entry: dict, status: str, target: Target, override: dict, r: dict, f64=None):
+    """The entry of a verified override (`status` "repaired"), or of one verified in float64 only,
+    `r` its working-dtype run and `f64` its float64 one ("verified_in_float64")."""
+    proof = f64 if f64 is not None else r
+    entry.update(
+        status=status,
+        override=override,
+        flags=rule_flags({**target.rules, **override}),
+        verified={"case": proof["name"], "verdict": proof["verdict"], "summary": proof["summary"]},
+    )
+    if f64 is not None:
+        failed = [c for c in r.get("checks") or () if not c.get("passed", True)]
+        entry["working"] = {
+            "case": r["name"],
+            "verdict": r["verdict"],
+            "failed": len(failed),
+            "worst_over_bound": max(c["error"] / c["bound"] for c in failed),
+            "summary": r["summary"],
+        }
     return entry
 
 
@@ -365,7 +462,12 @@ def entry_lines(entry: dict) -> list[str]:
     for t in entry["tried"]:
         rules = ", ".join(f"{k}={v}" for k, v in t["override"].items())
         in_float64 = f" (in float64: {t['float64']})" if t.get("float64") else ""
-        lines.append(f"  tried {rules}: {t['verdict']}{in_float64}")
+        moved = (
+            f"; it fixes the first divergence, kept: the next is at {t['moved_on']}"
+            if t.get("moved_on")
+            else ""
+        )
+        lines.append(f"  tried {rules}: {t['verdict']}{in_float64}{moved}")
     if entry["status"] == "repaired":
         lines += [
             "  verified (the full check re-run with the override): " + entry["verified"]["summary"],
@@ -384,8 +486,7 @@ def entry_lines(entry: dict) -> list[str]:
     elif entry["status"] == "budget_spent":
         lines.append(
             f"  no override verified within the budget of {entry['budget']} candidates "
-            f"({entry['candidates'] - entry['budget']} untried; raise --repair-budget); it fails "
-            f"at {entry['where']}"
+            f"({entry['untried']} untried; raise --repair-budget); it fails at {entry['where']}"
         )
     else:
         lines.append(

@@ -312,6 +312,7 @@ def test_record_fields():
         "no_placement",
         "grad_accumulation_reduced",
         "no_plan_rule",
+        "op_on_shard",
     }
 
 

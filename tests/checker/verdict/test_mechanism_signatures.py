@@ -258,4 +258,80 @@ def test_findings_match_by_mechanism_and_point_at_files_that_exist():
     assert finding_for({"signature": "partial_sum", "evidence": {}}) is None
     assert finding_for(None) is None
     assert (root / ACCUMULATION_DOC).is_file()
-    assert {f.signature for f in FINDINGS} == {"grad_accumulation_reduced", "no_plan_rule"}
+    assert {f.signature for f in FINDINGS} == {
+        "grad_accumulation_reduced",
+        "no_plan_rule",
+        "op_on_shard",
+    }
+    assert all((root / f.doc).is_file() for f in FINDINGS)
+
+
+# ---------------------------------------------------------------------- op_on_shard
+
+
+def _op(module: str, op: str = "mean", at: str = "/x/site-packages/pkg/m.py:7") -> dict:
+    return {
+        "module": module,
+        "op": op,
+        "kind": "split" if op == "chunk" else "reduction",
+        "dim": -1,
+        "at": at,
+        "tp_size": 4,
+        "dense_size": 8,
+    }
+
+
+def _act(name: str, stage: str = "forward") -> dict:
+    return {"name": name, "stage": stage, "step": 1, "ranks": [0, 1], "error": 1.0, "bound": 1e-6}
+
+
+def test_an_op_on_a_shard_is_named_where_it_runs_in_the_divergent_output():
+    ops = [_op("model.layers.0.mlp"), _op("model.layers.0.mlp.experts", "chunk")]
+    other = _op("model.layers.1.mlp")
+    # in the parent's own code (between its children), in the module itself, in a module in it
+    down = mechanisms.op_on_shard(_act("act:model.layers.0.mlp.down_proj"), ops + [other])
+    assert down[0] == "op_on_shard"
+    # with the modules where the same operation ran on a shard (each layer's)
+    assert down[1]["ops"] == [
+        {**ops[0], "in_modules": ["model.layers.0.mlp", "model.layers.1.mlp"]}
+    ]
+    assert "pkg/m.py:7" in down[2] and "statistic of the rank's shard" in down[2]
+    experts = mechanisms.op_on_shard(_act("act:model.layers.0.mlp.experts"), ops)
+    # the parent's mean and its own chunk
+    assert [{k: v for k, v in op.items() if k != "in_modules"} for op in experts[1]["ops"]] == ops
+    assert "packed_colwise" in mechanisms.op_on_shard(_act("act:model.layers.0.mlp"), ops[1:])[2]
+    # not a sibling's code, a later layer's, or a backward check; the model's output: anywhere
+    assert mechanisms.op_on_shard(_act("act:model.layers.0.self_attn.o_proj"), ops) is None
+    assert mechanisms.op_on_shard(_act("act:model.layers.1.mlp.down_proj"), ops) is None
+    assert mechanisms.op_on_shard(_act("actgrad:model.layers.0.mlp", "backward"), ops) is None
+    assert len(mechanisms.op_on_shard(_act("output"), ops)[1]["ops"]) == 2
+    assert mechanisms.op_on_shard(_act("act:model.layers.0.mlp"), []) is None
+
+
+def test_op_on_shard_only_names_a_mismatch():
+    first = _act("act:down")
+    assert diagnose(first, [{}, {}], 2, shard_ops=[_op("")])["signature"] == "op_on_shard"
+    assert diagnose(first, [{}, {}], 2)["signature"] == "mismatch"
+    # a collective signature read from the tensors comes first
+    ref = np.arange(1.0, 5.0)
+    ev = [
+        {("forward", 1, "act:down"): {"tp": k * ref, "ref": ref, "placement": "replicate"}}
+        for k in (0.3, 0.7)
+    ]
+    assert diagnose(first, ev, 2, shard_ops=[_op("")])["signature"] == "partial_sum"
+    assert "op_on_shard" in CAUSES
+
+
+def test_a_model_code_finding_matches_the_file_and_the_operation():
+    gemma = "/v/lib/python3.11/site-packages/transformers/models/gemma3n/modeling_gemma3n.py:970"
+    inkling = "/v/site-packages/transformers/models/inkling2_loop/modeling_inkling2_loop.py:810"
+    found = finding_for({"signature": "op_on_shard", "evidence": {"ops": [_op("m", at=gemma)]}})
+    assert found["doc"] == "docs/findings/hf-gemma3n-activation-sparsity.md"
+    split = {"signature": "op_on_shard", "evidence": {"ops": [_op("m", "chunk", inkling)]}}
+    assert finding_for(split)["doc"] == "docs/findings/hf-inkling-embedding-norm.md"
+    # another operation at that file, or the same operation in other code: no finding
+    assert (
+        finding_for({"signature": "op_on_shard", "evidence": {"ops": [_op("m", "chunk", gemma)]}})
+        is None
+    )
+    assert finding_for({"signature": "op_on_shard", "evidence": {"ops": [_op("m")]}}) is None

@@ -68,6 +68,7 @@ from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Replay
 from tpcheck.checker.rank.params import compare_params, compare_replay, compare_weights
 from tpcheck.checker.rank.precision import keep_float64
 from tpcheck.checker.rank.rng import RandomDraws, training_rng
+from tpcheck.checker.rank.shard_ops import ShardOps
 from tpcheck.checker.rank.sides import NoGrad, TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.rank.warmup import warm_up
@@ -113,6 +114,7 @@ class Engine:
         self.unobserved: dict[str, dict] = {}
         # (step, module): the dense side's outputs captured (the manifest's count; manifest.py)
         self.produced: collections.Counter = collections.Counter()
+        self.shard_ops = ShardOps(case.run.capture)  # reductions and splits of step 1: shard_ops.py
         try:
             self._build()
         except Exception as e:  # noqa: BLE001 - tell the other ranks before they issue a collective
@@ -315,7 +317,8 @@ class Engine:
         )
         kw_tp = self._tp_inputs(inputs, wanted)
         with training_rng(self.device, self.settings.seed, step, micro):
-            with self.tap.tp_phase("forward"), self.draws.tp_masks(book, self.tp):
+            noting = self.shard_ops.side("tp", self.tp, self.discovery.tp_modules)
+            with self.tap.tp_phase("forward"), noting, self.draws.tp_masks(book, self.tp):
                 out_tp = one_tensor(self.tp(**kw_tp), self.tp, "TP")
             # compared before the loss sees it: a loss may work in place on its input (Megatron's
             # vocab-parallel cross-entropy subtracts the max from the logits)
@@ -389,7 +392,7 @@ class Engine:
             else []
         )
         kw = {k: leaf(cast(v, dtype), k in wanted) for k, v in inputs.items()}
-        with masks:
+        with self.shard_ops.side("dense" if model is self.dense else None, model), masks:
             out = one_tensor(model(**kw), model, "dense")
         require_graph(out, "dense", model)
         # as the model produced it: a loss may work in place on its input
@@ -566,6 +569,7 @@ def run_case_on_rank(
         forward_only=engine.forward_only.as_json() if engine.forward_only else None,
         warmed_up=engine.warmed_up,
         activations=engine.discovery.record(),
+        shard_ops=engine.shard_ops.differing(),
         manifest=manifest(engine),
         ledger=list(engine.tap.ledger),
         seconds=time.perf_counter() - t0,

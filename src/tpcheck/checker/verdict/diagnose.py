@@ -50,6 +50,10 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     after every backward (mechanisms.py)
   no_plan_rule      a partial_sum gradient of a parameter no rule of the TP code's own plan
                     (Case.plan_rules) covers (mechanisms.py)
+  op_on_shard       a mismatch at a module output whose code (its own, a module's in it, or its
+                    parent's between its children) runs a reduction or a split on a shard of the
+                    dimension it reads: the TP side's dimension smaller at the same source line
+                    (mechanisms.py, over checker/rank/shard_ops.py)
   mismatch          none of the above
 """
 
@@ -162,8 +166,16 @@ BUFFER_NO_PLACEMENT = (
 RNG_SIGNATURES = {"differ": "rng_not_forked", "same": "rng_diverged"}
 
 
-def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int = 1) -> dict:
-    """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict."""
+def diagnose(
+    first: dict,
+    evidence: list[dict],
+    world: int,
+    micro_batches: int = 1,
+    shard_ops: list[dict] | None = None,
+) -> dict:
+    """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict,
+    `shard_ops` the operations the TP side ran on a shard of the dimension they read
+    (checker/rank/shard_ops.py), to name a mismatch's mechanism."""
     key = evidence_key(first["stage"], first["step"], first["name"])
     # the replicated tensor's own evidence, under the stage it was compared in
     if first["stage"] == "replicas":
@@ -211,6 +223,8 @@ def diagnose(first: dict, evidence: list[dict], world: int, micro_batches: int =
             signature, details = "mismatch", {"error_over_bound": error / bound}
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
+    if signature == "mismatch" and (found := mechanisms.op_on_shard(first, shard_ops or [])):
+        return _diagnosis(first, found[0], {**details, **found[1]}, cause=found[2])
     return _diagnosis(first, signature, details)
 
 

@@ -11,7 +11,18 @@ kept beside its evidence (checker/rank/grad_evidence.py):
                     own plan (`Case.plan_rules`) has no rule for the parameter or any module it
                     lives in: nothing reduces it because nothing in the plan says it must be.
 
-Both are tests on numbers and on the plan's keys, never on a model or a parameter's name.
+One mechanism of a wrong activation, named from what the ranks noted of the forward's operations
+(checker/rank/shard_ops.py):
+
+  op_on_shard       the first divergence is a mismatch at a module output, and the code of that
+                    module, of a module inside it or of its parent between its children runs an
+                    operation that reads a whole dimension (a reduction: mean, std, softmax,
+                    top-k; a split: chunk) on a smaller dimension on the TP side than on the dense
+                    side, at the same source line: it runs on each rank's shard of a dimension the
+                    plan shards, and computes there something other than its part of the dense
+                    result.
+
+Each is a test on numbers, on the plan's keys or on shapes, never on a model or a parameter's name.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import numpy as np
 
 GRAD_ACCUMULATION_REDUCED = "grad_accumulation_reduced"
 NO_PLAN_RULE = "no_plan_rule"
+OP_ON_SHARD = "op_on_shard"
 
 CAUSES = {
     GRAD_ACCUMULATION_REDUCED: (
@@ -31,6 +43,10 @@ CAUSES = {
     NO_PLAN_RULE: (
         "no rule of the TP plan covers this replicated parameter: its gradient is a partial sum "
         "over the ranks that nothing reduces"
+    ),
+    OP_ON_SHARD: (
+        "an operation that reads a whole dimension (a reduction such as mean, std, softmax or "
+        "top-k; a split such as chunk) runs on each rank's shard of a dimension the plan shards"
     ),
 }
 
@@ -132,3 +148,80 @@ def _style(ev: dict[int, dict]) -> dict:
         "style": rule.get("style"),
         "plan_styles": rule.get("styles", []),
     }
+
+
+def _module_of(first: dict) -> str | None:
+    """The module whose output a forward check compares ('act:NAME'), '' for the model's output,
+    else None."""
+    if first["stage"] != "forward":
+        return None
+    name = first["name"]
+    if name.startswith("act:"):
+        return name.split(":", 1)[1]
+    return "" if name.split(":", 1)[0] == "output" else None
+
+
+def _within(op_module: str, module: str) -> bool:
+    """Whether code of `op_module` runs inside `module`'s output: the module itself, a module in it,
+    or its parent's own code (between its children, where a module's input is computed)."""
+    if not module:
+        return True
+    return (
+        op_module == module
+        or op_module.startswith(module + ".")
+        or op_module == module.rpartition(".")[0]
+    )
+
+
+def source_line(at: str) -> str:
+    """A source location as people read it: from the installed package's root
+    ('transformers/models/x/modeling_x.py:970'), else as given."""
+    for root in ("site-packages", "dist-packages"):
+        if f"{root}/" in at:
+            return at.split(f"{root}/", 1)[1]
+    return at
+
+
+def _op_words(op: dict) -> str:
+    where = f"at {source_line(op['at'])}" + (f" (code of {op['module']})" if op["module"] else "")
+    if op["kind"] == "split":
+        return (
+            f"{op['op']} over dim {op['dim']} {where} splits each rank's {op['tp_size']} of the "
+            f"{op['dense_size']} elements of that dimension, not the whole: the parts it makes are "
+            "not the ranks' shards of the dense parts (a packed [gate; up] or [q; k; v] sharded as "
+            "one block). Fix: shard each packed part on its own (transformers' packed_colwise), or "
+            "split before sharding"
+        )
+    return (
+        f"{op['op']} over dim {op['dim']} {where} reads {op['tp_size']} of the "
+        f"{op['dense_size']} elements of that dimension on each rank: it computes a statistic of "
+        "the rank's shard, not of the whole. Fix: combine the partial results across the ranks "
+        "(all-reduce the sums it is built from), gather the dimension before it, or leave the "
+        "modules that produce it unsharded"
+    )
+
+
+def _same_op_in(op: dict, ops: list[dict]) -> list[str]:
+    """The modules where the operation at `op`'s source line ran on a shard (each layer's)."""
+    return list(
+        dict.fromkeys(o["module"] for o in ops if (o["at"], o["op"]) == (op["at"], op["op"]))
+    )
+
+
+def op_on_shard(first: dict, ops: list[dict]) -> tuple | None:
+    """(signature, details, cause) when the first divergence, a mismatch at a module output, has
+    in its code an operation the TP side ran on a shard of the dimension it reads
+    (checker/rank/shard_ops.py); else None."""
+    module = _module_of(first)
+    if module is None:
+        return None
+    found = [
+        {**op, "in_modules": _same_op_in(op, ops)} for op in ops if _within(op["module"], module)
+    ]
+    if not found:
+        return None
+    cause = f"{_op_words(found[0])}"
+    if len(found) > 1:
+        more = ", ".join(f"{op['op']} at {source_line(op['at'])}" for op in found[1:4])
+        cause += f"; also {more}" + (" ..." if len(found) > 4 else "")
+    return OP_ON_SHARD, {"ops": found}, cause

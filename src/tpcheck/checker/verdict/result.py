@@ -255,9 +255,9 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         return result
     if failed:
         result.first_divergence = _first(failed, checks)
-        # forward only: one pass per batch, no micro-batch losses to be summed
-        micro = 1 if forward_only is not None else run.micro_batches
-        result.diagnosis = diagnose(result.first_divergence, evidence, spec.world_size, micro)
+        micro = 1 if forward_only is not None else run.micro_batches  # forward only: one pass
+        ops = payloads[0].shard_ops  # the reductions and splits that ran on a shard
+        result.diagnosis = diagnose(result.first_divergence, evidence, spec.world_size, micro, ops)
     result.summary = _summary(result, failed)
     return result
 

@@ -1,0 +1,183 @@
+"""The operations that read a whole dimension, and the size of that dimension on each side.
+
+TP code shards a dimension and runs the model's own code on each rank's part of it. Code between
+modules (and a module's own code on its sharded parameters) is right on a shard only when it is
+elementwise along that dimension. A reduction over it (mean, std, softmax, top-k, a norm) or a split
+of it (`chunk(2)` of a packed [gate; up]) computes on the shard something other than its part of
+the dense result, silently: the diagnosis names it (verdict/mechanisms.py `op_on_shard`).
+
+During the first training forward of step 1, the dense and the TP forwards each run under a
+`torch.overrides.TorchFunctionMode` (outside the decisions' mode, decisions.py, which must see the
+model's own calls first) that notes, for every such operation with an explicit
+dimension, where it ran (the module whose code called it, the source file and line) and the size
+of that dimension in its input. Both sides run the same source where the TP code is the dense
+model's own code sharded by a plan (transformers, DTensor plans, torchtitan), so an operation at
+the same place and module whose dimension is smaller on the TP side runs on a shard. Operations on
+DTensors see global shapes, the same as the dense side's: those are DTensor's to get right.
+
+What differs is only a record: the rank sends it (`RankPayload.shard_ops`), and the diagnosis uses
+it where the first divergence is a mismatch at a module that holds or calls such an operation.
+Correct TP code runs such operations too (a packed_colwise shard split into its halves, a
+vocab-parallel cross-entropy's local max before its all-reduce): the record alone is no failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tpcheck.checker.rank.capture import named_modules
+
+# operation name -> (position of its dimension argument, the input counted, default dimension):
+# the default None means "no dimension given: the whole tensor", which is not recorded
+_REDUCE = (
+    "sum mean nansum nanmean std var std_mean var_mean amax amin logsumexp prod argmax argmin "
+    "max min all any cumsum cumprod softmax log_softmax median count_nonzero"
+).split()
+DIM_ARG: dict[str, tuple[int, int | None]] = {
+    **dict.fromkeys(_REDUCE, (1, None)),
+    "sort": (1, -1),
+    "argsort": (1, -1),
+    "topk": (2, -1),
+    "normalize": (2, 1),
+    "norm": (2, None),
+    "vector_norm": (2, None),
+    "chunk": (2, 0),
+    "split": (2, 0),
+    "tensor_split": (2, 0),
+}
+SPLITS = frozenset({"chunk", "split", "tensor_split"})
+MAX_RECORDS = 4096  # per side: a bound on what one forward may note
+MAX_SENT = 32  # differing operations a rank sends
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_CHECKER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The dimensions operation `name` reads whole in `args[0]`, or None (none given, or a form
+    that reads none: `max(a, b)` elementwise)."""
+    position, default = DIM_ARG[name]
+    if "dim" in kwargs:
+        dim = kwargs["dim"]
+    elif len(args) > position:
+        dim = args[position]
+        if name in ("std", "var", "std_mean", "var_mean") and isinstance(dim, bool):
+            dim = default  # the old positional `unbiased`
+    else:
+        dim = default
+    if isinstance(dim, bool) or dim is None:
+        return None
+    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else ()
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    ndim = args[0].dim()
+    if ndim == 0 or not all(-ndim <= d < ndim for d in dims):
+        return None
+    return tuple(d % ndim for d in dims)
+
+
+def _passes_on(frame) -> bool:
+    """Whether `frame` only hands the call on: torch's own code, or another of the checker's
+    function modes (decisions.py's, above this one) calling the model's operation."""
+    path = frame.f_code.co_filename
+    return path.startswith(_TORCH_DIR) or (
+        frame.f_code.co_name == "__torch_function__"
+        and os.path.abspath(path).startswith(_CHECKER_DIR)
+    )
+
+
+class OpSizes(TorchFunctionMode):
+    """Notes (module, file, line, operation, dimension) -> the dimension's size, in call order, for
+    the operations of `DIM_ARG` called while it is active on the modules `model` runs (under
+    their `rename` names: a TP module named otherwise than its dense module)."""
+
+    def __init__(self, model: nn.Module, rename: dict[str, str] | None = None) -> None:
+        super().__init__()
+        rename = rename or {}
+        self.modules = {id(m): rename.get(name, name) for name, m in named_modules(model)}
+        self.sizes: dict[tuple, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (
+            name in DIM_ARG
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and len(self.sizes) < MAX_RECORDS
+        ):
+            with contextlib.suppress(Exception):  # a note is never worth failing the forward
+                self._note(name, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _note(self, name: str, args: tuple, kwargs: dict) -> None:
+        dims = _dims(name, args, kwargs)
+        if dims is None:
+            return
+        frame = sys._getframe(2)
+        while frame is not None and _passes_on(frame):
+            frame = frame.f_back
+        if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_CHECKER_DIR):
+            return  # the checker's own arithmetic (its capture hooks), not the model's
+        at = (frame.f_code.co_filename, frame.f_lineno)
+        module = ""
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not None and id(owner) in self.modules:
+                module = self.modules[id(owner)]
+                break
+            frame = frame.f_back
+        shape = args[0].shape
+        for d in dims:
+            self.sizes.setdefault((module, *at, name, d - args[0].dim()), int(shape[d]))
+
+
+class ShardOps:
+    """The two sides' notes of one forward (step 1, its first micro-batch), and what differs."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.dense: dict[tuple, int] | None = None
+        self.tp: dict[tuple, int] | None = None
+
+    @contextlib.contextmanager
+    def side(self, which: str | None, model: nn.Module, rename: dict[str, str] | None = None):
+        """Run a forward of `model` as the `which` side ("dense" or "tp"; None: a side not noted,
+        the float64 truth), noting its operations if that side has not been noted yet."""
+        if not self.enabled or which is None or getattr(self, which) is not None:
+            yield
+            return
+        mode = OpSizes(model, rename)
+        with mode:
+            yield
+        setattr(self, which, mode.sizes)
+
+    def differing(self) -> list[dict]:
+        """The operations that ran at the same place, in the same module, on both sides and found
+        their dimension smaller on the TP side: each as {module, op, dim, at, tp_size,
+        dense_size}, in the TP side's call order."""
+        if not self.dense or not self.tp:
+            return []
+        out = []
+        for key, size in self.tp.items():
+            dense = self.dense.get(key)
+            if dense is not None and size < dense:
+                module, path, line, op, dim = key
+                out.append(
+                    {
+                        "module": module,
+                        "op": op,
+                        "kind": "split" if op in SPLITS else "reduction",
+                        "dim": dim,
+                        "at": f"{path}:{line}",
+                        "tp_size": size,
+                        "dense_size": dense,
+                    }
+                )
+        return out[:MAX_SENT]
