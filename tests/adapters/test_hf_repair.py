@@ -58,7 +58,10 @@ def not_equivalent(first: str, checks: dict[str, bool]) -> dict:
 def test_tpchecks_style_is_registered_in_transformers():
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    assert ARRIVAL in ALL_PARALLEL_STYLES
+    assert ARRIVAL in ALL_PARALLEL_STYLES and "tpcheck_rowwise_any_input" in ALL_PARALLEL_STYLES
+    # a rowwise key gets the any-input style first (rowwise kept where the input is a slice)
+    assert plan.style_choices("linear", "rowwise")[0] == "tpcheck_rowwise_any_input"
+    assert "tpcheck_rowwise_any_input" not in plan.style_choices("linear", "colwise")
     # a plan naming it resolves (transformers validates every style name)
     assert (
         hf.prepare("qwen3", 2, {Q: ARRIVAL}).tp_plan["model.layers.0.self_attn.q_norm"] == ARRIVAL
@@ -113,9 +116,19 @@ def test_an_error_names_the_module_whose_forward_raised():
             }
         ],
     }
-    # the norm class is used under several keys: passed over for the MLP that called it
+    # the norm class is used under several keys: passed over for the MLP that called it; the MLP's
+    # line calls four of its submodules, so it stays the MLP
     raising = plan.raising_modules(result, modules)
     assert raising == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    # a line that calls one submodule and no other (GLM-5 Next's `output = self.o_proj(output)`,
+    # raised in o_proj's TP hook): that submodule
+    src, start = inspect.getsourcelines(modeling_qwen3.Qwen3Attention.forward)
+    o_line = start + next(i for i, text in enumerate(src) if "self.o_proj(" in text)
+    result["problems"][0]["traceback"] = f'  File "{path}", line {o_line}, in forward\n'
+    assert plan.raising_modules(result, modules) == [
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
 
 
 @pytest.mark.slow
@@ -350,19 +363,20 @@ def _on_shard(kind: str = "reduction", in_modules=("model.layers.0.mlp", "model.
 def test_an_op_on_a_shard_puts_its_own_rules_first():
     meta, modules, _ = meta_model()
     rules = meta.tp_plan
-    layers = sorted({m.rsplit(".mlp", 1)[0] + ".mlp" for m in modules if ".mlp." in m})
-    # a reduction: every rule inside the module whose code runs it, replicated together; the
-    # wildcarded keys where it ran on a shard in every layer
-    assert plan.shard_op_candidates(_on_shard(in_modules=layers), modules, rules) == [
-        dict.fromkeys(MLP, "replicate")
-    ]
-    # in one layer only: that layer's own keys
-    one = plan.shard_op_candidates(_on_shard(in_modules=layers[:1]), modules, rules)
-    assert one == [dict.fromkeys([k.replace("*", "0") for k in MLP], "replicate")]
+    # a reduction: every rule inside the module whose code runs it, replicated together; the keys
+    # layer-wildcarded even where it ran in one layer only (transformers cannot name one layer)
+    for ran in (["model.layers.0.mlp", "model.layers.1.mlp"], ["model.layers.0.mlp"]):
+        assert plan.shard_op_candidates(_on_shard(in_modules=ran), rules) == [
+            dict.fromkeys(MLP, "replicate")
+        ]
     # a split: each colwise rule there, packed
-    split = plan.shard_op_candidates(_on_shard("split", layers), modules, rules)
+    split = plan.shard_op_candidates(_on_shard("split"), rules)
     assert split == [{MLP[0]: "packed_colwise"}, {MLP[1]: "packed_colwise"}]
-    assert plan.shard_op_candidates(not_equivalent(DOWN, {}), modules, rules) == []
+    assert plan.shard_op_candidates(not_equivalent(DOWN, {}), rules) == []
+    # the model's own code holds every rule: no candidate of its own
+    own = _on_shard()
+    own["diagnosis"]["evidence"]["ops"][0]["module"] = ""
+    assert plan.shard_op_candidates(own, rules) == []
 
 
 def test_moved_on_means_the_first_divergence_is_fixed():
@@ -420,3 +434,16 @@ def test_hf_gemma3n_repair_fixes_both_of_its_defects():
         f"pass: tpcheck hf gemma3n_text {flags} --rule '{Q}={ARRIVAL}' --rule '{K}={ARRIVAL}'"
         in (out.stderr)
     )
+
+
+@pytest.mark.slow
+def test_hf_glm5_next_repair_finds_the_submodule_that_raised_and_verifies_its_style():
+    """GLM-5 Next raises in o_proj's rowwise hook, called from the linear-attention layer's forward
+    (a decorated forward, `output = self.o_proj(output)`): the failing module is o_proj, and its
+    first candidate, tpcheck_rowwise_any_input, is verified (docs/findings/
+    hf-glm5-next-o-proj.md)."""
+    out = tpcheck("hf", "glm5_next_text", "--repair")
+    assert out.returncode == 3, out.stderr  # the plan as shipped raises
+    assert "plan keys of the failing modules: layers.*.self_attn.o_proj=rowwise" in out.stderr
+    rule = "layers.*.self_attn.o_proj=tpcheck_rowwise_any_input"
+    assert f"pass: tpcheck hf glm5_next_text --rule '{rule}'" in out.stderr

@@ -24,8 +24,9 @@ For a case that is `not equivalent` or `error`:
    rank's shard of it) puts its own candidates before these: for a reduction, every rule inside the
    module whose code runs it set to `replicate` together (the dimension it reads is then whole on
    every rank); for a split, each `colwise` rule there set to `packed_colwise` (each packed part
-   sharded on its own). The rules are the layer-wildcarded ones where the operation ran on a shard
-   in every module of that key, else the concrete ones of the modules where it did.
+   sharded on its own). The rules are layer-wildcarded, as every key is: transformers looks a
+   module up by its name with the layer numbers as `*` (`_get_parameter_plan`,
+   distributed/parallel_utils.py:59-61), so no rule can name one layer.
 4. **Each candidate checked with the full check**, the run's own settings, one at a time; the
    first whose verdict is `equivalent` is the repair. A budget caps the candidates tried
    (`--repair-budget`); when it runs out with candidates left untried, the entry says so. When
@@ -45,7 +46,9 @@ over its bounds, said as such (never "repaired").
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
+import linecache
 import re
 import shlex
 
@@ -115,9 +118,22 @@ def raising_modules(result: dict, modules: dict[str, nn.Module]) -> list[str]:
     for path, line in reversed(frames):
         hits = frame_modules(modules, path, line)
         if hits and len({wildcard(m) for m in hits}) == 1:
-            return hits
+            return called_submodules(hits, modules, path, line) or hits
     frame = error_frame(result)
     return frame_modules(modules, *frame) if frame else []
+
+
+_CALL = re.compile(r"self\.([A-Za-z_]\w*)\s*\(")
+
+
+def called_submodules(hits: list[str], modules: dict, path: str, line: int) -> list[str]:
+    """Where the raising line of a module's forward calls one of its submodules and no other
+    (`out = self.o_proj(x)`: the error is raised in that call, in its forward hooks or its
+    forward), that submodule of each hit; else [] (none, or several: which one raised is not
+    told by the line)."""
+    line_text = linecache.getline(path, line)
+    called = {a for a in _CALL.findall(line_text) if f"{hits[0]}.{a}" in modules}
+    return [f"{m}.{a}" for m in hits for a in called] if len(called) == 1 else []
 
 
 def _module_of(token: str, modules: dict, params: set[str]) -> str | None:
@@ -141,7 +157,8 @@ def frame_modules(modules: dict[str, nn.Module], path: str, line: int) -> list[s
     of the source file's)."""
     out = []
     for name, module in modules.items():
-        code = getattr(type(module).forward, "__code__", None)
+        # the forward's own code, under a decorator that wraps it (transformers' deprecation one)
+        code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
         if code is None or not code.co_filename.endswith(path):
             continue
         lines = [n for _, _, n in code.co_lines() if n is not None]
@@ -196,7 +213,7 @@ def module_kind(key: str, modules: dict[str, nn.Module], params: set[str]) -> st
 
 
 def style_choices(kind: str, current: str | None) -> list[str]:
-    from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL
+    from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL, ROWWISE_ANY_INPUT
 
     styles = {
         "param": _PARAM_STYLES,
@@ -205,6 +222,8 @@ def style_choices(kind: str, current: str | None) -> list[str]:
         "vectors": (REDUCE_GRAD_ON_ARRIVAL, "replicated_with_grad_allreduce", "replicate"),
         "container": _CONTAINER_STYLES,
     }[kind]
+    if kind == "linear" and current == "rowwise":  # rowwise kept where its input is a slice
+        styles = (ROWWISE_ANY_INPUT, *styles)
     return [s for s in styles if s != current]
 
 
@@ -237,7 +256,7 @@ def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> 
     return list(unique.values())
 
 
-def shard_op_candidates(result: dict, modules: dict[str, nn.Module], plan: dict[str, str]):
+def shard_op_candidates(result: dict, plan: dict[str, str]) -> list[dict]:
     """The overrides an `op_on_shard` diagnosis points at (step 3 of the module docstring)."""
     diagnosis = result.get("diagnosis") or {}
     if diagnosis.get("signature") != "op_on_shard":
@@ -248,12 +267,7 @@ def shard_op_candidates(result: dict, modules: dict[str, nn.Module], plan: dict[
         owner = op["module"]
         if not owner:
             continue  # the model's own code: every rule is inside it
-        key = wildcard(owner)
-        inside = [k for k in plan if k.startswith(key + ".")]
-        ran = set(op.get("in_modules") or [owner])
-        every = {m for m in modules if wildcard(m) == key}
-        if not every <= ran:  # not in every module of the key: those where it ran on a shard
-            inside = [m + k[len(key) :] for m in sorted(ran) for k in inside]
+        inside = [k for k in plan if k.startswith(wildcard(owner) + ".")]
         if op["kind"] == "reduction" and inside:
             out.append(dict.fromkeys(inside, "replicate"))
         elif op["kind"] == "split":
@@ -364,7 +378,7 @@ def _search_space(result: dict, modules: dict, params: set[str], plan: dict[str,
         inside = wildcard(module) + "."  # the rules of the raising module's submodules
         keys += [k for k in plan if k.startswith(inside) and k not in keys]
     kinds = {k: module_kind(k, modules, params) for k in keys}
-    first = shard_op_candidates(result, modules, plan)
+    first = shard_op_candidates(result, plan)
     return keys, first + [c for c in candidates(keys, plan, kinds) if c not in first]
 
 
