@@ -12,7 +12,6 @@ import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
@@ -23,37 +22,14 @@ from tpcheck.checker.rank import shard_ops
 from tpcheck.checker.rank.shard_ops import OpSizes, ShardOps
 from tpcheck.checker.usercode import file_spec, register
 
+from paths import example
+
 SEQ, BATCH, HIDDEN, FFN = 4, 2, 16, 32
 STD_MULTIPLIER = 1.645  # the 95th percentile: most features are cut
 
 
-class _Reduce(torch.autograd.Function):
-    """forward: all-reduce (sum); backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=pg)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _Copy(torch.autograd.Function):
-    """forward: identity; backward: all-reduce of the input's partial gradients."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.pg)
-        return grad, None
+# the column- and row-parallel pair's collectives, as examples/own_module.py writes them
+OWN = example("own_module")
 
 
 class RowParallelLinear(nn.Linear):
@@ -65,7 +41,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x):
         out = super().forward(x)
-        return out if self.pg is None else _Reduce.apply(out, self.pg)
+        return out if self.pg is None else OWN.ReduceFromTP.apply(out, self.pg)
 
 
 class SparseMLP(nn.Module):
@@ -87,7 +63,7 @@ class SparseMLP(nn.Module):
         self.down = RowParallelLinear(ffn, HIDDEN, self.pg, dtype=dtype)
 
     def forward(self, x):
-        h = x if self.pg is None else _Copy.apply(x, self.pg)
+        h = x if self.pg is None else OWN.CopyToTP.apply(x, self.pg)
         if self.packed:
             gate, up = self.gate_up(h).chunk(2, dim=-1)  # split: the packed halves
             gate = F.silu(gate)
