@@ -51,16 +51,18 @@ def test_the_resolved_plan_travels_as_plan_rules():
     assert case.plan_rules["model.layers.0.self_attn.q_proj"] == "colwise"
 
 
+def _results(*runs, timeout: float = 60) -> dict:
+    """{label: result} of (architecture, micro-batches, label) runs at world 2, one step each."""
+    specs = [hf.hf_spec(a, 2, steps=1, micro_batches=n, label=label) for a, n, label in runs]
+    with launcher(timeout) as pool:
+        return {r.spec.label: r.to_json() for r in run_specs(specs, pool)}
+
+
 def test_the_two_documented_defects_are_named_and_pointed_at():
     """qwen3 with two micro-batches: its q_norm gradient under `replicated_with_grad_allreduce` is
     2·G_1 + G_2; sarvam_moe with one micro-batch: its plan has no rule for q_norm, whose partial
     gradient is never reduced. Each names its write-up in docs/findings."""
-    specs = [
-        hf.hf_spec("qwen3", 2, steps=1, micro_batches=2, label="qwen3"),
-        hf.hf_spec("sarvam_moe", 2, steps=1, micro_batches=1, label="sarvam"),
-    ]
-    with launcher(60) as pool:
-        results = {r.spec.label: r.to_json() for r in run_specs(specs, pool)}
+    results = _results(("qwen3", 2, "qwen3"), ("sarvam_moe", 1, "sarvam"))
     qwen3, sarvam = results["qwen3"], results["sarvam"]
     for r in (qwen3, sarvam):
         assert r["verdict"] == "not equivalent", r["summary"]
@@ -81,12 +83,9 @@ def test_an_op_on_a_shard_in_transformers_code_is_named_at_its_line():
     on each rank's colwise shard; inkling2_text: the packed experts' gate_up_proj split by
     `chunk(2)` after a contiguous colwise shard (its experts' output, all-reduced by
     moe_tp_experts, is checked). Each is named at transformers' line and its write-up."""
-    specs = [
-        hf.hf_spec("gemma3n_text", 2, steps=1, micro_batches=1, label="gemma3n"),
-        hf.hf_spec("inkling2_text", 2, steps=1, micro_batches=1, label="inkling2"),
-    ]
-    with launcher(120) as pool:
-        results = {r.spec.label: r.to_json() for r in run_specs(specs, pool)}
+    results = _results(
+        ("gemma3n_text", 1, "gemma3n"), ("inkling2_text", 1, "inkling2"), timeout=120
+    )
     gemma, inkling = results["gemma3n"], results["inkling2/float32-truth"]
     assert gemma["first_divergence"]["name"] == "act:model.layers.0.mlp.down_proj"
     assert inkling["first_divergence"]["name"] == "act:model.layers.0.mlp.experts"
