@@ -300,11 +300,13 @@ def test_an_op_on_a_shard_is_named_where_it_runs_in_the_divergent_output():
     # the parent's mean and its own chunk
     assert [{k: v for k, v in op.items() if k != "in_modules"} for op in experts[1]["ops"]] == ops
     assert "packed_colwise" in mechanisms.op_on_shard(_act("act:model.layers.0.mlp"), ops[1:])[2]
-    # not a sibling's code, a later layer's, or a backward check; the model's output: anywhere
+    # not a sibling's code, a later layer's, or a backward check
     assert mechanisms.op_on_shard(_act("act:model.layers.0.self_attn.o_proj"), ops) is None
     assert mechanisms.op_on_shard(_act("act:model.layers.1.mlp.down_proj"), ops) is None
     assert mechanisms.op_on_shard(_act("actgrad:model.layers.0.mlp", "backward"), ops) is None
-    assert len(mechanisms.op_on_shard(_act("output"), ops)[1]["ops"]) == 2
+    # the model's output: the model's own code only
+    assert mechanisms.op_on_shard(_act("output"), ops) is None
+    assert mechanisms.op_on_shard(_act("output"), [*ops, _op("")])[1]["ops"][0]["module"] == ""
     assert mechanisms.op_on_shard(_act("act:model.layers.0.mlp"), []) is None
 
 

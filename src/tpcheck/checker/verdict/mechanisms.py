@@ -18,7 +18,8 @@ One mechanism of a wrong activation, named from what the ranks noted of the forw
                     module, of a module inside it or of its parent between its children runs an
                     operation that reads a whole dimension (a reduction: mean, std, softmax,
                     top-k; a split: chunk) on a smaller dimension on the TP side than on the dense
-                    side, at the same source line: it runs on each rank's shard of a dimension the
+                    side, at the same source line (for the model's output: in the model's own
+                    code): it runs on each rank's shard of a dimension the
                     plan shards, and computes there something other than its part of the dense
                     result.
 
@@ -163,9 +164,11 @@ def _module_of(first: dict) -> str | None:
 
 def _within(op_module: str, module: str) -> bool:
     """Whether code of `op_module` runs inside `module`'s output: the module itself, a module in it,
-    or its parent's own code (between its children, where a module's input is computed)."""
+    or its parent's own code (between its children, where a module's input is computed). For the
+    model's output, the model's own code only: an operation inside a module whose output passed
+    (or was not checked) is not taken as the cause."""
     if not module:
-        return True
+        return op_module == ""
     return (
         op_module == module
         or op_module.startswith(module + ".")
