@@ -59,22 +59,6 @@ class Finding:
     title: str
 
 
-FINDINGS: tuple[Finding, ...] = (
-    Finding(
-        "grad_accumulation_reduced",
-        lambda ev: ev.get("style") == "replicated_with_grad_allreduce",
-        "docs/findings/hf-replicated-grad-allreduce-accumulation.md",
-        "transformers: replicated_with_grad_allreduce counts early micro-batches world-size times",
-    ),
-    Finding(
-        "no_plan_rule",
-        _transformers_plan,
-        "docs/findings/hf-moe-missing-norm-rules.md",
-        "transformers: a plan with no rule for a replicated weight whose gradient is partial",
-    ),
-)
-
-
 def _op_in(files: tuple[str, ...], ops: frozenset[str]) -> Callable[[dict], bool]:
     """The condition "an operation of `ops` in one of `files` (paths within the installed
     packages) ran on a shard" on an `op_on_shard` diagnosis' evidence."""
@@ -88,7 +72,19 @@ def _op_in(files: tuple[str, ...], ops: frozenset[str]) -> Callable[[dict], bool
     return condition
 
 
-FINDINGS += (
+FINDINGS: tuple[Finding, ...] = (
+    Finding(
+        "grad_accumulation_reduced",
+        lambda ev: ev.get("style") == "replicated_with_grad_allreduce",
+        "docs/findings/hf-replicated-grad-allreduce-accumulation.md",
+        "transformers: replicated_with_grad_allreduce counts early micro-batches world-size times",
+    ),
+    Finding(
+        "no_plan_rule",
+        _transformers_plan,
+        "docs/findings/hf-moe-missing-norm-rules.md",
+        "transformers: a plan with no rule for a replicated weight whose gradient is partial",
+    ),
     Finding(
         "op_on_shard",
         _op_in(("transformers/models/gemma3n/modeling_gemma3n.py",), frozenset({"mean", "std"})),

@@ -534,6 +534,16 @@ def _defined_in(fn) -> str | None:
         return None
 
 
+def readable_path(path: str) -> str:
+    """A source path as people read it: from the installed package's root
+    ('transformers/models/x/modeling_x.py') when it is installed, else `short_path`'s."""
+    slashed = path.replace(os.sep, "/")
+    for where in _INSTALLED:
+        if where in slashed:
+            return slashed.split(where, 1)[1]
+    return short_path(path)
+
+
 def short_path(path: str | None) -> str:
     if not path:
         return "?"

@@ -250,10 +250,7 @@ def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> 
     for kind, members in kinds_keys.items():  # every key of one kind, whatever its current style
         if len(members) > 2 and len({plan.get(k) for k in members}) > 1:
             out += [dict.fromkeys(members, s) for s in style_choices(kind, None)]
-    unique: dict[tuple, dict] = {}
-    for c in out:
-        unique.setdefault(tuple(sorted(c.items())), c)
-    return list(unique.values())
+    return _unique(out)
 
 
 def shard_op_candidates(result: dict, plan: dict[str, str]) -> list[dict]:
@@ -272,8 +269,13 @@ def shard_op_candidates(result: dict, plan: dict[str, str]) -> list[dict]:
             out.append(dict.fromkeys(inside, "replicate"))
         elif op["kind"] == "split":
             out += [{k: "packed_colwise"} for k in inside if plan.get(wildcard(k)) == "colwise"]
+    return _unique(out)
+
+
+def _unique(overrides: list[dict]) -> list[dict]:
+    """Each override once, in first-seen order (the same rules in any order are one)."""
     unique: dict[tuple, dict] = {}
-    for c in out:
+    for c in overrides:
         unique.setdefault(tuple(sorted(c.items())), c)
     return list(unique.values())
 

@@ -24,7 +24,6 @@ vocab-parallel cross-entropy's local max before its all-reduce): the record alon
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpcheck.checker.rank.capture import named_modules
+from tpcheck.checker.usercode import frame_kind
 
 # operation name -> (position of its dimension argument, the input counted, default dimension):
 # the default None means "no dimension given: the whole tensor", which is not recorded
@@ -54,9 +54,6 @@ DIM_ARG: dict[str, tuple[int, int | None]] = {
 SPLITS = frozenset({"chunk", "split", "tensor_split"})
 MAX_RECORDS = 4096  # per side: a bound on what one forward may note
 MAX_SENT = 32  # differing operations a rank sends
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_CHECKER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
@@ -83,12 +80,12 @@ def _dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
 
 
 def _passes_on(frame) -> bool:
-    """Whether `frame` only hands the call on: torch's own code, or another of the checker's
-    function modes (decisions.py's, above this one) calling the model's operation."""
-    path = frame.f_code.co_filename
-    return path.startswith(_TORCH_DIR) or (
-        frame.f_code.co_name == "__torch_function__"
-        and os.path.abspath(path).startswith(_CHECKER_DIR)
+    """Whether `frame` only hands the call on: torch's or Python's own code (usercode's
+    `frame_kind`), or another of tpcheck's function modes (decisions.py's, above this one) calling
+    the model's operation."""
+    kind = frame_kind(frame.f_code.co_filename)
+    return kind in ("torch", "python") or (
+        kind == "tpcheck" and frame.f_code.co_name == "__torch_function__"
     )
 
 
@@ -123,8 +120,8 @@ class OpSizes(TorchFunctionMode):
         frame = sys._getframe(2)
         while frame is not None and _passes_on(frame):
             frame = frame.f_back
-        if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_CHECKER_DIR):
-            return  # the checker's own arithmetic (its capture hooks), not the model's
+        if frame is None or frame_kind(frame.f_code.co_filename) == "tpcheck":
+            return  # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
         at = (frame.f_code.co_filename, frame.f_lineno)
         module = ""
         while frame is not None:

@@ -18,7 +18,7 @@ import re
 
 from tpcheck.checker.case import CaseSpec
 from tpcheck.checker.payload import ledger_diff
-from tpcheck.checker.usercode import frame_kind, short_path
+from tpcheck.checker.usercode import frame_kind, readable_path
 from tpcheck.checker.verdict.hangs import describe, hang_details, hang_summary
 from tpcheck.checker.vocabulary import Verdict
 
@@ -145,12 +145,7 @@ def raised_in(tb: str) -> str | None:
                 if i + 1 < len(lines) and not _FRAME.match(lines[i + 1])
                 else ""
             )
-            path = (
-                m["path"].split("site-packages/", 1)[-1]
-                if "site-packages/" in m["path"]
-                else short_path(m["path"])
-            )
-            where = f"{path}:{m['line']} in {m['func']}"
+            where = f"{readable_path(m['path'])}:{m['line']} in {m['func']}"
             return f"{where}: {source}" if source else where
     return None
 

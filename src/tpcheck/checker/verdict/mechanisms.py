@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpcheck.checker.usercode import readable_path
+
 GRAD_ACCUMULATION_REDUCED = "grad_accumulation_reduced"
 NO_PLAN_RULE = "no_plan_rule"
 OP_ON_SHARD = "op_on_shard"
@@ -177,12 +179,10 @@ def _within(op_module: str, module: str) -> bool:
 
 
 def source_line(at: str) -> str:
-    """A source location as people read it: from the installed package's root
-    ('transformers/models/x/modeling_x.py:970'), else as given."""
-    for root in ("site-packages", "dist-packages"):
-        if f"{root}/" in at:
-            return at.split(f"{root}/", 1)[1]
-    return at
+    """'path:line' as people read it ('transformers/models/x/modeling_x.py:970'): usercode's
+    `readable_path`."""
+    path, _, line = at.rpartition(":")
+    return f"{readable_path(path)}:{line}"
 
 
 def _op_words(op: dict) -> str:
@@ -223,7 +223,7 @@ def op_on_shard(first: dict, ops: list[dict]) -> tuple | None:
     ]
     if not found:
         return None
-    cause = f"{_op_words(found[0])}"
+    cause = _op_words(found[0])
     if len(found) > 1:
         more = ", ".join(f"{op['op']} at {source_line(op['at'])}" for op in found[1:4])
         cause += f"; also {more}" + (" ..." if len(found) > 4 else "")
