@@ -201,7 +201,7 @@ PROFILED = {
     "maxdiff": "  of which maxdiff",
     "calibrated": "  of which tolerance.calibrated",
     "isfinite": "  of which isfinite checks",
-    "_build": "Engine._build (build, copy, load)",
+    "_build": "sides._build (build, copy, load)",
     "step": "optimizer steps (3 models)",
     "flush_replicas": "flush_replicas",
 }

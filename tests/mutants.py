@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from tpcheck.checker.rank import sides, tolerance
+from tpcheck.checker.rank import passes, tolerance
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.verdict import result as result_module
 
@@ -14,8 +14,8 @@ def records_zero(monkeypatch):
     """compare records an error of 0, whatever it measured."""
     record = Comparator._record
 
-    def zero(self, stage, step, name, error, bound, placement, control=False):
-        return record(self, stage, step, name, 0.0, bound, placement, control)
+    def zero(self, stage, step, check_id, error, bound, placement):
+        return record(self, stage, step, check_id, 0.0, bound, placement)
 
     monkeypatch.setattr(Comparator, "_record", zero)
 
@@ -52,8 +52,8 @@ def steps_after_first_dropped(monkeypatch):
     """The checks of steps > 1 are dropped as recorded (a loop that compares its first step)."""
     record = Comparator._record
 
-    def first_step_only(self, stage, step, name, error, bound, placement, control=False):
-        check = record(self, stage, step, name, error, bound, placement, control)
+    def first_step_only(self, stage, step, check_id, error, bound, placement):
+        check = record(self, stage, step, check_id, error, bound, placement)
         if step > 1:
             self.checks.pop()
         return check
@@ -112,4 +112,4 @@ def floor_16bit_times_64(monkeypatch):
 def activations_not_compared(monkeypatch):
     """The TP side's captured module outputs are dropped: the plan's activations never compared
     (the first divergence is then placed at the output, not at the module that made it)."""
-    monkeypatch.setattr(sides.TPActivations, "__call__", lambda self, stage, name, t: None)
+    monkeypatch.setattr(passes.TPActivations, "__call__", lambda self, stage, name, t: None)

@@ -1,6 +1,7 @@
-"""The checker stays readable: no function or method in `tpcheck.checker` over 60 lines, and the
-engine (`Engine` in checker/rank/engine.py) over 450 -- it is the step loop; what it calls lives in
-the modules beside it (discover.py, rng.py, applied_on.py, evidence.py, compare.py, ...).
+"""The code stays readable: no module of src/tpcheck over 600 lines, no function or method in
+`tpcheck.checker` over 60 lines, and the engine (`Engine` in checker/rank/engine.py) not over 300:
+it is the step loop over stages, each a module beside it that receives the case's `Sides`
+(sides.py) and never the engine (the layering test's rule 5).
 
 Read from source with `ast` (nothing is imported). A function's length is `end_lineno - lineno + 1`
 of its `def` (decorators excluded, its docstring, comments and nested functions included); a class's
@@ -17,8 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 CHECKER = REPO / "src" / "tpcheck" / "checker"
 ENGINE = CHECKER / "rank" / "engine.py"
 
+SRC = REPO / "src" / "tpcheck"
+
 MAX_FUNCTION = 60
-MAX_ENGINE = 450
+MAX_ENGINE = 300
+MAX_MODULE = 600  # a module over this does more than one job: split it by job
 
 
 def _length(node: ast.AST) -> int:
@@ -36,6 +40,16 @@ def long_functions(root: Path, limit: int = MAX_FUNCTION) -> list[str]:
                     f"{path.relative_to(root.parent)}:{node.lineno} {node.name} "
                     f"({_length(node)} lines)"
                 )
+    return out
+
+
+def long_modules(root: Path, limit: int = MAX_MODULE) -> list[str]:
+    """Every .py file under `root` of more than `limit` lines, as "path (N lines)", path relative
+    to `root`'s parent."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        if (n := len(path.read_text().splitlines())) > limit:
+            out.append(f"{path.relative_to(root.parent)} ({n} lines)")
     return out
 
 
@@ -63,7 +77,14 @@ def test_no_function_in_the_checker_is_over_60_lines():
     )
 
 
-def test_the_engine_is_the_step_loop_at_most_450_lines():
+def test_no_source_module_is_over_600_lines():
+    offenders = long_modules(SRC)
+    assert not offenders, f"modules over {MAX_MODULE} lines (split them by job):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_engine_is_the_step_loop_at_most_300_lines():
     offender = long_class(ENGINE, "Engine", MAX_ENGINE)
     assert offender is None, (
         f"{offender}: over {MAX_ENGINE} lines; move what it calls into a module beside it"
@@ -101,6 +122,14 @@ def test_a_long_method_or_nested_function_is_reported_and_decorators_do_not_coun
         "fake/nested.py:1 outer (63 lines)",
         "fake/nested.py:2 inner (61 lines)",
     ]
+
+
+def test_a_601_line_module_is_reported(tmp_path):
+    pkg = tmp_path / "fake"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "ok.py").write_text("x = 1\n" * 600)
+    (pkg / "sub" / "long.py").write_text("x = 1\n" * 601)
+    assert long_modules(pkg) == ["fake/sub/long.py (601 lines)"]
 
 
 def test_a_long_class_is_reported_and_a_missing_one_too(tmp_path):

@@ -1,8 +1,9 @@
 """The layering of the `tpcheck` package, read from source with `ast` (nothing is imported).
 
 The reader (`read_imports`) takes every `import` / `from ... import` statement anywhere in a module:
-module level, function- and class-local, under `try`/`with`/`if`; it resolves relative imports and
-drops those in the body of `if TYPE_CHECKING:` (they never run; the `else:` branch does). An edge
+module level, function- and class-local, under `try`/`with`/`if`, the body of `if TYPE_CHECKING:`
+included (an import for annotations only is still a dependency a reader follows: a circle hidden
+there is a circle); it resolves relative imports. An edge
 goes to the module an import names: `from a.b import c` goes to `a.b.c` when that is a module of the
 package, else to `a.b`. The parent packages a runtime import also initialises (`import a.b.c` runs
 `a/__init__` and `a/b/__init__`) are not edges: every module would otherwise be in a cycle with its
@@ -11,15 +12,17 @@ own package `__init__`.
 Rules on the real package:
 1. the library half (`tpcheck.parallel.*`, `tpcheck.plan`, `tpcheck.models.*`) imports only itself
    and `tpcheck.errors`;
-2. `tpcheck.checker.*` imports none of the layers above it (blocks, faults, resolve, cli, seed,
-   adapters, report, pytest_plugin);
+2. `tpcheck.checker.*` imports none of the layers above it (blocks, faults, resolve, cli,
+   seed_compat, adapters, report, pytest_plugin);
 2b. the checker's three rooms (`tpcheck.checker.pool`, `.rank`, `.verdict`): `rank` (one case on one
    rank) imports neither `pool` nor `verdict`; `verdict` (payloads to a result, in the parent)
    imports no `pool`; `pool` (processes) imports no comparison module: of `rank`, only its entry
    point (`engine.run_case_on_rank`) and the collective tap (`ledger`);
 3. collapsed to sub-packages (`tpcheck.checker`, ...; a top-level module is its own node; `tpcheck`
    is the package `__init__`), the import graph is acyclic;
-4. module by module, the import graph is acyclic.
+4. module by module, the import graph is acyclic;
+5. no module of `tpcheck.checker.rank` but the engine imports the engine (`checker/rank/engine.py`
+   is the step loop over stages; a stage receives the case's `Sides`, never the engine).
 The tests below those check the reader and the cycle finder on fake packages written to tmp_path.
 """
 
@@ -42,7 +45,7 @@ CHECK_MUST_NOT_IMPORT = {
     "tpcheck.faults",
     "tpcheck.resolve",
     "tpcheck.cli",
-    "tpcheck.seed",
+    "tpcheck.seed_compat",
     "tpcheck.adapters",
     "tpcheck.report",
     "tpcheck.pytest_plugin",
@@ -76,24 +79,10 @@ def package_modules(src_root: Path, package: str) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 class _Collector(ast.NodeVisitor):
     def __init__(self) -> None:
         # (line, level, module, names)
         self.found: list[tuple[int, int, str | None, list[str]]] = []
-
-    def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):  # the body never runs; the else branch does
-            self.visit(node.test)
-            for stmt in node.orelse:
-                self.visit(stmt)
-        else:
-            self.generic_visit(node)
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -298,6 +287,19 @@ def room_violations(edges: list[Import], checker: str) -> list[tuple[Import, str
     return bad
 
 
+ENGINE = "engine"
+
+
+def engine_importers(edges: list[Import], checker: str) -> list[Import]:
+    """Imports of the rank room's engine by any other module of the rank room."""
+    engine = f"{checker}.rank.{ENGINE}"
+    return [
+        e
+        for e in edges
+        if e.dst == engine and e.src != engine and room_of(e.src, checker) == "rank"
+    ]
+
+
 def format_imports(edges: list[Import]) -> str:
     return "\n".join(f"  {e.where()}: {e.src} imports {e.dst}" for e in edges)
 
@@ -338,6 +340,14 @@ def test_checker_rooms_import_as_the_rules_say():
     bad = room_violations(_real_edges(), "tpcheck.checker")
     assert not bad, "the checker's rooms import across their rules:\n" + "\n".join(
         f"  {e.where()}: {e.src} imports {e.dst} ({why})" for e, why in bad
+    )
+
+
+def test_no_stage_imports_the_engine():
+    bad = engine_importers(_real_edges(), "tpcheck.checker")
+    assert not bad, (
+        "a stage of checker/rank receives the case's Sides (sides.py), never the engine; "
+        f"{len(bad)} import(s) of the engine:\n{format_imports(bad)}"
     )
 
 
@@ -432,7 +442,9 @@ def test_reader_finds_function_local_relative_and_conditional_imports(tmp_path):
     edges = read_imports(src, "fake")
     assert _pairs(edges) == {
         ("fake", "fake.core"),  # relative import in a package __init__
-        ("fake.core", "fake.other"),  # the else branch of `if TYPE_CHECKING:` runs
+        ("fake.core", "fake.other"),  # the else branch of `if TYPE_CHECKING:`
+        ("fake.core", "fake.hinted"),  # the body of `if TYPE_CHECKING:`: an edge too
+        ("fake.core", "fake.hinted2"),  # ... under `typing.TYPE_CHECKING` as well
         ("fake.core", "fake.util"),  # function-local relative import
         ("fake.core", "fake.classlocal"),  # class-body import
         ("fake.core", "fake.opt.mod"),  # under try, `import ... as`
@@ -446,9 +458,8 @@ def test_reader_finds_function_local_relative_and_conditional_imports(tmp_path):
         ("fake.sub.leaf", "fake.sub"),  # `from fake.sub import *`
         ("fake.sub.leaf", "fake.core"),  # absolute import in a nested function
     }
-    # TYPE_CHECKING imports (plain name and typing.TYPE_CHECKING)
-    # and outside imports (os, typing) are not edges.
-    assert not {d for _, d in _pairs(edges)} & {"fake.hinted", "fake.hinted2", "os", "typing"}
+    # outside imports (os, typing) are not edges
+    assert not {d for _, d in _pairs(edges)} & {"os", "typing"}
     # Each edge carries the file and line of the import statement.
     (local,) = [e for e in edges if (e.src, e.dst) == ("fake.core", "fake.util")]
     assert (src / "fake/core.py").read_text().splitlines()[
@@ -492,7 +503,9 @@ def test_cycle_finder_reports_a_function_local_cycle_with_file_and_line(tmp_path
     assert "src/cyc/a.py:1" in text and "src/cyc/b.py:1" in text and "src/cyc/c.py:4" in text
 
 
-def test_cycle_finder_ignores_a_type_checking_back_edge(tmp_path):
+def test_cycle_finder_reports_a_type_checking_back_edge(tmp_path):
+    """Mutant of the old reader, which dropped annotation-only imports: the circle a -> b -> a
+    closed under `if TYPE_CHECKING:` is reported, at the line of the hidden import."""
     src = _write_package(
         tmp_path,
         {
@@ -503,7 +516,37 @@ def test_cycle_finder_ignores_a_type_checking_back_edge(tmp_path):
             ),
         },
     )
-    assert find_cycles(read_imports(src, "acyc")) == []
+    (cycle,) = find_cycles(read_imports(src, "acyc"))
+    assert cycle.nodes == ("acyc.a", "acyc.b")
+    assert "src/acyc/b.py:3" in format_cycle(cycle)
+
+
+def test_a_stage_importing_the_engine_is_reported_even_for_annotations(tmp_path):
+    """Rule 5 on a fake checker: a stage that imports the engine (at run time, or only for its
+    annotations, under TYPE_CHECKING) is reported; the engine importing its stages, a stage
+    importing another stage, and a module outside the rank room importing the engine are not."""
+    src = _write_package(
+        tmp_path,
+        {
+            "fk/__init__.py": "",
+            "fk/checker/__init__.py": "",
+            "fk/checker/api.py": "from fk.checker.rank.engine import run\n",
+            "fk/checker/rank/__init__.py": "",
+            "fk/checker/rank/engine.py": "from fk.checker.rank import stage, hinted, sides\n",
+            "fk/checker/rank/sides.py": "",
+            "fk/checker/rank/stage.py": "from fk.checker.rank.sides import Sides\n",
+            "fk/checker/rank/hinted.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from fk.checker.rank.engine import Engine\n"
+            ),
+            "fk/checker/rank/direct.py": "def f(e):\n    from fk.checker.rank import engine\n",
+        },
+    )
+    bad = engine_importers(read_imports(src, "fk"), "fk.checker")
+    assert [(e.src, e.where()) for e in bad] == [
+        ("fk.checker.rank.direct", "src/fk/checker/rank/direct.py:2"),
+        ("fk.checker.rank.hinted", "src/fk/checker/rank/hinted.py:3"),
+    ]
 
 
 def test_cycle_finder_reports_each_strongly_connected_component(tmp_path):

@@ -1,10 +1,32 @@
 """Placements are pure indexing; unshard(shard(x)) == x for every placement and world size."""
 
+import math
+
 import pytest
 import torch
 
 from tpcheck.errors import UsageError
-from tpcheck.plan import AppliedOnRank, Fused, OnRank, Plan, Replicate, Shard, unshard, validate
+from tpcheck.plan import AppliedOnRank, Fused, OnRank, Placement, Plan, Replicate, Shard, validate
+
+
+def unshard(
+    placement: Placement, locals_: list[torch.Tensor], shape: tuple[int, ...]
+) -> tuple[torch.Tensor, float]:
+    """Reassemble rank-local tensors into the dense tensor. Returns (dense, replica_spread): the max
+    abs difference between copies of one element held by several ranks (0.0 when
+    they agree bitwise)."""
+    world = len(locals_)
+    flat = torch.full((math.prod(shape),), float("nan"), dtype=torch.float64)
+    lo = torch.full_like(flat, float("inf"))
+    hi = torch.full_like(flat, float("-inf"))
+    for rank, local in enumerate(locals_):
+        idx = placement.index_map(shape, rank, world).reshape(-1)
+        vals = local.detach().reshape(-1).to(torch.float64)
+        flat[idx] = vals
+        lo[idx] = torch.minimum(lo[idx], vals)
+        hi[idx] = torch.maximum(hi[idx], vals)
+    spread = (hi - lo).nan_to_num(nan=float("inf"))
+    return flat.reshape(shape), float(spread.max()) if spread.numel() else 0.0
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6])

@@ -2,7 +2,8 @@
 
 from tpcheck._version import __version__
 from tpcheck.api import check, exit_code
-from tpcheck.checker.case import Case, CaseSpec, Injection, RunSettings
+from tpcheck.checker.case import Case, CaseSpec, Injection
+from tpcheck.checker.settings import RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import AppliedOnRank, Fused, OnRank, Placement, Plan, Replicate, Shard

@@ -3,11 +3,11 @@
 A plan maps every dense parameter name to a `Placement`: how that tensor lives on the ranks. A
 placement is one pure function, `shard(dense, rank, world) -> local`, made only of indexing (no
 arithmetic). Everything else is derived from it by applying `shard` to a tensor of flat indices
-(`arange`): which dense elements rank r holds (`index_map`), the reassembly of rank-local tensors
-into the dense one (`unshard`), the check that the plan covers every element (`validate`; plain
-shards and replicas cover by construction), and which elements several ranks must hold identically
-(replicas). So building TP weights from dense ones and reassembling TP gradients for comparison use
-one source of truth, and a user placement needs only `shard`.
+(`arange`): which dense elements rank r holds (`index_map`), the check that the plan covers every
+element (`validate`; plain shards and replicas cover by construction), and which elements several
+ranks must hold identically (replicas: `copies`). So building TP weights from dense ones and the
+dense reference each rank's tensors are compared with (its shard of the dense tensor) use one
+source of truth, and a user placement needs only `shard`.
 
 Conventions: weights as torch stores them, `[out, in]`; column-parallel shards dim 0 of the weight,
 row-parallel dim 1; activations `[seq, batch, hidden]`, sequence parallelism shards dim 0.
@@ -260,26 +260,6 @@ def _copies(placement: Placement, shape: tuple[int, ...], world: int) -> torch.T
         idx = placement.index_map(shape, r, world).reshape(-1)
         held.index_add_(0, idx, torch.ones_like(idx))
     return held if bool((held > 1).any()) else None
-
-
-def unshard(
-    placement: Placement, locals_: list[torch.Tensor], shape: tuple[int, ...]
-) -> tuple[torch.Tensor, float]:
-    """Reassemble rank-local tensors into the dense tensor. Returns (dense, replica_spread): the max
-    abs difference between copies of one element held by several ranks (0.0 when
-    they agree bitwise)."""
-    world = len(locals_)
-    flat = torch.full((math.prod(shape),), float("nan"), dtype=torch.float64)
-    lo = torch.full_like(flat, float("inf"))
-    hi = torch.full_like(flat, float("-inf"))
-    for rank, local in enumerate(locals_):
-        idx = placement.index_map(shape, rank, world).reshape(-1)
-        vals = local.detach().reshape(-1).to(torch.float64)
-        flat[idx] = vals
-        lo[idx] = torch.minimum(lo[idx], vals)
-        hi[idx] = torch.maximum(hi[idx], vals)
-    spread = (hi - lo).nan_to_num(nan=float("inf"))
-    return flat.reshape(shape), float(spread.max()) if spread.numel() else 0.0
 
 
 def validate(placement: Placement, shape: tuple[int, ...], world: int, what: str) -> None:

@@ -5,7 +5,7 @@
         tpcheck.verify("path/to/case.py:NAME", world_sizes=[2])  # or a case file, or a CaseSpec
 
 A Case holds lambdas and cannot be pickled to the rank processes; it does not need to be: `verify`
-registers it in this process (`tpcheck.checker.usercode.register`) before the rank pool is forked,
+registers it in this process (`tpcheck.checker.casefile.register`) before the rank pool is forked,
 and the ranks, forked copies of this process, look it up by id (`CaseSpec(block="registered:ID")`).
 
 A check that does not go as expected fails the test with the verdict and the diagnosis (first
@@ -54,7 +54,7 @@ class TPCheckFixture:
         __tracebackhide__ = True
         from tpcheck.api import check
         from tpcheck.checker.case import RUN_FIELDS, Case, CaseSpec
-        from tpcheck.checker.usercode import file_spec, register
+        from tpcheck.checker.casefile import file_spec, register
         from tpcheck.errors import UsageError
 
         if expect is not None and expect not in EXPECTS:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from tpcheck.blocks import BLOCKS, config_for
 from tpcheck.checker.case import Case, CaseSpec
+from tpcheck.checker.casefile import HF_PREFIX, build_user_case, is_user_block
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, Launcher, TorchrunLauncher
-from tpcheck.checker.usercode import HF_PREFIX, build_user_case, is_user_block
 from tpcheck.errors import UsageError
 from tpcheck.faults import CATALOGUE, apply_fault, check_applies
 

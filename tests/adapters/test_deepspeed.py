@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.casefile import file_spec
 
 from paths import REPO
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.casefile import file_spec
 from tpcheck.plan import Replicate, Shard
 
 from paths import REPO
@@ -79,7 +79,7 @@ def test_dropout_in_a_dtensor_plan_replicated_region_passes_sequence_shards_are_
 
     import dtensor_llama as L
     from tpcheck import CaseSpec, RunSettings
-    from tpcheck.checker.usercode import register
+    from tpcheck.checker.casefile import register
 
     class Block(L.Block):
         def __init__(self, dtype=None):

@@ -16,6 +16,15 @@ transformers = pytest.importorskip(
     "transformers", reason="the extra tpcheck[transformers] is not installed"
 )
 from tpcheck.adapters import transformers as hf  # noqa: E402
+from tpcheck.adapters.transformers import (  # noqa: E402
+    build,
+    common,
+    configs,
+    probe,
+    reduction,
+    sweep,
+)
+from tpcheck.adapters.transformers import inputs as hf_inputs  # noqa: E402
 from tpcheck.checker.pool.session import run_specs  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
@@ -108,7 +117,9 @@ def test_a_prefix_cut_scales_the_other_layer_counts_to_the_kept_depth():
 
 def test_fallbacks_cut_to_a_prefix_holding_every_layer_kind():
     types = ["sliding_attention"] * 4 + ["full_attention"]
-    prefixes = [o["prefix"] for o in hf._fallbacks({"layer_types": types * 7}) if "prefix" in o]
+    prefixes = [
+        o["prefix"] for o in configs._fallbacks({"layer_types": types * 7}) if "prefix" in o
+    ]
     assert prefixes[0] == 5 and prefixes[-1] == 16
 
 
@@ -126,9 +137,9 @@ def test_sub_configs_are_reduced_by_the_same_rules():
 
 
 def test_a_field_the_config_lacks_gets_the_rules_value():
-    assert hf._missing_value("dropout_rate", 2) == 0.0
-    assert hf._missing_value("shared_expert_intermediate_size", 2) == 32
-    assert hf._missing_value("something_else", 2) is None
+    assert configs._missing_value("dropout_rate", 2) == 0.0
+    assert configs._missing_value("shared_expert_intermediate_size", 2) == 32
+    assert configs._missing_value("something_else", 2) is None
 
 
 @pytest.mark.parametrize(
@@ -181,9 +192,9 @@ class Toy(nn.Module):
 
 
 def test_the_module_that_runs_only_in_float32_is_found_by_running(monkeypatch):
-    monkeypatch.setattr(hf, "wrap", lambda model, kind: model)
+    monkeypatch.setattr(probe, "wrap", lambda model, kind: model)
     model = Toy()
-    assert hf._float32_pinned(model, hf.HIDDEN, "cpu") == ("router",)
+    assert probe._float32_pinned(model, hf.HIDDEN, "cpu") == ("router",)
     assert model.router.weight.dtype == torch.float32  # left as found
 
 
@@ -230,7 +241,7 @@ def test_the_hidden_state_loss_reaches_every_parameter(model_type):
 def test_a_loss_that_misses_a_parameter_is_caught(monkeypatch):
     """The mutant: a loss on one hidden feature only (the final norm's other gains get no
     gradient): the test above would fail on it."""
-    monkeypatch.setattr(hf, "hidden_loss", lambda h, t: (h[..., 0] - t[..., 0]).pow(2).mean())
+    monkeypatch.setattr(sweep, "hidden_loss", lambda h, t: (h[..., 0] - t[..., 0]).pow(2).mean())
     case = hf.hf_case(hf.hf_spec("eurobert", 2))
     assert "norm.weight" in unreached(case)
 
@@ -277,9 +288,9 @@ def test_audio_codebooks_and_leading_dense_layers_shrink_by_name():
 
 def test_the_kinds_of_a_layer_pattern_are_read_from_the_modeling_code():
     lfm2 = transformers.Lfm2MoeConfig
-    assert hf._layer_kinds(lfm2)["layer_types"] == ["full_attention", "conv"]
-    ocr2 = hf.CONFIG_MAPPING["deepseek_ocr2_text"]
-    assert hf._layer_kinds(ocr2)["mlp_layer_types"] == ["sparse"]
+    assert reduction._layer_kinds(lfm2)["layer_types"] == ["full_attention", "conv"]
+    ocr2 = common.CONFIG_MAPPING["deepseek_ocr2_text"]
+    assert reduction._layer_kinds(ocr2)["mlp_layer_types"] == ["sparse"]
 
 
 def test_a_none_layer_pattern_gets_one_layer_of_each_kind_only_in_the_fallback():
@@ -315,7 +326,7 @@ def test_a_value_a_validator_requires_is_set():
             if self.kv_heads != 1:
                 raise ValueError("QSA requires kv_heads=1.")
 
-    assert hf._validated(Config, {"kv_heads": 4}).kv_heads == 1
+    assert configs._validated(Config, {"kv_heads": 4}).kv_heads == 1
 
     @dataclass
     class Stubborn(Config):
@@ -323,7 +334,7 @@ def test_a_value_a_validator_requires_is_set():
             raise ValueError("QSA requires kv_heads=1.")
 
     with pytest.raises(hf.Skip, match="requires kv_heads=1"):
-        hf._validated(Stubborn, {"kv_heads": 4})
+        configs._validated(Stubborn, {"kv_heads": 4})
 
 
 def test_a_sum_a_validator_states_is_set_from_the_reduced_terms():
@@ -343,9 +354,10 @@ def test_a_sum_a_validator_states_is_set_from_the_reduced_terms():
             if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
                 raise ValueError("SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim")
 
-    made = hf._validated(Config, {"head_dim": 16, "qk_nope_head_dim": 8})
+    made = configs._validated(Config, {"head_dim": 16, "qk_nope_head_dim": 8})
     assert made.head_dim == 8 + 64
-    assert hf._required(Config, {}, "head_dim must equal name + qk_rope_head_dim") == (None, None)
+    stated = configs._required(Config, {}, "head_dim must equal name + qk_rope_head_dim")
+    assert stated == (None, None)
     prep = hf.prepare("dots3_note_text", 2)
     cfg = prep.config
     assert cfg.head_dim == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -365,8 +377,8 @@ def test_sections_left_to_the_model_keep_height_and_width_equal():
 def test_a_vision_encoder_is_run_from_pixels_of_its_config_s_image_size():
     choice = hf.model_class("llama4_vision_model")
     assert choice.kind == hf.HIDDEN and choice.cls.__name__ == "Llama4VisionModel"
-    cfg = hf.CONFIG_MAPPING["llama4_vision_model"]()
-    (inputs,) = hf._input_sets(choice.cls, cfg)
+    cfg = common.CONFIG_MAPPING["llama4_vision_model"]()
+    (inputs,) = hf_inputs._input_sets(choice.cls, cfg)
     assert inputs == (("pixel_values", (hf.BATCH, 3, 448, 448), "float"),)
 
 
@@ -379,7 +391,7 @@ def test_an_encoder_needing_metadata_is_skipped_naming_that_input():
 
 def test_token_ids_come_first_then_embeddings_then_encoder_states():
     cls = hf.model_class("t5gemma2_decoder").cls
-    sets = hf._input_sets(cls, hf.small_config("t5gemma2_decoder", 2))
+    sets = hf_inputs._input_sets(cls, hf.small_config("t5gemma2_decoder", 2))
     names = [tuple(n for n, _, _ in s) for s in sets]
     assert names == [
         ("input_ids",),
@@ -417,7 +429,7 @@ def test_token_id_batches_draw_what_they_drew_before():
 
 def test_a_head_registered_as_the_base_model_is_seen_through_its_first_output():
     out = transformers.modeling_outputs.CausalLMOutputWithPast(logits=torch.ones(2, 8, 4))
-    assert hf._last_hidden_state(out).shape == (2, 8, 4)
+    assert build._last_hidden_state(out).shape == (2, 8, 4)
 
 
 def test_the_hidden_state_loss_reaches_every_parameter_from_embeddings():

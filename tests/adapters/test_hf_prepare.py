@@ -16,6 +16,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the extra tpcheck[transformers] is not installed"
 )
 from tpcheck.adapters import transformers as hf  # noqa: E402
+from tpcheck.adapters.transformers import sweep  # noqa: E402
 from tpcheck.checker.pool import spawn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -51,7 +52,7 @@ def _outcome(name: str):
 def two_cpus(monkeypatch):
     """A fresh cache, and two CPUs for the forks (a pytest parent gets one: `spawn._cpus`; the
     workers prepare on one thread each, as every `prepare` does)."""
-    monkeypatch.setattr(hf, "_PREPARED", {})
+    monkeypatch.setattr(sweep, "_PREPARED", {})
     monkeypatch.setattr(spawn, "_cpus", lambda: (2, 1))
 
 
@@ -59,10 +60,10 @@ def test_the_workers_outcomes_are_preparations_one_at_a_time(two_cpus, monkeypat
     hf.prepare_all(NAMES, 2)
     keys = {(n, 2, ()) for n in NAMES}
     # every one in the cache: this process's share and the worker's, none left for later
-    assert keys <= set(hf._PREPARED)
-    assert isinstance(hf._PREPARED[("llama4_vision_model", 2, ())], hf.Skip)
+    assert keys <= set(sweep._PREPARED)
+    assert isinstance(sweep._PREPARED[("llama4_vision_model", 2, ())], hf.Skip)
     together = {n: _outcome(n) for n in NAMES}
-    monkeypatch.setattr(hf, "_PREPARED", {})
+    monkeypatch.setattr(sweep, "_PREPARED", {})
     alone = {n: _outcome(n) for n in NAMES}
     assert together == alone
     assert together["llama4_vision_model"][0] == "skip"
@@ -72,18 +73,18 @@ def test_the_workers_outcomes_are_preparations_one_at_a_time(two_cpus, monkeypat
 def test_a_worker_that_dies_leaves_its_share_to_prepare(two_cpus, monkeypatch):
     """Mutant of the worker: it dies before sending. Its share is not in the cache, and `prepare`
     still gives each of them (no hang, no missing outcome)."""
-    monkeypatch.setattr(hf, "_prepare_share", lambda share, conn, parent: os._exit(1))
+    monkeypatch.setattr(sweep, "_prepare_share", lambda share, conn, parent: os._exit(1))
     hf.prepare_all(NAMES, 2)
-    missing = [n for n in NAMES if (n, 2, ()) not in hf._PREPARED]
+    missing = [n for n in NAMES if (n, 2, ()) not in sweep._PREPARED]
     assert missing == NAMES[1::2]  # the worker's share: every second one
     assert _outcome("qwen3")[0] == "qwen3"
 
 
 def test_one_cpu_or_a_few_architectures_fork_nothing(monkeypatch):
-    monkeypatch.setattr(hf, "_PREPARED", {})
-    monkeypatch.setattr(hf, "_prepare_share", lambda *a: pytest.fail("forked a worker"))
+    monkeypatch.setattr(sweep, "_PREPARED", {})
+    monkeypatch.setattr(sweep, "_prepare_share", lambda *a: pytest.fail("forked a worker"))
     monkeypatch.setattr(spawn, "_cpus", lambda: (1, 1))
     hf.prepare_all(NAMES, 2)
     monkeypatch.setattr(spawn, "_cpus", lambda: (2, 1))
     hf.prepare_all(NAMES[:10], 2)
-    assert not hf._PREPARED
+    assert not sweep._PREPARED

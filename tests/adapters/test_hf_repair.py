@@ -1,5 +1,5 @@
-"""`tpcheck hf ARCH --repair` (tpcheck.repair.plan): from a failed check of transformers' plan to a
-rule override verified by the full check, or the statement that no plan change fixes it.
+"""`tpcheck hf ARCH --repair` (tpcheck.repair.rule_override): from a failed check of transformers'
+plan to a rule override verified by the full check, or the statement that no plan change fixes it.
 
 Needs the extra `tpcheck[transformers]` (transformers==5.24.0): skipped with the reason without it.
 """
@@ -19,7 +19,7 @@ transformers = pytest.importorskip(
 )
 from tpcheck.adapters import transformers as hf  # noqa: E402
 from tpcheck.checker.pool.session import run_specs  # noqa: E402
-from tpcheck.repair import plan  # noqa: E402
+from tpcheck.repair import rule_override  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -60,8 +60,8 @@ def test_tpchecks_style_is_registered_in_transformers():
 
     assert ARRIVAL in ALL_PARALLEL_STYLES and "tpcheck_rowwise_any_input" in ALL_PARALLEL_STYLES
     # a rowwise key gets the any-input style first (rowwise kept where the input is a slice)
-    assert plan.style_choices("linear", "rowwise")[0] == "tpcheck_rowwise_any_input"
-    assert "tpcheck_rowwise_any_input" not in plan.style_choices("linear", "colwise")
+    assert rule_override.style_choices("linear", "rowwise")[0] == "tpcheck_rowwise_any_input"
+    assert "tpcheck_rowwise_any_input" not in rule_override.style_choices("linear", "colwise")
     # a plan naming it resolves (transformers validates every style name)
     assert (
         hf.prepare("qwen3", 2, {Q: ARRIVAL}).tp_plan["model.layers.0.self_attn.q_norm"] == ARRIVAL
@@ -78,22 +78,22 @@ def test_the_failed_checks_name_the_plan_keys_and_the_candidates_smallest_first(
             "act:model.layers.0.mlp.down_proj": True,
         },
     )
-    failing = plan.failing_modules(result, modules, params)
+    failing = rule_override.failing_modules(result, modules, params)
     assert failing == ["model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm"]
-    keys = plan.covering_keys(failing, meta.tp_plan)
+    keys = rule_override.covering_keys(failing, meta.tp_plan)
     assert keys == [Q, K]
-    kinds = {k: plan.module_kind(k, modules, params) for k in keys}
+    kinds = {k: rule_override.module_kind(k, modules, params) for k in keys}
     assert kinds == {Q: "vectors", K: "vectors"}
-    todo = plan.candidates(keys, meta.tp_plan, kinds)
+    todo = rule_override.candidates(keys, meta.tp_plan, kinds)
     assert all(len(c) == 1 for c in todo[:4]) and todo[:2] == [{Q: ARRIVAL}, {Q: "replicate"}]
     assert {Q: ARRIVAL, K: ARRIVAL} in todo[4:]  # the pair, after every single key
     assert all("replicated_with_grad_allreduce" not in c.values() for c in todo)  # the current
     # a module no rule covers gets a key of its own; a Linear gets transformers' linear styles
-    assert plan.covering_keys(["model.layers.0.input_layernorm"], meta.tp_plan) == [
+    assert rule_override.covering_keys(["model.layers.0.input_layernorm"], meta.tp_plan) == [
         "model.layers.*.input_layernorm"
     ]
-    assert "rowwise" in plan.style_choices(
-        plan.module_kind("model.layers.*.mlp.up_proj", modules, params), "colwise"
+    assert "rowwise" in rule_override.style_choices(
+        rule_override.module_kind("model.layers.*.mlp.up_proj", modules, params), "colwise"
     )
 
 
@@ -118,14 +118,14 @@ def test_an_error_names_the_module_whose_forward_raised():
     }
     # the norm class is used under several keys: passed over for the MLP that called it; the MLP's
     # line calls four of its submodules, so it stays the MLP
-    raising = plan.raising_modules(result, modules)
+    raising = rule_override.raising_modules(result, modules)
     assert raising == ["model.layers.0.mlp", "model.layers.1.mlp"]
     # a line that calls one submodule and no other (GLM-5 Next's `output = self.o_proj(output)`,
     # raised in o_proj's TP hook): that submodule
     src, start = inspect.getsourcelines(modeling_qwen3.Qwen3Attention.forward)
     o_line = start + next(i for i, text in enumerate(src) if "self.o_proj(" in text)
     result["problems"][0]["traceback"] = f'  File "{path}", line {o_line}, in forward\n'
-    assert plan.raising_modules(result, modules) == [
+    assert rule_override.raising_modules(result, modules) == [
         "model.layers.0.self_attn.o_proj",
         "model.layers.1.self_attn.o_proj",
     ]
@@ -144,9 +144,9 @@ def test_a_repair_that_ignores_the_verdict_is_caught(monkeypatch):
 
         failed = run_one(spec)
         assert failed["verdict"] == "not equivalent"
-        honest = plan.repair_case(plan.Target(failed, spec, {}), run_one)
-        monkeypatch.setattr(plan, "verified", lambda r: True)
-        broken = plan.repair_case(plan.Target(failed, spec, {}), run_one)
+        honest = rule_override.repair_case(rule_override.Target(failed, spec, {}), run_one)
+        monkeypatch.setattr(rule_override, "verified", lambda r: True)
+        broken = rule_override.repair_case(rule_override.Target(failed, spec, {}), run_one)
         monkeypatch.undo()
         assert honest["override"] == {Q: ARRIVAL, K: ARRIVAL}
         assert broken["override"] == {Q: ARRIVAL}
@@ -199,12 +199,12 @@ def test_a_failing_parameters_own_rule_is_tried_first_with_the_packed_styles():
             "grad:model.layers.0.mlp.experts.down_proj": True,
         },
     )
-    assert plan.own_param_keys(result, params, meta.tp_plan) == [key]
-    assert plan.module_kind(key, modules, params) == "param"
-    assert plan.style_choices("param", "colwise")[0] == "packed_colwise"
+    assert rule_override.own_param_keys(result, params, meta.tp_plan) == [key]
+    assert rule_override.module_kind(key, modules, params) == "param"
+    assert rule_override.style_choices("param", "colwise")[0] == "packed_colwise"
     # a parameter without a rule of its own (a norm's weight) adds no key: its module's rule counts
     norm = {"checks": [{"name": "grad:model.layers.0.input_layernorm.weight", "passed": False}]}
-    assert plan.own_param_keys(norm, params, meta.tp_plan) == []
+    assert rule_override.own_param_keys(norm, params, meta.tp_plan) == []
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_keys_of_one_kind_under_different_styles_are_tried_together_last():
     parameters under no rule; all three need the reduce-on-arrival style."""
     act = "model.layers.*.mlp.act_fn"
     rules = {Q: "replicated_with_grad_allreduce", K: "replicated_with_grad_allreduce"}
-    todo = plan.candidates([Q, K, act], rules, dict.fromkeys([Q, K, act], "vectors"))
+    todo = rule_override.candidates([Q, K, act], rules, dict.fromkeys([Q, K, act], "vectors"))
     assert todo[-3] == {Q: ARRIVAL, K: ARRIVAL, act: ARRIVAL}
     # group by group (q_norm and k_norm first: the first divergence's), smallest first in each
     assert [len(c) for c in todo] == [1] * 4 + [2] * 2 + [1] * 3 + [3] * 3
@@ -251,7 +251,7 @@ def test_keys_of_one_kind_under_different_styles_are_tried_together_last():
     # k_norm first, then the projections whose outputs the bad norms' gradients reach)
     down = "model.layers.*.mlp.down_proj"
     kinds = {Q: "vectors", K: "vectors", down: "linear"}
-    todo = plan.candidates([Q, K, down], {**rules, down: "rowwise"}, kinds)
+    todo = rule_override.candidates([Q, K, down], {**rules, down: "rowwise"}, kinds)
     pair = todo.index({Q: ARRIVAL, K: ARRIVAL})
     assert pair < min(i for i, c in enumerate(todo) if down in c) and pair == 4
 
@@ -297,7 +297,7 @@ def test_a_candidate_off_by_rounding_only_is_kept_when_its_float64_check_is_equi
                 return _run("equivalent", name=s.label)
             return _run("not equivalent", [(1.2, 1.0), (worst, 1.0)], name=s.label)
 
-        return plan.repair_case(plan.Target(failed, spec, {}), run_one, budget=8)
+        return rule_override.repair_case(rule_override.Target(failed, spec, {}), run_one, budget=8)
 
     entry = search()
     assert entry["status"] == "verified_in_float64" and entry["override"] == pair
@@ -306,11 +306,11 @@ def test_a_candidate_off_by_rounding_only_is_kept_when_its_float64_check_is_equi
     )
     assert entry["working"]["failed"] == 2 and entry["working"]["worst_over_bound"] == 1.6
     assert [t.get("float64") for t in entry["tried"]].count("equivalent") == 1
-    lines = "\n".join(plan.entry_lines(entry))
+    lines = "\n".join(rule_override.entry_lines(entry))
     assert "verified in float64" in lines and "by rounding only" in lines
     assert "pass:" not in lines  # never said to pass as shipped
     assert search(worst=3.0)["status"] == "no_plan_fix"
-    monkeypatch.setattr(plan, "_in_float64", lambda candidate: candidate)
+    monkeypatch.setattr(rule_override, "_in_float64", lambda candidate: candidate)
     assert search()["status"] == "no_plan_fix"
 
 
@@ -366,31 +366,33 @@ def test_an_op_on_a_shard_puts_its_own_rules_first():
     # a reduction: every rule inside the module whose code runs it, replicated together; the keys
     # layer-wildcarded even where it ran in one layer only (transformers cannot name one layer)
     for ran in (["model.layers.0.mlp", "model.layers.1.mlp"], ["model.layers.0.mlp"]):
-        assert plan.shard_op_candidates(_on_shard(in_modules=ran), rules) == [
+        assert rule_override.shard_op_candidates(_on_shard(in_modules=ran), rules) == [
             dict.fromkeys(MLP, "replicate")
         ]
     # a split: each colwise rule there, packed
-    split = plan.shard_op_candidates(_on_shard("split"), rules)
+    split = rule_override.shard_op_candidates(_on_shard("split"), rules)
     assert split == [{MLP[0]: "packed_colwise"}, {MLP[1]: "packed_colwise"}]
-    assert plan.shard_op_candidates(not_equivalent(DOWN, {}), rules) == []
+    assert rule_override.shard_op_candidates(not_equivalent(DOWN, {}), rules) == []
     # the model's own code holds every rule: no candidate of its own
     own = _on_shard()
     own["diagnosis"]["evidence"]["ops"][0]["module"] = ""
-    assert plan.shard_op_candidates(own, rules) == []
+    assert rule_override.shard_op_candidates(own, rules) == []
 
 
 def test_moved_on_means_the_first_divergence_is_fixed():
     before = _on_shard()
     grads = {"name": "grad:q", "stage": "grads", "step": 1}
     after = {"verdict": "not equivalent", "first_divergence": grads, "checks": []}
-    assert plan.moved_on(before, after)  # no longer checked: diverges at a later stage
-    assert plan.moved_on(before, {**after, "checks": [{"name": DOWN, "step": 1, "passed": True}]})
-    assert not plan.moved_on(
+    assert rule_override.moved_on(before, after)  # no longer checked: diverges at a later stage
+    assert rule_override.moved_on(
+        before, {**after, "checks": [{"name": DOWN, "step": 1, "passed": True}]}
+    )
+    assert not rule_override.moved_on(
         before, {**after, "checks": [{"name": DOWN, "step": 1, "passed": False}]}
     )
     earlier = {"name": "weight:w", "stage": "weights", "step": 0}
-    assert not plan.moved_on(before, {**after, "first_divergence": earlier})
-    assert not plan.moved_on(before, {**after, "verdict": "error"})
+    assert not rule_override.moved_on(before, {**after, "first_divergence": earlier})
+    assert not rule_override.moved_on(before, {**after, "verdict": "error"})
 
 
 def test_a_candidate_that_fixes_the_first_of_two_defects_is_kept(monkeypatch):
@@ -412,13 +414,18 @@ def test_a_candidate_that_fixes_the_first_of_two_defects_is_kept(monkeypatch):
             return {**r, "name": s.label, "summary": "not equivalent"}
         return {**_on_shard(), "name": s.label, "summary": "not equivalent"}
 
-    entry = plan.repair_case(plan.Target(_on_shard(), spec, {}), run_one, budget=8)
+    entry = rule_override.repair_case(
+        rule_override.Target(_on_shard(), spec, {}), run_one, budget=8
+    )
     assert entry["status"] == "repaired" and entry["override"] == {**mlp, Q: ARRIVAL}
     assert [k["override"] for k in entry["kept"]] == [mlp]
     assert len(entry["tried"]) == 2 and entry["tried"][0]["moved_on"].startswith("grad:")
-    assert "kept: the next is at grad:" in "\n".join(plan.entry_lines(entry))
-    monkeypatch.setattr(plan, "moved_on", lambda before, after: False)
-    assert plan.repair_case(plan.Target(_on_shard(), spec, {}), run_one, 8)["status"] != "repaired"
+    assert "kept: the next is at grad:" in "\n".join(rule_override.entry_lines(entry))
+    monkeypatch.setattr(rule_override, "moved_on", lambda before, after: False)
+    assert (
+        rule_override.repair_case(rule_override.Target(_on_shard(), spec, {}), run_one, 8)["status"]
+        != "repaired"
+    )
 
 
 @pytest.mark.slow

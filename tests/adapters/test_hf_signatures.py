@@ -15,8 +15,8 @@ transformers = pytest.importorskip(
     "transformers", reason="the extra tpcheck[transformers] is not installed"
 )
 from tpcheck.adapters import transformers as hf  # noqa: E402
-from tpcheck.checker.plan_rules import covering  # noqa: E402
 from tpcheck.checker.pool.session import run_specs  # noqa: E402
+from tpcheck.checker.rule_match import covering  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
 pytestmark = pytest.mark.skipif(

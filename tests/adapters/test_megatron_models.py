@@ -11,7 +11,7 @@ import pytest
 
 from tpcheck import Injection
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec, register
+from tpcheck.checker.casefile import file_spec, register
 
 from paths import REPO
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.casefile import file_spec
 from tpcheck.errors import UsageError
 from tpcheck.plan import Replicate, Shard
 

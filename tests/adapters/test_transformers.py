@@ -17,6 +17,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the extra tpcheck[transformers] is not installed"
 )
 from tpcheck.adapters import transformers as hf  # noqa: E402
+from tpcheck.adapters.transformers import discovery  # noqa: E402
 from tpcheck.checker.pool.session import run_specs  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
@@ -32,7 +33,7 @@ from transformers.distributed.tensor_parallel import (  # noqa: E402
     RowwiseParallel,
 )
 
-from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL  # noqa: E402
+from tpcheck.adapters.transformers.styles import REDUCE_GRAD_ON_ARRIVAL  # noqa: E402
 
 # ---------------------------------------------------------- styles registered before the ranks fork
 
@@ -329,21 +330,25 @@ def test_discovery_is_read_from_its_cache_while_the_installation_is_unchanged(
     ours is scanned again and rewritten."""
     monkeypatch.setenv("TPCHECK_CACHE_DIR", str(tmp_path))
     scans = []
-    monkeypatch.setattr(hf, "_scan_architectures", lambda: scans.append(1) or ["llama", "qwen3"])
+    monkeypatch.setattr(
+        discovery, "_scan_architectures", lambda: scans.append(1) or ["llama", "qwen3"]
+    )
     path = hf.discovery_cache_path()
     assert path.parent == tmp_path and transformers.__version__ in path.name
     assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 1
     assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 1  # from the file
     assert hf.architectures(["qwen3", "bert", "nonsense"]) == ["qwen3"] and len(scans) == 1
     kept = json.loads(path.read_text())
-    assert kept["fingerprint"] == hf._fingerprint()
+    assert kept["fingerprint"] == discovery._fingerprint()
     # stale: written for another installation -> scanned again, not trusted
     path.write_text(json.dumps({"fingerprint": "another", "architectures": ["gpt2"]}))
     assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 2
     assert json.loads(path.read_text())["architectures"] == ["llama", "qwen3"]
     # a fingerprint that moves with the installation: a newer config file makes the cache stale
-    monkeypatch.setattr(hf, "CONFIG_MAPPING_NAMES", {**hf.CONFIG_MAPPING_NAMES, "new_arch": "X"})
-    assert hf._fingerprint() != kept["fingerprint"]
+    monkeypatch.setattr(
+        discovery, "CONFIG_MAPPING_NAMES", {**discovery.CONFIG_MAPPING_NAMES, "new_arch": "X"}
+    )
+    assert discovery._fingerprint() != kept["fingerprint"]
     assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 3
     path.write_text("not json")
     assert hf.architectures() == ["llama", "qwen3"] and len(scans) == 4
@@ -352,8 +357,8 @@ def test_discovery_is_read_from_its_cache_while_the_installation_is_unchanged(
 @pytest.mark.slow
 def test_the_cached_discovery_is_the_scan(tmp_path, monkeypatch):
     monkeypatch.setenv("TPCHECK_CACHE_DIR", str(tmp_path))
-    scanned = hf._scan_architectures()
+    scanned = discovery._scan_architectures()
     assert hf.architectures() == scanned and hf.discovery_cache_path().exists()
-    monkeypatch.setattr(hf, "_scan_architectures", lambda: pytest.fail("scanned again"))
+    monkeypatch.setattr(discovery, "_scan_architectures", lambda: pytest.fail("scanned again"))
     assert hf.architectures() == scanned and len(scanned) >= 150
     assert {"llama", "mixtral", "qwen3"} <= set(scanned) and "bert" not in scanned

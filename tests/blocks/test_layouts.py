@@ -16,7 +16,7 @@ from tpcheck.parallel.embedding import VocabParallelEmbedding
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Shard
 from tpcheck.resolve import RESOLVER
-from tpcheck.seed import describe_blocks
+from tpcheck.seed_compat import describe_blocks
 
 
 def _cfg(heads=8, kv=2):

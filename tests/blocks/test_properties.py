@@ -61,10 +61,10 @@ def _no_false_alarm_and_seed_faults_flagged(launcher, spec):
         ]
     correct, *faulty = run_specs(specs, launcher)  # typed CaseResults
     assert correct.verdict == "equivalent", correct.summary
-    assert correct.self_test["failures"] == [] and correct.self_test["flagged"] > 0
+    assert correct.self_test.failures == [] and correct.self_test.flagged > 0
     for r in faulty:
         assert r.verdict == "not equivalent", r.summary
-        assert r.diagnosis["signature"] == "partial_sum", r.summary
+        assert r.diagnosis.signature == "partial_sum", r.summary
 
 
 @settings(

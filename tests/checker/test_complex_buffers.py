@@ -3,7 +3,7 @@ and imaginary parts: a difference in either part counts, and scales include both
 
 import torch
 
-from tpcheck.checker.rank.loading import absmax, maxdiff
+from tpcheck.checker.rank.measure import absmax, maxdiff
 
 
 def test_a_difference_in_the_imaginary_part_counts():

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from tpcheck.api import check
 from tpcheck.checker import devices
-from tpcheck.checker.case import CaseSpec, RunSettings
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.settings import RunSettings
 from tpcheck.cli import main
 from tpcheck.errors import UsageError
 from tpcheck.report.schema import build_report, load_schema

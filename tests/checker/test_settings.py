@@ -16,7 +16,7 @@ import pytest
 
 from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.checker.case import RUN_FIELDS
-from tpcheck.checker.usercode import OVERRIDABLE, file_spec
+from tpcheck.checker.casefile import OVERRIDABLE, file_spec
 from tpcheck.errors import UsageError
 
 CASE_FILE = """

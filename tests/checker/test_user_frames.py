@@ -1,6 +1,7 @@
-"""One rule for whose code a frame is (`usercode.frame_kind`), shared by the three places that name
-the user's line: an exception in user code (`user_frame`), a rank's traceback (`failures.raised_in`)
-and a rank's live stack (`heartbeat.spot_of`); and `call_user`, the one way user code is called."""
+"""One rule for whose code a frame is (`sourcelines.frame_kind`), shared by the three places that
+name the user's line: an exception in user code (`user_frame`), a rank's traceback
+(`failures.raised_in`) and a rank's live stack (`heartbeat.spot_of`); and `call_user`, the one way
+user code is called."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import tpcheck
-from tpcheck.checker.usercode import call_user, frame_kind, user_frame
+from tpcheck.checker.sourcelines import frame_kind, user_frame
+from tpcheck.checker.usercode import call_user
 from tpcheck.checker.verdict.failures import raised_in
 from tpcheck.errors import UsageError
 

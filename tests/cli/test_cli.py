@@ -85,11 +85,11 @@ def test_runs_under_torchrun():
 
 
 def test_cli_modes_are_the_seed_modes():
-    # seed.py owns them; `run --mode` offers exactly those
-    from tpcheck import seed
+    # seed_compat.py owns them; `run --mode` offers exactly those
+    from tpcheck import seed_compat
     from tpcheck.cli.parser import build_parser
 
     parser = build_parser("run")
     (commands,) = [a for a in parser._actions if a.dest == "command"]
     (mode,) = [a for a in commands.choices["run"]._actions if a.dest == "mode"]
-    assert tuple(mode.choices) == seed.MODES
+    assert tuple(mode.choices) == seed_compat.MODES

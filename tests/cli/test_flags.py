@@ -198,8 +198,8 @@ def test_learning_rate_up_to_the_limit_is_accepted(command, launcher):
 def test_the_cli_and_run_settings_share_the_lr_limit():
     """Case files and the Python API get the limit from RunSettings; the CLI says it, with its own
     message, before any rank starts (tpcheck.cli.options takes RunSettings' MAX_LR)."""
-    from tpcheck.checker.case import MAX_LR as SETTINGS_MAX_LR
-    from tpcheck.checker.case import RunSettings
+    from tpcheck.checker.settings import MAX_LR as SETTINGS_MAX_LR
+    from tpcheck.checker.settings import RunSettings
     from tpcheck.errors import UsageError
 
     assert SETTINGS_MAX_LR == MAX_LR

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tpcheck.checker.case import RunSettings
+from tpcheck.checker.settings import RunSettings
 from tpcheck.cli import main, options
 from tpcheck.cli.parser import build_parser
 from tpcheck.errors import UsageError
@@ -129,7 +129,7 @@ def test_run_defaults_are_float32_three_adamw_steps_of_two_micro_batches_seed_31
 
 
 def test_run_mode_defaults_are_the_seeds_one_sgd_step():
-    from tpcheck.seed import mode_specs
+    from tpcheck.seed_compat import mode_specs
 
     args = parsed("run", "--mode", "equivalence")
     (spec,) = mode_specs(args.mode, 2, preset=args.preset, **options.given_settings(args))

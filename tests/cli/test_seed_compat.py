@@ -156,5 +156,5 @@ def test_single_mode_prints_the_seed_run_result():
     )
     result = json.loads(proc.stdout)
     assert result["mode"] == "missing_backward_reduce" and result["passed"] is False
-    # the fault is caught, as expected for an injected fault: exit 0 (see README, exit codes)
+    # the fault is caught, as expected for an injected fault: exit 0 (docs/usage.md#exit-codes)
     assert proc.returncode == 0

@@ -4,7 +4,7 @@ first-divergent tensor. One launch per example file (a pool per world size serve
 import pytest
 
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.casefile import file_spec
 
 from paths import REPO, example
 
@@ -101,7 +101,7 @@ def test_bias_on_rank0_needs_its_placement():
     refused, naming the rank and the placement."""
     import dataclasses
 
-    from tpcheck.checker.usercode import register
+    from tpcheck.checker.casefile import register
 
     mod = example("own_loader")
 

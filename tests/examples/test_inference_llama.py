@@ -10,9 +10,9 @@ import pytest
 
 from mutants import records_zero, tolerance_times_1000
 from tpcheck.api import check
+from tpcheck.checker.casefile import file_spec
 from tpcheck.checker.rank import forward_only
 from tpcheck.checker.rank.compare import Comparator
-from tpcheck.checker.usercode import file_spec
 from tpcheck.report.schema import build_report, load_schema
 from tpcheck.report.validate import first_error
 

@@ -184,7 +184,7 @@ def test_page_shows_the_inferred_plan():
     """A case with no plan written: the page shows the plan tpcheck inferred, activations and the
     outputs it did not check included, as code; a case with a written plan shows none."""
     from tpcheck import check, exit_code
-    from tpcheck.checker.usercode import file_spec
+    from tpcheck.checker.casefile import file_spec
     from tpcheck.report.schema import build_report, load_schema
     from tpcheck.report.validate import first_error
 

@@ -70,7 +70,7 @@ def test_a_rank_the_collective_library_aborts_is_explained_rank_by_rank(capfd, c
     debug all-reduce of 1024 elements alone, then every rank one of its own. The result names each
     rank's line and collective -- the dead rank's from the stacks its faulthandler dumped -- and the
     cause; no faulthandler dump ("Fatal Python error") reaches the parent's output."""
-    from tpcheck.checker.usercode import file_spec
+    from tpcheck.checker.casefile import file_spec
 
     before = children()
     path = os.path.join(os.path.dirname(__file__), "case_files", "runtime.py")

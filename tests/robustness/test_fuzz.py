@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpcheck.api import check
-from tpcheck.checker.case import CaseSpec, RunSettings
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.settings import RunSettings
 from tpcheck.cli import main
 
 FLAGS = {  # flag -> values (valid and garbage); a list value means nargs="+"

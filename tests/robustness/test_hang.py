@@ -8,7 +8,7 @@ import time
 
 from tpcheck.api import check, exit_code
 from tpcheck.checker.case import CaseSpec
-from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.casefile import file_spec
 from tpcheck.checker.verdict.result import merge
 from tpcheck.cli import main
 from tpcheck.resolve import launcher as pool_launcher

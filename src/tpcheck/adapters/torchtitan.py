@@ -59,16 +59,6 @@ def available() -> bool:
     return True
 
 
-def version() -> str | None:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as _version
-
-    try:
-        return _version("torchtitan")
-    except PackageNotFoundError:
-        return None
-
-
 # ------------------------------------------------------------------------------ the plan
 
 

@@ -14,7 +14,8 @@ import dataclasses
 import random
 
 from tpcheck.blocks import BLOCKS
-from tpcheck.checker.case import CaseSpec, RunSettings
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.settings import RunSettings
 
 WORLDS = (1, 2, 3, 4, 5, 6, 7, 8)
 DTYPES = ("float32", "bfloat16", "float16")

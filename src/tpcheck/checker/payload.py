@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpcheck.checker.case import RunSettings
+from tpcheck.checker.checkid import CheckId
+from tpcheck.checker.settings import RunSettings
 from tpcheck.checker.vocabulary import Stage, Status
 
 
@@ -20,7 +21,7 @@ class Check:
 
     stage: Stage
     step: int
-    name: str
+    id: CheckId  # what was compared (checker/checkid.py); rendered as the report's `name`
     rank: int
     error: float
     diff_vs_dense: float
@@ -37,10 +38,6 @@ class Check:
     ref_error: float | None = None
     floor: float | None = None
     numel: int = 0  # elements compared on this rank
-    # a control (self-test): a copy of the reference with one element moved by a known amount,
-    # compared through the same path; it must be flagged (checker/verdict/result.py turns an
-    # unflagged control into "error")
-    control: bool = False
     # a control's planted error (its evidence must show it), and why it may go unflagged (an
     # ill-conditioned tensor: `tolerance.blind_spot`; None: it must be flagged)
     planted: float | None = None
@@ -57,14 +54,26 @@ class Check:
     magnitude: float | None = None
     scale: float | None = None  # calibrated: max |float64 truth| over the whole tensor
 
+    @property
+    def name(self) -> str:
+        """The check's name as the report shows it (`str(self.id)`)."""
+        return str(self.id)
 
-# (stage, step, name): where a check's evidence is kept, on a rank and in its payload
-EvidenceKey = tuple[str, int, str]
+    @property
+    def control(self) -> bool:
+        """A control (self-test): a copy of the reference with one element moved by a known amount,
+        compared through the same path; it must be flagged (checker/verdict/result.py turns an
+        unflagged control into "error")."""
+        return self.id.control
 
 
-def evidence_key(stage: str, step: int, name: str) -> EvidenceKey:
+# (stage, step, check identity): where a check's evidence is kept, on a rank and in its payload
+EvidenceKey = tuple[str, int, CheckId]
+
+
+def evidence_key(stage: str, step: int, check_id: CheckId) -> EvidenceKey:
     """The key of a check's evidence, in a rank's `Evidence` and in the payload the parent reads."""
-    return stage, step, name
+    return stage, step, check_id
 
 
 PROBLEM_KEYS = (
@@ -125,11 +134,6 @@ class RankPayload:
 
     def ledger_lines(self) -> list[str] | None:
         return [e.line() for e in self.ledger] if self.has_ledger else None
-
-
-# the phase the collectives of the warm-up forwards are recorded in (RunSettings.warmup,
-# checker/rank/warmup.py): outside the per-step counts, held only to being the same on every rank
-WARMUP = "warmup"
 
 
 @dataclass

@@ -1,39 +1,23 @@
-"""User code: case files loaded by path, Cases registered in this process, and guards around the
-user's callables.
-
-`block` forms a user case can take:
-  "file:PATH[:NAME]"         a user's case file (docs/case-files.md): a module-level `Case` object
-                             or a function `case`/`case_*` taking the CaseSpec and returning a Case
-  "registered:ID"            a Case registered in this process with `register()` before the ranks
-                             were forked (the pytest plugin uses it for Cases
-                             defined in test modules)
+"""User code called under guards: the one way tpcheck calls a user's callable (`call_user`), the
+wrappers around a Case's callables (`guard_user_case`) and what each must return.
 
 User code runs inside wrappers (`guard_user_case`): an exception in a user callable becomes a
 UsageError naming the callable and the user's file and line ("in your build_tp (case.py:42):
-ValueError: ..."), not a traceback from our internals.
+ValueError: ..."), not a traceback from our internals. A case must not end the process: sys.exit,
+a stray KeyboardInterrupt and an outright exit (`_survives`) are reported like any mistake.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
-import inspect
 import os
-import re
-import sys
-import sysconfig
-import traceback
 from collections.abc import Callable
 
-from tpcheck.checker.case import FILE_PREFIX, REGISTERED_PREFIX, RUN_FIELDS, Case, CaseSpec
+from tpcheck.checker.case import Case
 from tpcheck.checker.pool.spawn import interrupt_is_a_signal
+from tpcheck.checker.sourcelines import _defined_in, defined_at, user_frame
 from tpcheck.errors import UsageError
 
-# a HuggingFace architecture with transformers' own plan (tpcheck.adapters.transformers)
-HF_PREFIX = "hf:"
-# what a caller may set of a user case's own run settings: every RunSettings field, nothing else
-OVERRIDABLE = RUN_FIELDS
 USER_CALLABLES = (
     "build_dense",
     "build_tp",
@@ -48,193 +32,6 @@ USER_CALLABLES = (
     "setup",
     "decode_inputs",
 )
-
-_REGISTERED: dict[str, Case] = {}
-_MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)
-
-
-def is_user_block(block: str) -> bool:
-    return block.startswith((FILE_PREFIX, REGISTERED_PREFIX))
-
-
-def build_user_case(spec: CaseSpec) -> Case:
-    """The user's Case for `spec`, named as the spec, running the spec's settings when it has some
-    (else its own)."""
-    case = user_case(spec)
-    return dataclasses.replace(
-        case, name=spec.name, run=spec.run if spec.run is not None else case.run
-    )
-
-
-# ------------------------------------------------------------------------------ registered cases
-
-
-def register(case: Case) -> str:
-    """Keep `case` in this process under a stable id; returns the block name "registered:ID".
-    Register before the ranks fork (they inherit the registry); a Case cannot be pickled."""
-    if not isinstance(case, Case):
-        raise UsageError(f"tpcheck can register a tpcheck.Case, not {type(case).__name__}")
-    key = f"{case.name}-{id(case):x}"
-    _REGISTERED[key] = case
-    return REGISTERED_PREFIX + key
-
-
-# ------------------------------------------------------------------------------ case files
-
-
-def parse_target(target: str) -> tuple[str, str | None]:
-    """ "path/to/case.py[:NAME]" -> (absolute path, NAME or None)."""
-    path, name = target, None
-    if ":" in target and not target.endswith(".py"):
-        path, name = target.rsplit(":", 1)
-    if not path.endswith(".py"):
-        raise UsageError(
-            f"{target!r} is not a case file: give path/to/case.py or path/to/case.py:NAME"
-        )
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise UsageError(f"case file {path} does not exist")
-    return path, name or None
-
-
-def load_module(path: str):
-    """Import the case file by path under a unique module name (cached: forked ranks inherit it)."""
-    if path in _MODULES:
-        return _MODULES[path]
-    # the file's own folder and the working directory are importable, as pytest and `python -m` make
-    # them: a case file imports the user's package next to it
-    for folder in (os.getcwd(), os.path.dirname(path)):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    mod_name = "tpcheck_case_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    # a forked rank inherits the module; only the process that reports probes
-    if os.getpid() == _PARENT:
-        _survives(
-            lambda: spec.loader.exec_module(importlib.util.module_from_spec(spec)),
-            f"importing your case file {short_path(path)}",
-        )
-    try:
-        with open(path, "rb") as f:
-            compile(f.read(), path, "exec")
-    except SyntaxError as e:
-        raise UsageError(
-            f"syntax error in your case file ({short_path(e.filename or path)}:{e.lineno}): {e.msg}"
-        ) from None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    # a UsageError at import is the file's too (a Plan refused as it is built): named at its line
-    try:
-        call_user(
-            spec.loader.exec_module,
-            module,
-            who=f"your case file {short_path(path)}",
-            path=path,
-            failed="importing your case file failed",
-            usage_is_theirs=True,
-        )
-    except BaseException:
-        del sys.modules[mod_name]
-        raise
-    _MODULES[path] = module
-    return module
-
-
-def available(module) -> dict[str, object]:
-    """Module-level Case objects and case functions (`case`, `case_*`) defined in the file."""
-    found = {}
-    for attr, value in vars(module).items():
-        if isinstance(value, Case):
-            found[attr] = value
-        elif (
-            inspect.isfunction(value)
-            and value.__module__ == module.__name__
-            and (attr == "case" or attr.startswith("case_"))
-        ):
-            found[attr] = value
-    return found
-
-
-def pick(module, path: str, name: str | None):
-    found = available(module)
-    if not found:
-        raise UsageError(
-            f"case file {short_path(path)} defines no tpcheck.Case and no `def case(spec)` "
-            "function; see docs/case-files.md"
-        )
-    if name is None:
-        if len(found) > 1:  # expand_target gives each its :NAME first
-            raise UsageError(
-                f"case file {short_path(path)} defines several cases {sorted(found)}; pick one "
-                f"with {short_path(path)}:NAME"
-            )
-        return next(iter(found.items()))
-    for key in (name, f"case_{name}"):
-        if key in found:
-            return key, found[key]
-    raise UsageError(
-        f"case file {short_path(path)} has no case {name!r}; available: {sorted(found)}"
-    )
-
-
-def user_case(spec: CaseSpec) -> Case:
-    """The user's Case for `spec` (not yet overridden
-    by the spec's fields), with guarded callables."""
-    if spec.block.startswith(REGISTERED_PREFIX):
-        key = spec.block[len(REGISTERED_PREFIX) :]
-        if key not in _REGISTERED:
-            raise UsageError(
-                f"no registered case {key!r} in this process: register() it before the ranks start"
-            )
-        case = _REGISTERED[key]
-        return guard_user_case(case, _defined_in(case.build_tp))
-    path, name = parse_target(spec.block[len(FILE_PREFIX) :])
-    attr, obj = pick(load_module(path), path, name)
-    if not isinstance(obj, Case):
-        if os.getpid() == _PARENT:
-            _survives(lambda: obj(spec), f"your {attr}(spec) in {short_path(path)}")
-        obj = call_user(obj, spec, who=f"your {attr}(spec)", path=path, failed=f"in your {attr}")
-        if not isinstance(obj, Case):
-            raise UsageError(
-                f"your {attr}(spec) in {short_path(path)} returned {type(obj).__name__}, "
-                "not a tpcheck.Case"
-            )
-    return guard_user_case(obj, path)
-
-
-def expand_target(target: str) -> list[str]:
-    """A case file given without :NAME that defines several
-    cases stands for all of them, in file order."""
-    if target.startswith(REGISTERED_PREFIX):
-        return [target]
-    path, name = parse_target(target)
-    if name is not None:
-        return [target]
-    found = available(load_module(path))
-    return [target] if len(found) <= 1 else [f"{target}:{attr}" for attr in found]
-
-
-def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpec:
-    """A CaseSpec for a case file or a registered Case, resolved in this process: loads the file (so
-    mistakes in it are reported once, here, before any rank starts); the spec's `run` is the Case's
-    own settings with those the caller gave (`given`, None meaning not given)
-    replaced: what will run."""
-    given = {k: v for k, v in given.items() if v is not None}
-    unknown = sorted(set(given) - set(OVERRIDABLE))
-    if unknown:
-        raise UsageError(
-            f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}"
-        )
-    block = target if target.startswith(REGISTERED_PREFIX) else FILE_PREFIX + target
-    probe = CaseSpec(block=block, world_size=world_size)
-    own = user_case(probe)
-    run = dataclasses.replace(own.run, **given)
-    return dataclasses.replace(
-        probe, run=run, label=label or f"{own.name}/tp{world_size}/{run.dtype}"
-    )
-
-
-# ------------------------------------------------------------------------------ guarding user code
 
 
 def call_user(
@@ -270,45 +67,6 @@ def call_user(
     raise UsageError(
         f"{failed or 'in ' + who} ({user_frame(error, path)}): {type(error).__name__}: {error}"
     ) from None
-
-
-_TPCHECK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(importlib.util.find_spec("torch").origin) + os.sep
-_PYTHON_DIRS = tuple(
-    {sysconfig.get_paths()["stdlib"] + os.sep, os.path.dirname(os.__file__) + os.sep}
-)
-_INSTALLED = ("site-packages/", "dist-packages/")
-_PYTHON_LIB = re.compile(r"/lib/python3[.\d]*/")
-
-
-def frame_kind(path: str) -> str:
-    """Whose code a frame's file is: "user" (the code under test: the user's files and the libraries
-    they call, transformers or Megatron-Core), "tpcheck", "torch" or "python" (the standard library,
-    frozen and generated code). The one rule for every place that names the user's line: an
-    exception's frame (`user_frame`), a rank's traceback (verdict/failures.py), a rank's live stack
-    (pool/heartbeat.py). Paths from another host (a rank's traceback under torchrun) are told by
-    their installed layout."""
-    if not path or path.startswith("<"):
-        return "python"
-    slashed = path.replace(os.sep, "/")
-    for kind, own_dir in (("tpcheck", _TPCHECK_DIR), ("torch", _TORCH_DIR)):
-        if path.startswith(own_dir) or any(f"{where}{kind}/" in slashed for where in _INSTALLED):
-            return kind
-    if any(where in slashed for where in _INSTALLED):
-        return "user"
-    return "python" if path.startswith(_PYTHON_DIRS) or _PYTHON_LIB.search(slashed) else "user"
-
-
-def user_frame(exc: BaseException, path: str | None) -> str:
-    """ "file.py:LINE" of the deepest traceback frame in the user's file `path` (else in any code
-    under test, `frame_kind`)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if path and os.path.abspath(f.filename) == path]
-    if not mine:
-        mine = [f for f in frames if frame_kind(os.path.abspath(f.filename)) == "user"]
-    if not mine:
-        return short_path(path) if path else "?"
-    return f"{short_path(mine[-1].filename)}:{mine[-1].lineno}"
 
 
 def guard_user_case(case: Case, path: str | None) -> Case:
@@ -456,22 +214,6 @@ def _describe(out) -> str:
     return f"a {kind.__module__.split('.')[0]}.{kind.__name__}"
 
 
-def defined_at(fn) -> str:
-    """ "file.py:LINE" where the user's callable is defined."""
-    target = inspect.unwrap(fn)
-    try:
-        return (
-            f"{short_path(os.path.abspath(inspect.getsourcefile(target)))}:"
-            f"{inspect.getsourcelines(target)[1]}"
-        )
-    except (TypeError, OSError):
-        return getattr(target, "__qualname__", repr(target))
-
-
-# the process that imported tpcheck (the CLI, the API's caller); ranks are forks
-_PARENT = os.getpid()
-
-
 def _exit_message(e: SystemExit, who: str, path: str | None) -> str:
     return (
         f"{who} called sys.exit({e.code!r}) ({user_frame(e, path)}): a case file must not exit the "
@@ -525,27 +267,3 @@ def _survives(fn: Callable[[], object], who: str) -> None:
         "not end the process (tpcheck would report nothing, or a false success); return, or raise "
         "an exception"
     )
-
-
-def _defined_in(fn) -> str | None:
-    try:
-        return os.path.abspath(inspect.getsourcefile(inspect.unwrap(fn)))
-    except (TypeError, OSError):
-        return None
-
-
-def readable_path(path: str) -> str:
-    """A source path as people read it: from the installed package's root
-    ('transformers/models/x/modeling_x.py') when it is installed, else `short_path`'s."""
-    slashed = path.replace(os.sep, "/")
-    for where in _INSTALLED:
-        if where in slashed:
-            return slashed.split(where, 1)[1]
-    return short_path(path)
-
-
-def short_path(path: str | None) -> str:
-    if not path:
-        return "?"
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith("..") else path

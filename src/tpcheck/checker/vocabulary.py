@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from tpcheck.parallel.group import PHASES
+
 # equivalent: every check on every rank passed; not equivalent: some check failed; hang: a
 # collective wait timed out (some ranks issued a collective the others did not); error: a rank
 # raised or died, or the checker failed its own control; invalid: the input was
@@ -24,7 +26,8 @@ STAGES: tuple[Stage, ...] = get_args(Stage)
 # ok | usage (bad input) | error (raised) | crash (died) | hang (a wait timed out) | aborted
 # (stopped after another rank's failure)
 Status = Literal["ok", "usage", "error", "crash", "hang", "aborted"]
-# the whole model's output of a forward without autograd, compared beside the training forward's:
-# each step's first micro-batch (`Case.no_grad_forward`), and the last step's in eval mode
-NO_GRAD_OUTPUT, EVAL_OUTPUT = "output:no_grad", "output:eval"
-WITHOUT_AUTOGRAD = (NO_GRAD_OUTPUT, EVAL_OUTPUT)
+# the phase the collectives of the warm-up forwards are recorded in (RunSettings.warmup,
+# checker/rank/warmup.py): outside the per-step counts, held only to being the same on every rank
+WARMUP = "warmup"
+# the phases of the collective ledger, in the order a run issues them
+LEDGER_PHASES = (WARMUP, *PHASES)

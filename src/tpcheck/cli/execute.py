@@ -21,9 +21,9 @@ from tpcheck.cli.common import Interrupted, exit_after_outputs, write_stdout
 from tpcheck.errors import ExitCode, UsageError
 from tpcheck.report.console import print_summary, progress_printer
 from tpcheck.report.html import render_html
-from tpcheck.report.plans import counts, module_outputs_code
+from tpcheck.report.module_outputs import counts, module_outputs_code
 from tpcheck.report.schema import build_report, write_atomic
-from tpcheck.seed import seed_payload
+from tpcheck.seed_compat import seed_payload
 
 
 def execute(

@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
         return execute(specs, args, finish_report=finish, lanes=SWEEP_LANES)
 
 
-DEFAULT_REPAIR_BUDGET = 16  # tpcheck.repair.plan.DEFAULT_BUDGET (not imported for --help)
+DEFAULT_REPAIR_BUDGET = 16  # tpcheck.repair.rule_override.DEFAULT_BUDGET (not imported for --help)
 
 
 def check_repair_flags(args: argparse.Namespace) -> None:

@@ -19,8 +19,8 @@ import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from tpcheck.checker.case import DEFAULT_LR, FLOAT64_RUN, MAX_LR, OPTIMIZERS, RunSettings
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S
+from tpcheck.checker.settings import DEFAULT_LR, FLOAT64_RUN, MAX_LR, OPTIMIZERS, RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.report.output import check_output_path
 

@@ -14,7 +14,7 @@ from tpcheck.cli.execute import execute
 from tpcheck.errors import UsageError
 from tpcheck.faults import CATALOGUE, get_fault
 from tpcheck.resolve import RESOLVER, feasible
-from tpcheck.seed import MODES, mode_specs
+from tpcheck.seed_compat import MODES, mode_specs
 
 DEFAULTS = options.NO_DEFAULTS  # RunSettings' own: float32, 3 AdamW steps, 2 micro-batches, seed 31
 MODE_NOTES = {"steps": "1 for --mode", "optimizer": "sgd for --mode"}  # seed.mode_specs' own

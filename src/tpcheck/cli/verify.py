@@ -8,8 +8,8 @@ import itertools
 import os
 
 from tpcheck.checker.case import FILE_PREFIX, CaseSpec
+from tpcheck.checker.casefile import expand_target, file_spec
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, under_torchrun
-from tpcheck.checker.usercode import expand_target, file_spec
 from tpcheck.cli import options
 from tpcheck.cli.execute import execute
 from tpcheck.errors import UsageError

@@ -19,8 +19,9 @@ import itertools
 from dataclasses import dataclass
 
 from tpcheck.blocks import BLOCKS, config_for
-from tpcheck.checker.case import CaseSpec, RunSettings
-from tpcheck.checker.usercode import file_spec, register
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.casefile import file_spec, register
+from tpcheck.checker.settings import RunSettings
 from tpcheck.faults import injectors as inj
 
 PARTIAL_SIZES = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2)

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 import torch.distributed as dist
 
-# The three phases of a training step in which a collective can run.
-PHASES = ("forward", "backward", "optimizer")
+# The three phases of a training step in which a collective can run: the one spelling of each
+# (the checker's ledger adds its warm-up phase: checker/vocabulary.py `LEDGER_PHASES`).
+Phase = Literal["forward", "backward", "optimizer"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 Perform = Callable[[torch.Tensor], torch.Tensor]
@@ -58,11 +60,6 @@ class TPGroup:
     def single(cls) -> TPGroup:
         """A one-rank group: every collective is the identity and nothing is communicated."""
         return cls(rank=0, world_size=1)
-
-    @classmethod
-    def from_process_group(cls, pg: dist.ProcessGroup | None = None) -> TPGroup:
-        pg = pg if pg is not None else dist.group.WORLD
-        return cls(rank=dist.get_rank(pg), world_size=dist.get_world_size(pg), pg=pg)
 
     def collective(self, op: str, x: torch.Tensor, *, site: str, phase: str) -> torch.Tensor:
         """Run collective `op` ("all_reduce", "all_gather", "reduce_scatter", the last two along dim

@@ -1,8 +1,9 @@
 """From a diagnosis to a verified fix: `tpcheck hf ARCH --repair` (a rule override of transformers'
-plan, `repair.plan`) and `tpcheck verify CASEFILE --repair` (a missing all-reduce inserted where a
-`partial_sum` diagnosis points, `repair.collective`). Every candidate is checked by the full check
-with the run's own settings, in a rank pool of its own, and is the repair only when that check says
-`equivalent`. The report's `repair` object holds one entry per failed case (docs/report-schema.md).
+plan, `repair.rule_override`) and `tpcheck verify CASEFILE --repair` (a missing all-reduce inserted
+where a `partial_sum` diagnosis points, `repair.collective`). Every candidate is checked by the full
+check with the run's own settings, in a rank pool of its own, and is the repair only when that check
+says `equivalent`. The report's `repair` object holds one entry per failed case
+(docs/report-schema.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def run_repairs(cases: list[dict], specs: list, kind: str, timeout: float, quiet
     blocks). Prints each entry unless quiet."""
     from tpcheck import resolve
     from tpcheck.checker.pool.session import run_specs
-    from tpcheck.repair import collective, plan
+    from tpcheck.repair import collective, rule_override
 
     by_name = {s.name: s for s in specs}
     failed = [r for r in cases if r["verdict"] in FAILED and r["name"] in by_name]
@@ -34,13 +35,16 @@ def run_repairs(cases: list[dict], specs: list, kind: str, timeout: float, quiet
             for n, r in enumerate(failed):
                 spec = by_name[r["name"]]
                 if kind == "plan_rule":
-                    target = plan.Target(r, spec, dict(dict(spec.overrides).get("tp_plan", ())))
-                    entry = plan.repair_case(target, run_one, kw.get("budget", plan.DEFAULT_BUDGET))
+                    rules = dict(dict(spec.overrides).get("tp_plan", ()))
+                    target = rule_override.Target(r, spec, rules)
+                    budget = kw.get("budget", rule_override.DEFAULT_BUDGET)
+                    entry = rule_override.repair_case(target, run_one, budget)
                 else:
                     entry = collective.repair_case(staged[n], run_one)
                 entries.append(entry)
                 if not quiet:
-                    lines = (plan if kind == "plan_rule" else collective).entry_lines(entry)
+                    repair = rule_override if kind == "plan_rule" else collective
+                    lines = repair.entry_lines(entry)
                     print("\n".join(f"tpcheck: {line}" for line in lines), file=sys.stderr)
     repaired = sum(e["status"] == "repaired" for e in entries)
     in_float64 = sum(e["status"] == "verified_in_float64" for e in entries)

@@ -21,7 +21,7 @@ one forgotten): an all-reduce after each, innermost first.
 The all-reduce is the plain `torch.distributed.all_reduce` on the case's TP group, put in by the
 same mechanism the fault catalogue uses (`Injection.tamper`, on every rank after the TP module is
 built): the checker's collective tap counts it like the code's own. The repaired Case is registered
-in this process (`checker.usercode.register`) and run by a fresh rank pool; it is the repair only if
+in this process (`checker.casefile.register`) and run by a fresh rank pool; it is the repair only if
 its own full check says `equivalent`.
 """
 
@@ -160,7 +160,7 @@ def prepare(result: dict, spec) -> tuple[dict, list]:
     """(result, [(insertion, candidate spec)]): the repaired Cases registered in this process, all
     before the rank pool that runs them starts (the ranks inherit the registry when they fork)."""
     from tpcheck.checker.case import CaseSpec
-    from tpcheck.checker.usercode import register
+    from tpcheck.checker.casefile import register
     from tpcheck.resolve import RESOLVER
 
     todo = insertions(result)

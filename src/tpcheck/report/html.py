@@ -13,12 +13,11 @@ import html
 import json
 import re
 
+from tpcheck.checker.checkid import CheckId
+from tpcheck.checker.vocabulary import LEDGER_PHASES, WARMUP
 from tpcheck.report.float64 import float64_line
-from tpcheck.report.plans import counts, module_outputs_code
+from tpcheck.report.module_outputs import counts, module_outputs_code
 
-# "warmup": the collectives of the warm-up forwards (RunSettings.warmup), never expected per step
-WARMUP = "warmup"
-PHASES = (WARMUP, "forward", "backward", "optimizer")
 MAX_FAILED_ROWS = 25  # failed checks listed per case; the JSON has them all
 KNOWN_CASE_KEYS = {
     "name",
@@ -417,7 +416,7 @@ def _rng(case: dict) -> str:
         if c["kind"] != "rng":
             continue
         site = sites.setdefault(
-            c["name"].split(":", 1)[1],
+            CheckId.parse(c["name"]).target,
             {"placement": c["placement"], "reason": c["reason"], "checked": 0, "failed": 0},
         )
         site["checked"] += 1
@@ -473,7 +472,7 @@ def ledger_rows(ledger: dict) -> tuple[list[str], list[tuple[str, str]], dict, d
     for e in ledger.get("expected") or []:
         count, sites = expected.get((e["phase"], e["op"]), (0, []))
         expected[(e["phase"], e["op"])] = (count + e["count"], sites + [e["site"]])
-    order = {p: i for i, p in enumerate(PHASES)}
+    order = {p: i for i, p in enumerate(LEDGER_PHASES)}
     keys = {(phase, op) for phase, op, _ in cells} | set(expected)
     rows = sorted(keys, key=lambda k: (order.get(k[0], len(order)), k))
     return ranks, rows, expected, cells

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck import Case, CaseSpec, RunSettings, check
+from tpcheck.checker.casefile import register
 from tpcheck.checker.rank import activations
-from tpcheck.checker.usercode import register
 from tpcheck.parallel.collectives import copy_to_tp_region, reduce_from_tp_region
 from tpcheck.plan import Fused, Plan, Replicate, Shard
 from tpcheck.resolve import RESOLVER

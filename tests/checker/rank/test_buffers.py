@@ -17,8 +17,8 @@ import torch
 from mutants import records_zero
 from tpcheck import Plan, Replicate, Shard
 from tpcheck.api import check
+from tpcheck.checker.casefile import file_spec, load_module, register
 from tpcheck.checker.rank import buffers, engine
-from tpcheck.checker.usercode import file_spec, load_module, register
 from tpcheck.errors import UsageError
 
 CASES = Path(__file__).parent / "case_files" / "buffers_eval.py"
@@ -271,7 +271,7 @@ def test_a_gqa_kv_cache_replicated_over_ranks_is_a_candidate_placement():
     0, ranks 2-3 head 1 (the decode block at tp 4 is equivalent with it inferred)."""
     import torch
 
-    from tpcheck.checker.rank.inference import candidates, matches
+    from tpcheck.checker.rank.plan_inference import candidates, matches
     from tpcheck.plan import Fused
 
     assert Fused(2, (2,)) in candidates((12, 2, 2, 8), 4)

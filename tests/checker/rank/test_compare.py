@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import evidence_key
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.compare import Comparator
@@ -31,7 +32,7 @@ def test_the_callers_fields_are_in_the_check_and_its_control_keeps_the_bounds_ow
     check = cmp.compare(
         "weights",
         0,
-        "param:w",
+        CheckId.parse("param:w"),
         w.clone(),
         w,
         w,
@@ -52,12 +53,18 @@ def test_the_callers_fields_are_in_the_check_and_its_control_keeps_the_bounds_ow
 def test_a_held_activation_keeps_its_place_and_an_allowance_its_raw_error():
     cmp, a = _comparator(), torch.ones(3)
     place = cmp.next_seq()  # where the tensor was produced, while its placement was not known
-    held = cmp.compare("forward", 1, "act:a", a, a, a.double(), Replicate(), seq=place)
+    held = cmp.compare(
+        "forward", 1, CheckId.parse("act:a"), a, a, a.double(), Replicate(), seq=place
+    )
     assert held.seq == place < cmp.seq  # the counter moved on; the held tensor keeps its place
     raw = a + 0.5
-    relaxed = cmp.compare("optimizer", 1, "param:w", a + 0.25, a, a.double(), Replicate(), raw=raw)
+    relaxed = cmp.compare(
+        "optimizer", 1, CheckId.parse("param:w"), a + 0.25, a, a.double(), Replicate(), raw=raw
+    )
     assert (relaxed.error, relaxed.raw_error) == (0.25, 0.5)
-    same = cmp.compare("optimizer", 2, "param:w", raw, a, a.double(), Replicate(), raw=raw)
+    same = cmp.compare(
+        "optimizer", 2, CheckId.parse("param:w"), raw, a, a.double(), Replicate(), raw=raw
+    )
     assert same.raw_error is None  # nothing excused: no second figure
 
 
@@ -69,15 +76,17 @@ def test_a_control_is_planted_once_per_stage_step_and_kind():
 
 def test_evidence_is_kept_by_tuple_and_sent_under_the_payloads_key():
     cmp, w = _comparator(), torch.arange(4.0)
-    cmp.compare("weights", 0, "param:w", w.clone(), w, w, Replicate(), exact=True)
-    assert ("weights", 0, "param:w") in set(cmp.evidence)
-    sent = cmp.evidence.sent({("weights", 0, "param:w")})
+    cmp.compare("weights", 0, CheckId.parse("param:w"), w.clone(), w, w, Replicate(), exact=True)
+    assert ("weights", 0, CheckId.parse("param:w")) in set(cmp.evidence)
+    sent = cmp.evidence.sent({("weights", 0, CheckId.parse("param:w"))})
     assert set(sent) == {
-        evidence_key("weights", 0, "param:w"),
-        evidence_key("weights", 0, "control:param:w"),
+        evidence_key("weights", 0, CheckId.parse("param:w")),
+        evidence_key("weights", 0, CheckId.parse("control:param:w")),
     }
     # controls always go
-    assert set(cmp.evidence.sent(set())) == {evidence_key("weights", 0, "control:param:w")}
+    assert set(cmp.evidence.sent(set())) == {
+        evidence_key("weights", 0, CheckId.parse("control:param:w"))
+    }
 
 
 def test_a_control_is_the_real_tp_tensor_moved_by_the_published_detectability():
@@ -87,12 +96,12 @@ def test_a_control_is_the_real_tp_tensor_moved_by_the_published_detectability():
     ref = torch.linspace(-1.0, 2.0, 64)
     tp = ref.clone()
     tp[3] += 0.5  # a real error elsewhere than the planted element
-    real = cmp.compare("forward", 1, "act:a", tp, ref, ref.double(), Replicate())
+    real = cmp.compare("forward", 1, CheckId.parse("act:a"), tp, ref, ref.double(), Replicate())
     control = cmp.checks[-1]
     assert control.control and control.name == "control:act:a"
     assert control.planted == pytest.approx(tolerance.CONTROL_RELATIVE[torch.float32] * 2.0)
     assert real.error == pytest.approx(0.5) and control.error == pytest.approx(0.5)
-    kept = cmp.evidence.kept[evidence_key("forward", 1, "control:act:a")]
+    kept = cmp.evidence.kept[evidence_key("forward", 1, CheckId.parse("control:act:a"))]
     assert float((kept["tp"] - kept["ref"]).abs().max()) >= control.planted * 0.99
 
 
@@ -101,7 +110,7 @@ def test_a_float16_control_near_the_top_of_the_range_stays_finite():
     group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))
     cmp = Comparator(group, group.tap, torch.float16, "float16")
     t = torch.tensor([65000.0, 1.0, -3.0], dtype=torch.float16)
-    cmp.compare("forward", 1, "act:big", t.clone(), t, t.double(), Replicate())
+    cmp.compare("forward", 1, CheckId.parse("act:big"), t.clone(), t, t.double(), Replicate())
     control = cmp.checks[-1]
     assert math.isfinite(control.error) and control.error >= control.planted / 2
     assert control.error > control.bound
@@ -123,6 +132,6 @@ def test_a_nonfinite_reference_names_float16_overflow_and_adamw_only_where_they_
     for masters, step, adamw in ((True, 2, False), (False, 1, False), (False, 2, True)):
         cmp = Comparator(group, group.tap, torch.float16, "float16", masters=masters)
         with pytest.raises(UsageError) as e:
-            cmp.compare("forward", step, "act:x", bad, bad, None, Replicate())
+            cmp.compare("forward", step, CheckId.parse("act:x"), bad, bad, None, Replicate())
         assert "float16 overflows past 65504" in str(e.value)
         assert ("AdamW" in str(e.value)) == adamw, (masters, step)

@@ -7,16 +7,22 @@ import json
 import os
 
 from tpcheck import CaseSpec, RunSettings, check
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import evidence
 from tpcheck.faults import CATALOGUE
+
+
+def K(stage: str, step: int, name: str) -> tuple:
+    """An evidence key, its check named as the report names it."""
+    return stage, step, CheckId.parse(name)
 
 
 def _check(stage, name, error, bound, kind="calibrated", step=1, rank=0):
     return Check(
         stage=stage,
         step=step,
-        name=name,
+        id=CheckId.parse(name),
         rank=rank,
         error=error,
         diff_vs_dense=error,
@@ -28,11 +34,11 @@ def _check(stage, name, error, bound, kind="calibrated", step=1, rank=0):
 
 
 KEPT = {
-    ("weights", 0, "param:w"): {},
-    ("forward", 1, "act:a"): {},
-    ("forward", 1, "act:b"): {},
-    ("forward", 1, "output"): {},
-    ("grads", 1, "grad:w"): {},
+    K("weights", 0, "param:w"): {},
+    K("forward", 1, "act:a"): {},
+    K("forward", 1, "act:b"): {},
+    K("forward", 1, "output"): {},
+    K("grads", 1, "grad:w"): {},
 }
 
 
@@ -70,8 +76,8 @@ def test_rank_0_keeps_the_failing_checks_and_the_weights():
         _check("forward", "output", 0.0, 1e-6),
     ]
     assert evidence.needed_evidence(checks, KEPT, Rendezvous(0, {})) == {
-        ("weights", 0, "param:w"),
-        ("forward", 1, "act:b"),
+        K("weights", 0, "param:w"),
+        K("forward", 1, "act:b"),
     }
 
 
@@ -84,7 +90,7 @@ def test_another_rank_is_judged_by_rank_0s_bounds_and_its_failure_kept_on_every_
     keys0 = evidence.needed_evidence(rank0, KEPT, Rendezvous(0, {1: _post(rank1, 1)}))
     keys1 = evidence.needed_evidence(rank1, KEPT, Rendezvous(1, {0: _post(rank0, 0)}))
     # rank 1's failure, on both ranks
-    assert keys0 == keys1 == {("weights", 0, "param:w"), ("forward", 1, "act:b")}
+    assert keys0 == keys1 == {K("weights", 0, "param:w"), K("forward", 1, "act:b")}
 
 
 def test_check_orders_that_differ_send_everything():
@@ -128,16 +134,16 @@ def test_a_step_releases_the_tensors_of_its_passing_checks_back_to_the_budget():
     assert kept.left == evidence.EVIDENCE_BUDGET - 4 * 30
     kept.release(1, None)  # the ranks could not tell: nothing goes
     assert len(kept.kept) == 4
-    kept.release(1, {("forward", 1, "act:b")})
+    kept.release(1, {K("forward", 1, "act:b")})
     # act:a of step 1 passed: dropped; the failing act:b, the weights and step 2's stay
     assert set(kept.kept) == {
-        ("weights", 0, "param:w"),
-        ("forward", 1, "act:b"),
-        ("forward", 2, "act:a"),
+        K("weights", 0, "param:w"),
+        K("forward", 1, "act:b"),
+        K("forward", 2, "act:a"),
     }
     assert kept.left == evidence.EVIDENCE_BUDGET - 3 * 30
     kept.release(0, set())  # the loaded weights are never released
-    assert ("weights", 0, "param:w") in kept.kept
+    assert K("weights", 0, "param:w") in kept.kept
 
 
 def _late_skip():

@@ -14,8 +14,8 @@ from torch import nn
 
 from tpcheck import CaseSpec, RunSettings, check
 from tpcheck.checker.case import Case, default_decode_inputs
+from tpcheck.checker.casefile import file_spec, register
 from tpcheck.checker.rank.forward_only import NO_GRAD, Buffers
-from tpcheck.checker.usercode import file_spec, register
 from tpcheck.errors import UsageError
 
 from paths import example

@@ -17,14 +17,15 @@ from torch import nn
 
 from tpcheck import Case, Plan, Replicate, RunSettings, Shard
 from tpcheck.api import check
+from tpcheck.checker.casefile import file_spec, register
 from tpcheck.checker.rank.tolerance import FLOOR_ULPS, SMALL_FLOOR_ULPS, SMALL_NUMEL, eps
-from tpcheck.checker.usercode import file_spec, register
 
 from paths import example
 
 EX = example("own_module")  # its column- and row-parallel autograd functions
 capture = importlib.import_module("tpcheck.checker.rank.capture")
-engine = importlib.import_module("tpcheck.checker.rank.engine")
+passes = importlib.import_module("tpcheck.checker.rank.passes")
+sides = importlib.import_module("tpcheck.checker.rank.sides")
 
 SEQ, BATCH, HIDDEN, FFN = 4, 2, 8, 16
 MODES = ("output", "grad", "input", "loss")
@@ -197,8 +198,8 @@ def test_checker_mutant_sharing_the_batch_miscalibrates_the_correct_model(monkey
     """Every side takes the batch's own tensors where the dtype matches: the dense side's change to
     its input reaches the truth and the TP side, which then compute from another input
     than the dense side."""
-    monkeypatch.setattr(
-        engine, "cast", lambda t, dtype: t.to(dtype) if t.is_floating_point() else t
-    )
+    shared = lambda t, dtype: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    monkeypatch.setattr(passes, "cast", shared)  # the dense and truth passes
+    monkeypatch.setattr(sides, "cast", shared)  # the TP side's inputs
     result = _run([_case("input", False)])["in_place_input"]
     assert result["verdict"] != "equivalent" or _miscalibrated(result), result["summary"]

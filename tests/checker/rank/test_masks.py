@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcheck import Case, CaseSpec, Plan, Replicate, RunSettings, Shard, check
+from tpcheck.checker.casefile import register
 from tpcheck.checker.rank import rng
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.masks import (
@@ -26,7 +27,6 @@ from tpcheck.checker.rank.masks import (
     infer_placement,
     violations,
 )
-from tpcheck.checker.usercode import register
 from tpcheck.faults import CATALOGUE
 from tpcheck.models.config import ModelConfig
 from tpcheck.parallel.random import ParallelDropout, RNGTracker

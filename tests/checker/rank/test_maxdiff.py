@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpcheck.checker.rank.loading import CHUNK, absmax, max_abs_diff, maxdiff
+from tpcheck.checker.rank.measure import CHUNK, absmax, max_abs_diff, maxdiff
 from tpcheck.checker.rank.tolerance import calibrated
 
 SIZES = (1, 5, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from tpcheck.api import check
+from tpcheck.checker.casefile import file_spec
 from tpcheck.checker.rank.names import agree, given_names, strip_wrappers
 from tpcheck.checker.sync import Rendezvous
-from tpcheck.checker.usercode import file_spec
 from tpcheck.errors import UsageError
 from tpcheck.plan import Shard
 
@@ -141,7 +141,8 @@ def test_tp_names_as_a_dict_or_a_function_of_the_dense_name():
 
 def test_tp_names_on_a_case_are_checked():
     from tpcheck import Plan
-    from tpcheck.checker.usercode import guard_user_case, load_module
+    from tpcheck.checker.casefile import load_module
+    from tpcheck.checker.usercode import guard_user_case
 
     base = load_module(str(CASES)).renamed
     with pytest.raises(UsageError, match=r"with a written plan; put them in Plan\(tp_names=...\)"):

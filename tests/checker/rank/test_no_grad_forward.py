@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tpcheck import Case
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec, register
+from tpcheck.checker.casefile import file_spec, register
 from tpcheck.checker.verdict.failures import raised_in
 from tpcheck.errors import UsageError
 from tpcheck.plan import Shard
@@ -88,12 +88,13 @@ class AlwaysSkipsReduce(EX.TPBlock):
 
 
 def _check(name, step=1, stage="forward", seq=0, passed=False):
+    from tpcheck.checker.checkid import CheckId
     from tpcheck.checker.payload import Check
 
     return Check(
         stage=stage,
         step=step,
-        name=name,
+        id=CheckId.parse(name),
         rank=0,
         error=1.0,
         diff_vs_dense=1.0,
@@ -110,7 +111,7 @@ def test_a_bug_in_the_training_forward_too_is_named_there_not_at_the_output_with
     where that forward fails too, its failure is the first divergence: it names a module (here
     the output of the block, which the activation checks reach). A failure without autograd alone
     stays first; a later step's training forward never stands in for it."""
-    from tpcheck.checker.verdict.result import _first
+    from tpcheck.checker.verdict.divergence import first_divergence as _first
 
     (r,) = check([file_spec(_case("both_paths", AlwaysSkipsReduce, no_grad_forward=True), 2)])
     assert r["verdict"] == "not equivalent"
@@ -119,10 +120,10 @@ def test_a_bug_in_the_training_forward_too_is_named_there_not_at_the_output_with
     assert failed.index("output:no_grad") < failed.index("output")
     assert r["first_divergence"]["name"] == "output", r["first_divergence"]
     alone = [_check("output:no_grad"), _check("output", step=2), _check("output:eval", step=2)]
-    assert _first(alone)["name"] == "output:no_grad"
+    assert _first(alone).name == "output:no_grad"
     both = [_check("output:no_grad"), _check("act:fc2"), _check("output")]
-    assert _first(both)["name"] == "act:fc2"
-    assert _first([_check("output:eval", 2), _check("output", 2)])["name"] == "output"
+    assert _first(both).name == "act:fc2"
+    assert _first([_check("output:eval", 2), _check("output", 2)]).name == "output"
 
 
 def test_a_decision_made_without_autograd_yields_to_the_training_forward_that_fails_too():
@@ -130,7 +131,7 @@ def test_a_decision_made_without_autograd_yields_to_the_training_forward_that_fa
     the way; its layer-1 router flips (seq 56) before the training forward's layer-0 output fails
     (seq 60). The first divergence is that output: it names the layer where the bug acts. Without
     the step's checks (the pass's extent unknown: a checker mutant), the router is named."""
-    from tpcheck.checker.verdict.result import _first
+    from tpcheck.checker.verdict.divergence import first_divergence as _first
 
     checks = [
         _check("routing:layers.0.gate.topk#1", seq=55, passed=True),
@@ -141,11 +142,11 @@ def test_a_decision_made_without_autograd_yields_to_the_training_forward_that_fa
         _check("routing:layers.1.gate.topk#1", seq=61),
     ]
     failed = [c for c in checks if not c.passed]
-    assert _first(failed, checks)["name"] == "act:layers.0"
-    assert _first(failed)["name"] == "routing:layers.1.gate.topk#1"
+    assert _first(failed, checks).name == "act:layers.0"
+    assert _first(failed).name == "routing:layers.1.gate.topk#1"
     # the pass without autograd alone failing: its first failure stays first
     alone = [c for c in failed if c.seq <= 57]
-    assert _first(alone, checks)["name"] == "routing:layers.1.gate.topk#1"
+    assert _first(alone, checks).name == "routing:layers.1.gate.topk#1"
 
 
 def test_activations_are_refused_beside_a_written_plan():

@@ -8,7 +8,7 @@ import importlib
 from pathlib import Path
 
 from tpcheck.api import check
-from tpcheck.checker.usercode import file_spec
+from tpcheck.checker.casefile import file_spec
 
 CASES = Path(__file__).parent / "case_files" / "bias_on_one_rank.py"
 
@@ -22,7 +22,7 @@ def _engine_loads(name, dtype):
     """The case file's `name` with tpcheck loading the weights through its plan (no load_tp)."""
     import dataclasses
 
-    from tpcheck.checker.usercode import load_module, register
+    from tpcheck.checker.casefile import load_module, register
 
     case = getattr(load_module(str(CASES)), name)
     mine = dataclasses.replace(case, name=f"{case.name}_engine_loads", load_tp=None)

@@ -8,8 +8,8 @@ float32, are caught at the forward output; the correct block is equivalent. With
 import pytest
 
 from tpcheck.api import check
+from tpcheck.checker.casefile import file_spec
 from tpcheck.checker.rank import tolerance
-from tpcheck.checker.usercode import file_spec
 
 from paths import REPO
 

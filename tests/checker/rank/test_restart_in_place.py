@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from tpcheck.api import check
-from tpcheck.checker.rank import engine
+from tpcheck.checker.casefile import file_spec
+from tpcheck.checker.rank import optimizer_stage, sides
 from tpcheck.checker.rank.loading import restart_in_place
-from tpcheck.checker.usercode import file_spec
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import OnRank, Plan, Replicate, Shard
@@ -74,12 +74,12 @@ def test_a_restart_through_the_loader_hides_the_stale_cache(monkeypatch):
     derives): the stale cache then reads "equivalent", and the loader that loads once is called
     again (its refusal: "invalid", naming it)."""
 
-    def through_the_loader(self):
-        kept = {n: p for n, p in self.tp.named_parameters()}
-        self._load_tp(self.dense, self.plan)
-        assert all(p is kept[n] for n, p in self.tp.named_parameters())
+    def through_the_loader(s, opts):
+        kept = {n: p for n, p in s.tp.named_parameters()}
+        sides._load_tp(s.case, s.tp, s.dense, s.group, s.dtype)
+        assert all(p is kept[n] for n, p in s.tp.named_parameters())
 
-    monkeypatch.setattr(engine.Engine, "_tp_from_dense", through_the_loader)
+    monkeypatch.setattr(optimizer_stage, "restart_tp", through_the_loader)
     r = _run(["stale_cache", "loads_once"])
     assert r["stale_cache"]["verdict"] == "equivalent", r["stale_cache"]["summary"]
     assert r["loads_once"]["verdict"] == "invalid", r["loads_once"]["summary"]

@@ -18,9 +18,9 @@ from torch import nn
 
 from tpcheck import Case, Plan, Replicate, Shard
 from tpcheck.api import check
+from tpcheck.checker.casefile import file_spec, register
 from tpcheck.checker.rank import shard_ops
 from tpcheck.checker.rank.shard_ops import OpSizes, ShardOps
-from tpcheck.checker.usercode import file_spec, register
 
 from paths import example
 

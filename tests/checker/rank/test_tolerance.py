@@ -175,13 +175,14 @@ def _errors(tp, dense):
 
 def _judged(errors, bound):
     """The parent's judgement of a binned check, as result.judge makes it."""
+    from tpcheck.checker.checkid import CheckId
     from tpcheck.checker.payload import Check
     from tpcheck.checker.verdict.result import judge
 
     c = Check(
         stage="forward",
         step=1,
-        name="x",
+        id=CheckId("act", "x"),
         rank=0,
         error=max(errors),
         diff_vs_dense=max(errors),

@@ -11,10 +11,10 @@ import pytest
 
 from tpcheck import CaseSpec, RunSettings
 from tpcheck.api import check
-from tpcheck.checker.payload import WARMUP
+from tpcheck.checker.casefile import file_spec
 from tpcheck.checker.rank import engine
-from tpcheck.checker.usercode import file_spec
 from tpcheck.checker.verdict.collectives import check_ledger
+from tpcheck.checker.vocabulary import WARMUP
 from tpcheck.errors import UsageError
 
 CASES = Path(__file__).parent / "case_files" / "call_count.py"
@@ -101,7 +101,7 @@ def test_the_ledger_check_holds_warm_up_collectives_to_symmetry_only():
 def test_a_warm_up_that_runs_nothing_ends_in_error(monkeypatch):
     """Checker mutant: the warm-up runs no forward (the bug after 6 calls would be out of reach
     again): the self-test's manifest of the warm-up fails it, never "equivalent"."""
-    monkeypatch.setattr(engine, "warm_up", lambda e: 0)
+    monkeypatch.setattr(engine, "warm_up", lambda s, train: 0)
     (r,) = check(_specs([("fused_bias_early", 6)]))
     assert r["verdict"] == "error", r["summary"]
     assert "ran 0 of the 6 warm-up forward(s)" in r["summary"]

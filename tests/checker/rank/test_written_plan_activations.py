@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tpcheck import CaseSpec, Plan, Replicate, RunSettings, Shard, check
+from tpcheck.checker.casefile import file_spec, register
 from tpcheck.checker.rank import activations, discover
-from tpcheck.checker.usercode import file_spec, register
 
 LAYER = Path(__file__).with_name("megatron_style_layer.py")
 
@@ -166,7 +166,7 @@ def test_checker_mutant_an_output_no_placement_skipped_moves_the_blame(monkeypat
 
 
 def _case(name):
-    from tpcheck.checker.usercode import load_module
+    from tpcheck.checker.casefile import load_module
 
     return getattr(load_module(str(LAYER)), name)
 
@@ -202,7 +202,7 @@ def test_the_report_and_the_printed_plan_say_which_activations_were_written_and_
 def test_an_inferred_plan_marks_the_activations_the_case_named_and_those_inferred():
     """plan=None with `Case.activations`: the printed plan says which placement was written and
     which inferred, and still evaluates to the plan; with none named it carries no marks."""
-    from tpcheck.checker.rank.inference import plan_as_code
+    from tpcheck.checker.rank.plan_inference import plan_as_code
 
     plan = Plan(params={"w": Shard(0)}, activations={"fc1": Shard(2), "fc2": Replicate()})
     code = plan_as_code(plan, {"fc3": "why"}, written={"fc1"}, no_placement={"fc4": "shapes"})

@@ -6,12 +6,43 @@ ranks) must not be misnamed."""
 import numpy as np
 import pytest
 
-from tpcheck.checker.verdict.diagnose import CAUSES, diagnose
+from tpcheck.checker.checkid import CheckId
+from tpcheck.checker.verdict import diagnose as diagnosing
+from tpcheck.checker.verdict.diagnose import CAUSES
+from tpcheck.checker.verdict.divergence import Diagnosis, FirstDivergence
 
 FP32_EPS = float(np.finfo(np.float32).eps)
 BF16_EPS = 2.0**-7
 KEY = ("forward", 1, "act:down")
 SHAPE = (8, 16)
+
+
+def typed(evidence: list[dict]) -> list[dict]:
+    """Evidence keyed as a report names checks, keyed as the verdict holds it (the identity)."""
+    return [{(st, sp, CheckId.parse(n)): v for (st, sp, n), v in e.items()} for e in evidence]
+
+
+def diagnose(first: dict, evidence: list[dict], *args, **kw) -> dict:
+    """The diagnosis of a first divergence given as the report's object (read back as the verdict
+    holds it), over evidence keyed by the report's names."""
+    return diagnosing.diagnose(
+        FirstDivergence.from_json(first), typed(evidence), *args, **kw
+    ).to_json()
+
+
+def structural(first: dict, diagnosis: dict, f64_first: dict, f64_diagnosis: dict) -> dict:
+    """`structural` on the report's objects (read back as the verdict holds them): the same object
+    back where the diagnosis stands, else the new one."""
+    here, there = FirstDivergence.from_json(first), FirstDivergence.from_json(f64_first)
+    theirs = Diagnosis.from_json({**EMPTY, **f64_diagnosis})
+    mine = Diagnosis.from_json(diagnosis)
+    said = diagnosing.structural(here, mine, there, theirs)
+    return diagnosis if said is mine else said.to_json()
+
+
+# the fields a test's float64 diagnosis leaves out (it gives the signature and the cause)
+EMPTY = {"location": "", "tensor": "", "stage": "", "step": 0, "ranks": [], "evidence": {}}
+EMPTY["sentence"] = ""
 
 
 def first(stage="forward", step=1, name="act:down", ranks=(0, 1)) -> dict:
@@ -575,7 +606,6 @@ def test_an_exact_check_is_never_near_the_bound_whatever_bound_it_carries():
 def test_near_bound_is_re_said_once_the_float64_run_fails():
     """`structural`: at the same check, the float64 run's signature; elsewhere `mismatch` naming
     where the float64 run failed; any other diagnosis unchanged."""
-    from tpcheck.checker.verdict.diagnose import structural
 
     here = {"stage": "forward", "step": 1, "name": "act:q_norm", "ranks": [0, 1]}
     ev = _near(("forward", 1, "act:q_norm"))

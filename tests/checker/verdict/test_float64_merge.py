@@ -3,7 +3,9 @@ and when the float64 run is skipped (checker/verdict/float64_run.py)."""
 
 import dataclasses
 
-from tpcheck.checker.case import CaseSpec, RunSettings
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.settings import RunSettings
+from tpcheck.checker.verdict.divergence import SelfTest
 from tpcheck.checker.verdict.float64_run import float64_spec, merge_float64
 from tpcheck.checker.verdict.result import CaseResult
 
@@ -22,9 +24,7 @@ def result(verdict="equivalent", run=BF16, **kw) -> CaseResult:
         summary=f"{verdict}: something",
         seconds=1.0,
         checks=[] if finished else None,
-        self_test={"controls": 2, "flagged": 2, "failures": [], "skipped": []}
-        if finished
-        else None,
+        self_test=SelfTest(controls=2, flagged=2) if finished else None,
     )
     return CaseResult(**{**fields, **kw})
 

@@ -1,5 +1,5 @@
 """The two gradient mechanisms the diagnosis names (checker/verdict/mechanisms.py), the plan-rule
-matching behind the second (checker/plan_rules.py) and the findings index (tpcheck/findings.py).
+matching behind the second (checker/rule_match.py) and the findings index (tpcheck/findings.py).
 
 The cases (case_files/norm_grad_hooks.py) are Qwen3-style per-head q/k norms in a column-parallel
 attention, written as public TP code writes them: the TP code's own plan of rules installs a
@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 from tpcheck import Case, CaseSpec, RunSettings, check
-from tpcheck.checker.plan_rules import covering, generic
+from tpcheck.checker.checkid import CheckId
+from tpcheck.checker.rule_match import covering, generic
+from tpcheck.checker.verdict import diagnose as diagnosing
 from tpcheck.checker.verdict import mechanisms
-from tpcheck.checker.verdict.diagnose import CAUSES, diagnose
+from tpcheck.checker.verdict.diagnose import CAUSES
+from tpcheck.checker.verdict.divergence import FirstDivergence
 from tpcheck.errors import UsageError
 from tpcheck.findings import FINDINGS, finding_for
 from tpcheck.report.console import print_summary
@@ -154,8 +157,16 @@ def test_a_broken_plan_rule_reader_fails_the_signature_test(monkeypatch):
 # -------------------------------------------------- the detectors on synthetic evidence (no ranks)
 
 
+def diagnose(first: dict | FirstDivergence, evidence: list[dict], *args, **kw) -> dict:
+    """The diagnosis of a first divergence (given as the report's object: read back as the verdict
+    holds it)."""
+    if not isinstance(first, FirstDivergence):
+        first = FirstDivergence.from_json(first)
+    return diagnosing.diagnose(first, evidence, *args, **kw).to_json()
+
+
 def grad_evidence(tps, parts, rule=None):
-    key = ("grads", 1, "grad:norm.weight")
+    key = ("grads", 1, CheckId("grad", "norm.weight"))
     out = []
     for tp, g in zip(tps, parts):
         e = {"tp": tp, "ref": g.sum(0), "dense": g.sum(0), "placement": "replicate", "eps": 1e-7}
@@ -281,8 +292,8 @@ def _op(module: str, op: str = "mean", at: str = "/x/site-packages/pkg/m.py:7") 
     }
 
 
-def _act(name: str, stage: str = "forward") -> dict:
-    return {"name": name, "stage": stage, "step": 1, "ranks": [0, 1], "error": 1.0, "bound": 1e-6}
+def _act(name: str, stage: str = "forward") -> FirstDivergence:
+    return FirstDivergence(CheckId.parse(name), stage, 1, [0, 1], error=1.0, bound=1e-6)
 
 
 def test_an_op_on_a_shard_is_named_where_it_runs_in_the_divergent_output():
@@ -317,7 +328,13 @@ def test_op_on_shard_only_names_a_mismatch():
     # a collective signature read from the tensors comes first
     ref = np.arange(1.0, 5.0)
     ev = [
-        {("forward", 1, "act:down"): {"tp": k * ref, "ref": ref, "placement": "replicate"}}
+        {
+            ("forward", 1, CheckId("act", "down")): {
+                "tp": k * ref,
+                "ref": ref,
+                "placement": "replicate",
+            }
+        }
         for k in (0.3, 0.7)
     ]
     assert diagnose(first, ev, 2, shard_ops=[_op("")])["signature"] == "partial_sum"

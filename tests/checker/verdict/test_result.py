@@ -51,7 +51,7 @@ def test_a_report_case_reads_back_to_the_same_result(reports):
             assert all(isinstance(c, Check) and c.stage in STAGES for c in result.checks)
     caught = CaseResult.from_json(reports[1])
     assert caught.spec.fault == "missing_backward_reduce" and caught.run.steps == 1
-    assert caught.first_divergence["stage"] in STAGES and not all(c.passed for c in caught.checks)
+    assert caught.first_divergence.stage in STAGES and not all(c.passed for c in caught.checks)
 
 
 def test_checks_in_a_report_carry_no_control_and_no_empty_loader(reports):

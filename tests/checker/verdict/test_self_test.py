@@ -23,6 +23,7 @@ from mutants import (
     verdict_reads_rank_0,
 )
 from tpcheck import CaseSpec, check, exit_code
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.compare import Comparator
@@ -149,21 +150,22 @@ def test_the_real_checker_catches_each_hidden_bug_and_passes_its_twin():
     assert by_fault["weight_cached_at_first_forward", "float32"]["first_divergence"]["step"] == 2
 
 
-def _check(**kw) -> Check:
-    base = dict(stage="forward", step=1, name="act:a", rank=0, error=0.0, diff_vs_dense=0.0)
+def _check(name="act:a", **kw) -> Check:
+    """A check named as the report names it (`control:` before a control's name)."""
+    base = dict(stage="forward", step=1, rank=0, error=0.0, diff_vs_dense=0.0)
     base.update(bound=1.0, kind="calibrated", reason="", passed=True)
-    return Check(**{**base, **kw})
+    return Check(id=CheckId.parse(name), **{**base, **kw})
 
 
 def test_an_unflagged_control_is_excused_only_by_the_dense_error_measured_apart():
     """An ill-conditioned tensor's control (`blind`: rank 0's own measure) is skipped; any other
     unflagged control, whatever its bound's ref_error says, is a failure."""
     real = _check()
-    excused = _check(name="control:act:a", control=True, ref_error=10.0, blind="ill-conditioned")
-    unexcused = _check(name="control:act:b", rank=1, control=True, ref_error=10.0)
+    excused = _check(name="control:act:a", ref_error=10.0, blind="ill-conditioned")
+    unexcused = _check(name="control:act:b", rank=1, ref_error=10.0)
     st = result_module.self_test([real, _check(rank=1)], [excused, unexcused], [{}, {}])
-    assert st["skipped"] == ["control:act:a (forward, step 1, rank 0): ill-conditioned"]
-    assert st["failures"] == [
+    assert st.skipped == ["control:act:a (forward, step 1, rank 0): ill-conditioned"]
+    assert st.failures == [
         "a planted error of 0 in control:act:b (forward, step 1, rank 1) was not flagged (bound 1)"
     ]
 
@@ -171,22 +173,24 @@ def test_an_unflagged_control_is_excused_only_by_the_dense_error_measured_apart(
 def test_a_control_the_verdict_did_not_read_as_failed_is_not_flagged():
     """The self-test reads the failures the verdict reads (`failing`), not a judgement of its
     own: a failed control left out of that list is unflagged."""
-    control = _check(name="control:act:a", control=True, error=2.0, passed=False, planted=2.0)
-    evidence = [{("forward", 1, "control:act:a"): {"tp": np.array([2.0]), "ref": np.zeros(1)}}]
+    control = _check(name="control:act:a", error=2.0, passed=False, planted=2.0)
+    kept = {"tp": np.array([2.0]), "ref": np.zeros(1)}
+    evidence = [{("forward", 1, CheckId.parse("control:act:a")): kept}]
     read = result_module.self_test([_check()], [control], evidence, [control])
-    assert read["failures"] == [] and read["flagged"] == 1
+    assert read.failures == [] and read.flagged == 1
     unread = result_module.self_test([_check()], [control], evidence, [])
-    assert unread["flagged"] == 0 and "was not flagged" in unread["failures"][0]
+    assert unread.flagged == 0 and "was not flagged" in unread.failures[0]
 
 
 def test_the_manifest_counts_every_micro_batch_on_every_rank():
     checks = [_check(name="output"), _check(name="output"), _check(name="output", rank=1)]
-    manifests = [(0, [["forward", 1, "output", 2]]), (1, [["forward", 1, "output", 2]]), (2, None)]
+    output, loss = CheckId("output"), CheckId("loss")
+    manifests = [(0, [["forward", 1, output, 2]]), (1, [["forward", 1, output, 2]]), (2, None)]
     assert result_module.missing_checks(checks, manifests) == [
         "1 check(s) of output (forward, step 1) on rank 1 where 2 were due (one per micro-batch)",
         "no manifest from rank 2: what it compared cannot be held to the plan",
     ]
-    assert result_module.missing_checks(checks, [(0, [["loss", 1, "loss", 1]])]) == [
+    assert result_module.missing_checks(checks, [(0, [["loss", 1, loss, 1]])]) == [
         "no check of loss (loss, step 1) on rank 0"
     ]
 

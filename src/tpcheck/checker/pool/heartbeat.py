@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from tpcheck.checker.rank.ledger import USER_COLLECTIVES
-from tpcheck.checker.usercode import frame_kind, short_path
+from tpcheck.checker.sourcelines import frame_kind, short_path
 
 BEAT_S = 0.25  # a rank's heartbeat period
 STALE_S = 2.0  # no beat for this long: the rank is not responding

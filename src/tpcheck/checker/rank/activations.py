@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from tpcheck.checker.rank import capture
-from tpcheck.checker.rank.loading import absmax, max_abs_diff
+from tpcheck.checker.rank.measure import absmax, max_abs_diff
 from tpcheck.errors import UsageError
 from tpcheck.plan import Fused, Placement, Plan, Replicate, Shard
 

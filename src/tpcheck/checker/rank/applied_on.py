@@ -14,6 +14,7 @@ import json
 
 import torch
 
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.optimizer import AdaptiveSlack
 from tpcheck.checker.rank.tolerance import Bound
@@ -89,7 +90,7 @@ def not_applied_here(
     cmp.compare_local(
         stage,
         step,
-        f"grad:{name}",
+        CheckId("grad", name),
         mine,
         zeros.to(mine.dtype),
         ALONE,

@@ -11,8 +11,8 @@ stage, stage "buffers", check `buffer:<dense name>`:
   the name under the TP module the parameters of its module were matched to (`fc1` -> `up_proj`,
   checker/rank/names.py), the same name, or the same name once wrapper segments are dropped;
 - where it lives: the written plan's `Plan.buffers`, else the first placement its shape admits
-  (inference.py's candidates) whose shard of the dense buffer has the TP buffer's shape on every
-  rank, one whose values match too preferred: Replicate() where the TP module holds the whole
+  (plan_inference.py's candidates) whose shard of the dense buffer has the TP buffer's shape on
+  every rank, one whose values match too preferred: Replicate() where the TP module holds the whole
   buffer, and then every rank's copy is held bitwise to the others' (compare.py);
 - a floating buffer is bounded by the float64 truth's own buffer (its running statistics come from
   its own forwards, its caches from its own constructor), any other (`num_batches_tracked`, a bool
@@ -22,7 +22,7 @@ stage, stage "buffers", check `buffer:<dense name>`:
 
 The eval-mode forward (`eval_forward`): at the last step, after its training forwards (the running
 statistics are those training left), every side in `.eval()` and without autograd, as the forward
-without autograd is run (engine.py `_no_grad_forward`), its output compared as "output:eval"
+without autograd is run (passes.py `no_grad_forward`), its output compared as "output:eval"
 (forward stage), each module's own mode restored after; its collectives checked alike on every
 rank, not counted against a case's expected ones. Eval mode draws no dropout: the dense side
 draws nothing, and a TP draw there is one the dense side did not make (rng.py).
@@ -39,16 +39,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tpcheck.checker import vocabulary
-from tpcheck.checker.rank.inference import candidates
+from tpcheck.checker.checkid import EVAL_OUTPUT, CheckId
 from tpcheck.checker.rank.names import strip_wrappers
+from tpcheck.checker.rank.passes import no_grad_forward
+from tpcheck.checker.rank.plan_inference import candidates
 from tpcheck.errors import UsageError
 from tpcheck.plan import Placement
 
 if TYPE_CHECKING:
-    from tpcheck.checker.rank.engine import Engine
-
-EVAL_OUTPUT = vocabulary.EVAL_OUTPUT
+    from tpcheck.checker.rank.sides import Sides
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -149,44 +148,44 @@ class BufferChecks:
     """The buffers compared on this rank: which TP buffer is which dense one and where it lives,
     decided once at step 0 (`start`), then compared at every step (`compare`)."""
 
-    def __init__(self, e: Engine, watched: list, notes: list[str]) -> None:
-        self.e, self.watched, self.notes = e, watched, notes
+    def __init__(self, s: Sides, watched: list, notes: list[str]) -> None:
+        self.s, self.watched, self.notes = s, watched, notes
 
     @classmethod
-    def start(cls, e: Engine) -> BufferChecks:
+    def start(cls, s: Sides) -> BufferChecks:
         """Match and place the buffers (the ranks agree through the store), then compare them as
         built (step 0)."""
-        plan, group = e.plan, e.group
-        dense = dict(e.dense.named_buffers())
-        tp = dict(e.tp.named_buffers())
+        plan, group = s.plan, s.group
+        dense = dict(s.dense.named_buffers())
+        tp = dict(s.tp.named_buffers())
         # a case with no plan written may name a buffer in its tp_names dict
-        given = e.case.tp_names if isinstance(e.case.tp_names, dict) else {}
+        given = s.case.tp_names if isinstance(s.case.tp_names, dict) else {}
         renames = {**given, **plan.tp_names}
         mine = propose(dense, tp, renames, plan.buffers, group.rank, group.world_size)
         said = [
             json.loads(text)
-            for text in e.rendezvous.exchange(
+            for text in s.rendezvous.exchange(
                 "buffers", json.dumps(mine), label="matching the buffers"
             )
         ]
-        checks = cls(e, *decide(said, dense, plan.buffers, group.world_size))
+        checks = cls(s, *decide(said, dense, plan.buffers, group.world_size))
         checks.compare(0)
         return checks
 
     def compare(self, step: int) -> None:
         """Every matched buffer on this rank against the dense module's, through its placement."""
-        e = self.e
-        rank, world = e.group.rank, e.group.world_size
-        dense, tp = dict(e.dense.named_buffers()), dict(e.tp.named_buffers())
-        truth = dict(e.truth.named_buffers()) if e.truth is not None else {}
+        s = self.s
+        rank, world = s.group.rank, s.group.world_size
+        dense, tp = dict(s.dense.named_buffers()), dict(s.tp.named_buffers())
+        truth = dict(s.truth.named_buffers()) if s.truth is not None else {}
         for d, t, placement in self.watched:
             local, ref = _local(tp[t]).detach(), dense[d].detach()
-            name = f"buffer:{d}"
+            check_id = CheckId("buffer", d)
             if placement is None:
-                e.cmp.record_layout(
+                s.cmp.record_layout(
                     step,
-                    name,
-                    e.cmp.next_seq(),
+                    check_id,
+                    s.cmp.next_seq(),
                     f"TP buffer {t!r} {list(local.shape)} (rank {rank}) is no placement of the "
                     f"dense buffer {list(ref.shape)} at {world} rank(s)",
                     stage="buffers",
@@ -197,10 +196,10 @@ class BufferChecks:
                 like = ref.dtype if ref.is_floating_point() else torch.float64
                 local = torch.full(shape or ref.shape, math.nan, dtype=like, device=ref.device)
             floating = ref.is_floating_point()
-            e.cmp.compare(
+            s.cmp.compare(
                 "buffers",
                 step,
-                name,
+                check_id,
                 local,
                 ref,
                 truth[d].detach() if floating and d in truth else None,
@@ -226,13 +225,13 @@ def evaluating(models: list[nn.Module]) -> Iterator[None]:
             m.training = training
 
 
-def eval_forward(e: Engine, step: int, inputs: dict) -> None:
+def eval_forward(s: Sides, step: int, inputs: dict) -> None:
     """The forward in eval mode, without autograd, of every side; its output compared as
-    "output:eval" (the forward without autograd's own comparison, engine.py). Its collectives are
+    "output:eval" (the forward without autograd's own comparison, passes.py). Its collectives are
     held alike on every rank (a checkpoint after it), then left out of the ledger: a case's expected
     collectives are those of a training forward, its loss's included."""
-    issued = len(e.tap.ledger)
-    with evaluating([m for m in (e.dense, e.truth, e.tp) if m is not None]):
-        e._no_grad_forward(step, inputs, EVAL_OUTPUT)
-    e.sync(f"the forward in eval mode of step {step}")
-    del e.tap.ledger[issued:]
+    issued = len(s.tap.ledger)
+    with evaluating(s.models()):
+        no_grad_forward(s, step, inputs, EVAL_OUTPUT)
+    s.sync(f"the forward in eval mode of step {step}")
+    del s.tap.ledger[issued:]

@@ -91,9 +91,6 @@ class Recorder:
         queue = self.tensors.get((stage, name))
         return queue.pop(0) if queue else None
 
-    def clear(self) -> None:
-        self.tensors.clear()
-
 
 class Calibrating(Recorder):
     """The float64 side: instead of a float64 copy of each captured tensor, what the comparison

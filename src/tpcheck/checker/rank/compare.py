@@ -16,11 +16,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.evidence import Evidence
 from tpcheck.checker.rank.ledger import CollectiveTap
-from tpcheck.checker.rank.loading import absmax, maxdiff
+from tpcheck.checker.rank.measure import absmax, maxdiff
 from tpcheck.checker.vocabulary import Stage
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -53,7 +54,7 @@ class Comparator:
         self,
         stage: Stage,
         step: int,
-        name: str,
+        check_id: CheckId,
         tp_local: torch.Tensor,
         dense: torch.Tensor,
         truth: torch.Tensor | None,
@@ -66,7 +67,6 @@ class Comparator:
         loaded_by: str | None = None,
         seq: int | None = None,
         raw: torch.Tensor | None = None,
-        control: bool = False,
     ) -> Check:
         """Compare this rank's tensor with the plan's shard of the reference. Local only: replicas
         are compared across ranks later, in `flush_replicas`, outside the model's collectives.
@@ -76,8 +76,9 @@ class Comparator:
         dtype). What the caller knows of the check: `reason` (for the bound's own: the weights a
         user's loader loaded), `loaded_by` (that loader), `seq` (a tensor held until the activation
         placements were inferred: its place in execution order), `raw` (`tp_local` before an
-        allowance excused part of the difference). `control`: this call is the self-test's, on a
-        perturbed copy of a real tensor (`_control`), through this same code."""
+        allowance excused part of the difference). A control's identity (`check_id.control`):
+        this call is the self-test's, on a perturbed copy of a real tensor (`_control`), through
+        this same code."""
         rank, world = self.group.rank, self.group.world_size
         ref = placement.shard(dense, rank, world)
         diff = maxdiff(tp_local, ref)
@@ -88,12 +89,12 @@ class Comparator:
         # NaN/Inf make the difference or the bound
         # non-finite; only then look for where they come from
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
-            self._check_reference_finite(stage, step, name, dense, truth)
+            self._check_reference_finite(stage, step, check_id, dense, truth)
         self.seq += 1
-        check = self._record(stage, step, name, diff, bound, placement, control)
+        check = self._record(stage, step, check_id, diff, bound, placement)
         self._note(check, ref, reason, loaded_by, seq, raw)
         self._by_magnitude(check, tp_local, ref, dense, bound, placement)
-        if control:  # its evidence, the few elements around the planted one: `_control`'s
+        if check_id.control:  # its evidence, the few elements around the planted one: `_control`'s
             return check
         self._keep_evidence(check, tp_local, ref, dense)
         self._control(
@@ -103,8 +104,8 @@ class Comparator:
             dense,
             bound,
             lambda planted: self.compare(
-                stage, step, f"control:{name}", planted, dense, truth, placement, exact, dtype,
-                bound, control=True,
+                stage, step, check_id.as_control(), planted, dense, truth, placement, exact, dtype,
+                bound,
             ),
         )  # fmt: skip
         self._hold_replicas(check, tp_local, dense, placement)
@@ -167,23 +168,23 @@ class Comparator:
         self,
         stage: Stage,
         step: int,
-        name: str,
+        check_id: CheckId,
         tp_local: torch.Tensor,
         ref_local: torch.Tensor,
         placement: Placement,
         reason: str,
         weights: torch.Tensor | None = None,
-        control: bool = False,
     ) -> Check:
         """Bitwise comparison of this rank's tensor with a reference computed on this rank from the
         TP side's own inputs (the optimizer replay): no cross-rank replica check, exact bound.
         `weights` (the parameter the tensor belongs to) is kept as evidence: a difference
-        proportional to it names weight decay. `control`: the self-test's call (`compare`)."""
+        proportional to it names weight decay. A control's identity: the self-test's call
+        (`compare`)."""
         diff = maxdiff(tp_local, ref_local)
         self.seq += 1
         bound = tolerance.Bound(0.0, "exact", reason)
-        check = self._record(stage, step, name, diff, bound, placement, control)
-        if control:
+        check = self._record(stage, step, check_id, diff, bound, placement)
+        if check_id.control:
             return check
         self._keep_evidence(check, tp_local, ref_local, ref_local, weights)
         self._control(
@@ -193,13 +194,12 @@ class Comparator:
             ref_local,
             bound,
             lambda planted: self.compare_local(
-                stage, step, f"control:{name}", planted, ref_local, placement, reason,
-                control=True,
+                stage, step, check_id.as_control(), planted, ref_local, placement, reason
             ),
         )  # fmt: skip
         return check
 
-    def absent(self, name: str, tp_name: str, present: bool, placement: Placement) -> Check:
+    def absent(self, check_id: CheckId, tp_name: str, present: bool, placement: Placement) -> Check:
         """The weights-stage check of a parameter `placement` holds on another rank only (OnRank):
         this rank must have no parameter `tp_name`. Its error is 1 when it has one (bound 0), and
         its evidence says so (the diagnosis names the rank that should hold it)."""
@@ -207,27 +207,26 @@ class Comparator:
         check = self.compare_local(
             "weights",
             0,
-            name,
+            check_id,
             torch.tensor([1.0 if present else 0.0]),
             torch.tensor([0.0]),
             placement,
             f"absent: the plan holds {tp_name!r} on rank {owner} only (OnRank({owner})); "
             f"rank {self.group.rank} has {'a' if present else 'no'} parameter of that name",
         )
-        if (kept := self.evidence.kept.get((check.stage, check.step, check.name))) is not None:
+        if (kept := self.evidence.kept.get((check.stage, check.step, check.id))) is not None:
             kept["held_on"] = owner
         return check
 
     def record_rng(
         self,
         step: int,
-        name: str,
+        check_id: CheckId,
         seq: int,
         error: int,
         reason: str,
         placement: str,
         info: dict,
-        control: bool = False,
     ) -> Check:
         """An RNG placement check (checker/rank/rng.py): `error` counts the ranks whose draw breaks
         the rule against this rank's (bound 0); `info` (the rule, those ranks, a mismatch with the
@@ -235,7 +234,7 @@ class Comparator:
         check = Check(
             stage="forward",
             step=step,
-            name=name,
+            id=check_id,
             rank=self.group.rank,
             error=float(error),
             diff_vs_dense=float(error),
@@ -245,10 +244,9 @@ class Comparator:
             passed=error <= 0,
             placement=placement,
             seq=seq,
-            control=control,
         )
         self.checks.append(check)
-        self.evidence.keep_rng(step, name, error, placement, info)
+        self.evidence.keep_rng(step, check_id, error, placement, info)
         return check
 
     def record_routing(
@@ -268,7 +266,7 @@ class Comparator:
         check = Check(
             stage="forward",
             step=step,
-            name=f"routing:{label}",
+            id=CheckId("routing", label),
             rank=self.group.rank,
             error=gap,
             diff_vs_dense=gap,
@@ -284,7 +282,7 @@ class Comparator:
         return check
 
     def record_layout(
-        self, step: int, name: str, seq: int, reason: str, stage: Stage = "forward"
+        self, step: int, check_id: CheckId, seq: int, reason: str, stage: Stage = "forward"
     ) -> Check:
         """A module output (or, at the buffers stage, a buffer: checker/rank/buffers.py) whose shape
         is no placement of the dense one (checker/rank/activations.py): a failed check at its place
@@ -294,7 +292,7 @@ class Comparator:
         check = Check(
             stage=stage,
             step=step,
-            name=name,
+            id=check_id,
             rank=self.group.rank,
             error=1.0,
             diff_vs_dense=1.0,
@@ -315,8 +313,7 @@ class Comparator:
                 flag,
                 tolerance.Bound(0.0, "layout", reason),
                 lambda planted: self.compare_local(
-                    stage, step, f"control:{name}", planted, flag, "no placement", reason,
-                    control=True,
+                    stage, step, check_id.as_control(), planted, flag, "no placement", reason
                 ),
             )  # fmt: skip
         return check
@@ -339,18 +336,17 @@ class Comparator:
         self,
         stage: Stage,
         step: int,
-        name: str,
+        check_id: CheckId,
         error: float,
         bound: tolerance.Bound,
         placement: Placement | str,
-        control: bool = False,
     ) -> Check:
         """One comparison's Check, appended in execution order. `passed` is provisional: the parent
         fills in pending bounds and judges every check (`result.judge`)."""
         check = Check(
             stage=stage,
             step=step,
-            name=name,
+            id=check_id,
             rank=self.group.rank,
             error=error,
             diff_vs_dense=error,
@@ -363,7 +359,6 @@ class Comparator:
             ref_error=bound.ref_error,
             floor=bound.floor,
             scale=bound.scale,
-            control=control,
         )
         self.checks.append(check)
         return check
@@ -408,18 +403,20 @@ class Comparator:
         lo = max(0, i - 4)  # the evidence of a control: the elements around the planted one
         self._keep_evidence(check, planted[lo : i + 4], near[lo : i + 4], near[lo : i + 4])
 
-    def _check_reference_finite(self, stage: str, step: int, name: str, dense, truth) -> None:
+    def _check_reference_finite(
+        self, stage: str, step: int, check_id: CheckId, dense, truth
+    ) -> None:
         """Bad input is reported as such (exit 2), not as a TP bug."""
         if truth is not None and not bool(torch.isfinite(truth).all()):
             raise UsageError(
-                f"the dense reference's {name} (step {step}, {stage}) contains NaN/Inf: "
+                f"the dense reference's {check_id} (step {step}, {stage}) contains NaN/Inf: "
                 "the inputs or weights are bad, not the TP implementation"
             )
         if not bool(torch.isfinite(dense).all()):
             raise UsageError(
-                f"the dense {self.dtype_name} reference's {name} (step {step}, {stage}) contains "
-                f"NaN/Inf ({self._nonfinite_cause(stage, step)}). The reference is bad, not the TP "
-                "implementation"
+                f"the dense {self.dtype_name} reference's {check_id} (step {step}, {stage}) "
+                f"contains NaN/Inf ({self._nonfinite_cause(stage, step)}). The reference is bad, "
+                "not the TP implementation"
             )
 
     def _nonfinite_cause(self, stage: str, step: int) -> str:
@@ -461,7 +458,7 @@ class Comparator:
             [1.0 if self.group.rank == self.group.world_size - 1 else 0.0], dtype=torch.float64
         )
         self.pending_replicas.append(
-            (dataclasses.replace(first, name=f"control:{first.name}", control=True), planted, None)
+            (dataclasses.replace(first, id=first.id.as_control()), planted, None)
         )
         flats = [t for _, t, _ in self.pending_replicas]
         sizes = [f.numel() for f in flats]
@@ -490,7 +487,7 @@ class Comparator:
                 Check(
                     stage="replicas",
                     step=check.step,
-                    name=check.name,
+                    id=check.id,
                     rank=check.rank,
                     error=spread,
                     diff_vs_dense=spread,
@@ -500,7 +497,6 @@ class Comparator:
                     passed=spread <= b.value,
                     placement=check.placement,
                     seq=check.seq,
-                    control=check.control,
                 )
             )
         self.pending_replicas.clear()

@@ -5,8 +5,8 @@ Three steps, each agreed over the ranks through the store (the engine holds the 
 reads the plan from here, `Discovery.plan`):
 1. before the first step, which TP parameter is which dense one (the same name, wrapper prefixes
    dropped, `Case.tp_names`, or by values: checker/rank/names.py), then the parameter placements,
-   from what the user's loader loaded (checker/rank/inference.py; a parameter one rank alone has
-   is `OnRank(r)`);
+   from what the user's loader loaded (checker/rank/plan_inference.py; a parameter one rank alone
+   has is `OnRank(r)`);
 2. in the first micro-batch, the activation placements, from the first micro-batch's output shapes
    and whether each output is the same on every rank (checker/rank/activations.py), for every module
    output the case does not name: a written plan's `Plan.activations` (or, with none written,
@@ -29,8 +29,8 @@ from torch import nn
 
 from tpcheck.checker.case import Case
 from tpcheck.checker.rank import activations, capture, names
-from tpcheck.checker.rank.inference import infer_plan, placement_code, plan_as_code
 from tpcheck.checker.rank.ledger import CollectiveTap
+from tpcheck.checker.rank.plan_inference import infer_plan, placement_code, plan_as_code
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import AppliedOnRank, Plan, Replicate

@@ -7,8 +7,8 @@ some rank, and only their tensors travel (with the loaded weights and the contro
 exchange at the end of every step but the last releases what that step kept for checks that passed
 on every rank (`Evidence.release`): the budget then holds the tensors of the failures, so a first
 divergence at a late step of a large model still has its tensors (with the budget spent by step 1,
-its diagnosis would have no numbers to read). A key is `(stage, step, name)`, a check's own three
-fields (`payload.evidence_key`), on the rank and in the payload alike.
+its diagnosis would have no numbers to read). A key is `(stage, step, check id)`, a check's own
+three fields (`payload.evidence_key`), on the rank and in the payload alike.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check, EvidenceKey
 from tpcheck.checker.sync import Rendezvous
 
@@ -32,7 +33,7 @@ Key = EvidenceKey
 
 
 def key_of(check: Check) -> Key:
-    return check.stage, check.step, check.name
+    return check.stage, check.step, check.id
 
 
 class Evidence:
@@ -73,11 +74,13 @@ class Evidence:
         if key in self.kept:
             self.kept[key][what] = info
 
-    def keep_rng(self, step: int, name: str, error: int, placement: str, info: dict) -> None:
+    def keep_rng(
+        self, step: int, check_id: CheckId, error: int, placement: str, info: dict
+    ) -> None:
         """An RNG check's record: the count of ranks breaking the rule, and `info` (the rule, those
         ranks, a mismatch with the dense side's draw), which the diagnosis names."""
         zero = np.zeros(1)
-        self.kept[("forward", step, name)] = {
+        self.kept[("forward", step, check_id)] = {
             "tp": np.array([float(error)]),
             "ref": zero,
             "dense": zero,
@@ -103,7 +106,7 @@ class Evidence:
         every RNG check's."""
         out = {}
         for key, e in self.kept.items():
-            if keys is None or key in keys or key[2].startswith("control:") or "rng" in e:
+            if keys is None or key in keys or key[2].control or "rng" in e:
                 out[key] = {
                     k: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v
                     for k, v in e.items()
@@ -144,7 +147,8 @@ def needed_evidence(
         return None
     bounds = array.array("d", base64.b64decode(said[0]["values"]))
     for other in said:
-        failing.update(tuple(f) for f in other["failing"])
+        # the keys as they cross the store: [stage, step, the rendered check name]
+        failing.update((stage, step, CheckId.parse(name)) for stage, step, name in other["failing"])
     for other in said[1:]:
         errors = array.array("d", base64.b64decode(other["values"]))
         failing.update(key_of(c) for c, e, b in zip(mine, errors, bounds) if not e <= b)
@@ -172,7 +176,7 @@ def _exchange(
             "evidence",
             json.dumps(
                 {
-                    "failing": sorted(failing),
+                    "failing": [[st, sp, str(cid)] for st, sp, cid in sorted(failing)],
                     "digest": digest,
                     "values": base64.b64encode(array.array("d", values).tobytes()).decode(),
                 }

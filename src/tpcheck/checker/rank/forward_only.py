@@ -1,4 +1,4 @@
-"""The forward-only check: TP code that never trains (an inference engine, a generation script) is
+"""The forward-only check: TP code that never trains (an inference s, a generation script) is
 checked on what it computes, with the training check's bounds and controls, but no backward and no
 optimizer.
 
@@ -23,17 +23,23 @@ run starts from an empty cache. A decode pass's checks carry its number: `output
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tpcheck.checker.case import Case, default_decode_inputs
+from tpcheck.checker.checkid import LOSS, OUTPUT, decode_pass
 from tpcheck.checker.rank import capture
 from tpcheck.checker.rank.loading import cast, map_tensors
+from tpcheck.checker.rank.passes import TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.rng import training_rng
-from tpcheck.checker.rank.sides import TPActivations, one_tensor, others_wait
 from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.errors import UsageError
 from tpcheck.plan import Replicate
+
+if TYPE_CHECKING:
+    from tpcheck.checker.rank.sides import Sides
 
 NO_GRAD = "no TP parameter requires grad"
 ONE_SEQUENCE = (
@@ -52,11 +58,6 @@ def reason(case: Case, tp: nn.Module) -> str | None:
     if case.decode_steps:
         return f"the case decodes (decode_steps={case.decode_steps})"
     return None
-
-
-def pass_name(k: int) -> str:
-    """The suffix of a pass's check names: "" for the prefill (or a plain forward), ":decodeK"."""
-    return f":decode{k}" if k else ""
 
 
 class Buffers:
@@ -105,22 +106,23 @@ class ForwardOnly:
     def as_json(self) -> dict:
         return {"reason": self.reason, "decode_steps": self.decode_steps, "notes": self.notes}
 
-    def run(self, engine) -> None:
-        """Every step: a fresh batch from the buffers as built, the prefill, the decode passes."""
-        truth = [] if engine.truth is None or engine.truth is engine.dense else [engine.truth]
-        kept = [Buffers(m) for m in [engine.dense, engine.tp, *truth]]
+    def run(self, s: Sides) -> int:
+        """Every step: a fresh batch from the buffers as built, the prefill, the decode passes;
+        returns the TP module's warm-up forwards (warmup.py)."""
+        kept = [Buffers(m) for m in s.models()]
         # RunSettings.warmup: the buffers are restored as built before each step
-        engine.warmed_up = warm_up(engine)
-        for step in range(1, engine.settings.steps + 1):
-            inputs, target = engine.first_batch if step == 1 else engine._batch()
+        warmed_up = warm_up(s, train=False)
+        for step in range(1, s.settings.steps + 1):
+            inputs, target = s.first_batch if step == 1 else s.batch()
             for buffers in kept:
                 buffers.restore()
-            logits = self._pass(engine, step, 0, inputs, target)
+            logits = self._pass(s, step, 0, inputs, target)
             for k in range(1, self.decode_steps + 1):
-                logits = self._pass(engine, step, k, self._decode_inputs(engine, inputs, logits, k))
-            engine.cmp.flush_replicas()
+                logits = self._pass(s, step, k, self._decode_inputs(s, inputs, logits, k))
+            s.cmp.flush_replicas()
+        return warmed_up
 
-    def _decode_inputs(self, engine, prompt: dict, logits: torch.Tensor, k: int) -> dict:
+    def _decode_inputs(self, s: Sides, prompt: dict, logits: torch.Tensor, k: int) -> dict:
         """The forward inputs of decode pass `k`: the greedy next tokens of the dense logits."""
         if logits.dim() != 3:
             raise UsageError(
@@ -135,7 +137,7 @@ class ForwardOnly:
             if one and ONE_SEQUENCE not in self.notes:
                 self.notes.append(ONE_SEQUENCE)
         next_tokens = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
-        make = engine.case.decode_inputs or default_decode_inputs
+        make = s.case.decode_inputs or default_decode_inputs
         out = make(dict(prompt), next_tokens, self.prompt_len + k - 1)
         if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
             raise UsageError(
@@ -144,81 +146,79 @@ class ForwardOnly:
             )
         return out
 
-    def _pass(self, engine, step: int, k: int, inputs: dict, target=None) -> torch.Tensor:
+    def _pass(self, s: Sides, step: int, k: int, inputs: dict, target=None) -> torch.Tensor:
         """One forward of every side, compared; returns the dense side's output."""
-        case, cmp, suffix = engine.case, engine.cmp, pass_name(k)
-        book = engine.draws.book()
+        case, cmp, pass_ = s.case, s.cmp, decode_pass(k)
+        book = s.draws.book()
         rec_d = capture.Recorder()
-        rec_t = capture.Calibrating(rec_d, engine._truth_bound)
-        names = engine.discovery.capture_names() if engine.settings.capture else set()
+        rec_t = capture.Calibrating(rec_d, s.truth_bound)
+        names = s.discovery.capture_names() if s.settings.capture else set()
         with torch.no_grad():
-            with engine.draws.watching(book):
+            with s.draws.watching(book):
                 out_d, loss_d = _reference(
-                    engine,
-                    engine.dense,
-                    engine.dtype,
+                    s,
+                    s.dense,
+                    s.dtype,
                     inputs,
                     target,
                     rec_d,
                     names,
-                    engine.draws.masks(book.draw, engine.dense),
+                    s.draws.masks(book.draw, s.dense),
                 )
-            if engine.truth is engine.dense:
+            if s.truth is s.dense:
                 rec_t, out_t, loss_t = rec_d, out_d, loss_d
-            elif engine.truth is None:
+            elif s.truth is None:
                 out_t = loss_t = None
             else:
-                with others_wait(engine.wait_threads):
+                with others_wait(s.wait_threads):
                     out_t, loss_t = _reference(
-                        engine,
-                        engine.truth,
+                        s,
+                        s.truth,
                         torch.float64,
                         inputs,
                         target,
                         rec_t,
                         names,
-                        engine.draws.masks(book.replay, engine.truth),
+                        s.draws.masks(book.replay, s.truth),
                     )
-            acts = TPActivations(cmp, step, rec_d, rec_t, engine.discovery, suffix)
-            handles = capture.attach(engine.tp, names, acts)
+            acts = TPActivations(cmp, step, rec_d, rec_t, s.discovery, pass_)
+            handles = capture.attach(s.tp, names, acts)
             with (
-                training_rng(engine.device, engine.settings.seed, step, k),
-                engine.tap.tp_phase("forward"),
-                engine.draws.tp_masks(book, engine.tp),
+                training_rng(s.device, s.settings.seed, step, k),
+                s.tap.tp_phase("forward"),
+                s.draws.tp_masks(book, s.tp),
             ):
-                out_tp = one_tensor(engine.tp(**engine._tp_inputs(inputs)), engine.tp, "TP")
+                out_tp = one_tensor(s.tp(**s.tp_inputs(inputs)), s.tp, "TP")
             capture.detach_all(handles)
             cmp.compare(
                 "forward",
                 step,
-                f"output{suffix}",
+                OUTPUT.in_pass(pass_),
                 out_tp.detach(),
                 out_d,
                 out_t,
                 case.output_placement,
             )
             if target is not None:
-                self._loss(engine, step, out_tp, target, loss_d, loss_t)
+                self._loss(s, step, out_tp, target, loss_d, loss_t)
         where = f"the forward of step {step}" + (f", decode pass {k}" if k else "")
-        engine.sync(where)
+        s.sync(where)
         acts.release()
-        engine.draws.check(step, book, where)
+        s.draws.check(step, book, where)
         return out_d
 
-    def _loss(self, engine, step: int, out_tp, target, loss_d, loss_t) -> None:
-        case, group = engine.case, engine.group
+    def _loss(self, s: Sides, step: int, out_tp, target, loss_d, loss_t) -> None:
+        case, group = s.case, s.group
         target_local = map_tensors(
-            lambda t: case.target_placement.shard(
-                cast(t, engine.dtype), group.rank, group.world_size
-            ),
+            lambda t: case.target_placement.shard(cast(t, s.dtype), group.rank, group.world_size),
             target,
         )
-        with engine.tap.tp_phase("forward"):
+        with s.tap.tp_phase("forward"):
             loss_tp = case.compute_tp_loss(out_tp, target_local, group)
-        engine.cmp.compare("loss", step, "loss", loss_tp.detach(), loss_d, loss_t, Replicate())
+        s.cmp.compare("loss", step, LOSS, loss_tp.detach(), loss_d, loss_t, Replicate())
 
 
-def _reference(engine, model, dtype, inputs, target, recorder, names, masks):
+def _reference(s: Sides, model, dtype, inputs, target, recorder, names, masks):
     """A dense side's forward (the working dtype's or the truth's), capturing the module outputs:
     (its output as produced, its loss or None)."""
     handles = capture.attach(model, names, recorder)
@@ -228,5 +228,5 @@ def _reference(engine, model, dtype, inputs, target, recorder, names, masks):
     produced = capture.snapshot(out)  # a loss may work in place on its input
     loss = None
     if target is not None:
-        loss = engine.case.loss(out, map_tensors(lambda t: cast(t, dtype), target)).detach()
+        loss = s.case.loss(out, map_tensors(lambda t: cast(t, dtype), target)).detach()
     return produced, loss

@@ -5,7 +5,7 @@
   gradient that is G_1 + ... + G_n from one that counts the earlier micro-batches world times over
   (an all-reduce of the accumulated `.grad` after every backward: checker/verdict/mechanisms.py).
 - `plan_rule`: with `Case.plan_rules` (the TP code's own plan), which rule covers the parameter,
-  or that none does and the closest sibling's (checker/plan_rules.py), to name it.
+  or that none does and the closest sibling's (checker/rule_match.py), to name it.
 
 Taken for the replicated parameters of at most `EVIDENCE_MAX_NUMEL` elements only (norm weights,
 the like), and attached to the evidence of their gradient checks (`Evidence.annotate`): only those
@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tpcheck.checker.plan_rules import covering, styles
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.rank.evidence import EVIDENCE_MAX_NUMEL
+from tpcheck.checker.rule_match import covering, styles
 
 if TYPE_CHECKING:
-    from tpcheck.checker.rank.engine import Engine
+    from tpcheck.checker.rank.sides import Sides
 
 
-def _watched(e: Engine):
+def _watched(s: Sides):
     """(dense name, parameter) of the replicated parameters small enough to keep per micro-batch."""
-    params = e.plan.params
-    for name, p in e.dense.named_parameters():
+    params = s.plan.params
+    for name, p in s.dense.named_parameters():
         placement = params.get(name)
         if (
             placement is not None
@@ -46,11 +47,11 @@ class GradEvidence:
         self.parts: dict[str, list[torch.Tensor]] = {}
         self.last: dict[str, torch.Tensor] = {}
 
-    def take(self, e: Engine) -> None:
+    def take(self, s: Sides) -> None:
         """After a micro-batch's backward: each watched parameter's gradient increment."""
-        if e.settings.micro_batches < 2:
+        if s.settings.micro_batches < 2:
             return
-        for name, p in _watched(e):
+        for name, p in _watched(s):
             if p.grad is None:
                 continue
             now = p.grad.detach().to(torch.float64, copy=True)
@@ -58,21 +59,21 @@ class GradEvidence:
             self.parts.setdefault(name, []).append(now if before is None else now - before)
             self.last[name] = now
 
-    def annotate(self, e: Engine, step: int) -> None:
+    def annotate(self, s: Sides, step: int) -> None:
         """After the step's gradient checks: the kept evidence of each watched parameter's
         gradient gets its micro-batch gradients and, with `Case.plan_rules`, the rule covering
         it; the step's increments are then dropped."""
-        evidence, rules = e.cmp.evidence, e.case.plan_rules
+        evidence, rules = s.cmp.evidence, s.case.plan_rules
         for name, parts in self.parts.items():
-            if len(parts) == e.settings.micro_batches:
+            if len(parts) == s.settings.micro_batches:
                 evidence.annotate(
-                    ("grads", step, f"grad:{name}"), "micro_grads", torch.stack(parts)
+                    ("grads", step, CheckId("grad", name)), "micro_grads", torch.stack(parts)
                 )
         self.parts, self.last = {}, {}
         if rules is None:
             return
         used = styles(rules)
-        for name, _ in _watched(e):
-            key = ("grads", step, f"grad:{name}")
+        for name, _ in _watched(s):
+            key = ("grads", step, CheckId("grad", name))
             if key in evidence.kept:
                 evidence.annotate(key, "plan_rule", {**covering(name, rules), "styles": used})

@@ -12,8 +12,10 @@ from collections.abc import Callable
 import torch
 
 from tpcheck.checker.case import Interceptor
-from tpcheck.checker.payload import WARMUP, LedgerEntry, ledger_diff
+from tpcheck.checker.payload import LedgerEntry, ledger_diff
 from tpcheck.checker.sync import CollectiveMismatch, Rendezvous, RendezvousTimeout
+from tpcheck.checker.vocabulary import WARMUP
+from tpcheck.parallel.group import Phase
 
 
 class CollectiveTap:
@@ -57,7 +59,7 @@ class CollectiveTap:
         return out
 
     @contextlib.contextmanager
-    def tp_phase(self, phase: str):
+    def tp_phase(self, phase: Phase):
         """While the TP side runs `phase` (forward, backward, optimizer): direct torch.distributed
         calls of the code under test are counted in it (`count_user_collectives`)."""
         self.phase = phase

@@ -19,90 +19,98 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpcheck.checker.vocabulary import NO_GRAD_OUTPUT
+from tpcheck.checker.checkid import (
+    CLIP_NORM,
+    LOSS,
+    NO_GRAD_OUTPUT,
+    OUTPUT,
+    CheckId,
+    decode_pass,
+)
 from tpcheck.plan import Placement, copies
 
 if TYPE_CHECKING:
-    from tpcheck.checker.rank.engine import Engine
+    from tpcheck.checker.rank.forward_only import ForwardOnly
+    from tpcheck.checker.rank.optimizer import Optimizers
+    from tpcheck.checker.rank.sides import Sides
 
 
-def manifest(e: Engine) -> list[list]:
-    """What `e`'s rank must have compared (module docstring), in the payload's form."""
-    out = _weights(e)
-    if e.forward_only is not None:
-        names = ["output"] + [
-            f"output:decode{k}" for k in range(1, e.forward_only.decode_steps + 1)
-        ]
+def manifest(s: Sides, forward_only: ForwardOnly | None, opts: Optimizers | None) -> list[list]:
+    """What this rank must have compared (module docstring), in the payload's form: a case checked
+    `forward_only`, or trained by `opts`."""
+    out = _weights(s)
+    if forward_only is not None:
+        names = [OUTPUT.in_pass(decode_pass(k)) for k in range(forward_only.decode_steps + 1)]
         return out + [
-            ["forward", step, name, 1] for step in range(1, e.settings.steps + 1) for name in names
+            ["forward", step, name, 1] for step in range(1, s.settings.steps + 1) for name in names
         ]
-    for step in range(1, e.settings.steps + 1):
-        out += _forward(e, step) + _params(e, step)
+    for step in range(1, s.settings.steps + 1):
+        out += _forward(s, step) + _params(s, opts, step)
     return out
 
 
-def _shared(e: Engine, placement: Placement, shape: tuple[int, ...]) -> bool:
+def _shared(s: Sides, placement: Placement, shape: tuple[int, ...]) -> bool:
     """Whether another rank holds a copy of what this rank holds of a tensor (a replica check)."""
-    world = e.group.world_size
+    world = s.group.world_size
     return world > 1 and (placement.replicated or copies(placement, shape, world) is not None)
 
 
-def _weights(e: Engine) -> list[list]:
+def _weights(s: Sides) -> list[list]:
     out = []
-    for name, p in e.dense.named_parameters():
-        out.append(["weights", 0, f"param:{name}", 1])
-        placement = e.plan.params[name]
-        if placement.held_on(e.group.rank, e.group.world_size):
-            if _shared(e, placement, tuple(p.shape)):
-                out.append(["replicas", 0, f"param:{name}", 1])
+    for name, p in s.dense.named_parameters():
+        out.append(["weights", 0, CheckId("param", name), 1])
+        placement = s.plan.params[name]
+        if placement.held_on(s.group.rank, s.group.world_size):
+            if _shared(s, placement, tuple(p.shape)):
+                out.append(["replicas", 0, CheckId("param", name), 1])
     return out
 
 
-def _forward(e: Engine, step: int) -> list[list]:
+def _forward(s: Sides, step: int) -> list[list]:
     """The forward and loss checks of `step`: one per micro-batch each (the forward without
     autograd once), with their replica checks."""
-    case, micro = e.case, e.settings.micro_batches
-    out = [["forward", step, "output", micro], ["loss", step, "loss", micro]]
-    if e.group.world_size > 1:
-        out.append(["replicas", step, "loss", micro])
-    shared_output = e.group.world_size > 1 and case.output_placement.replicated
+    case, micro = s.case, s.settings.micro_batches
+    out = [["forward", step, OUTPUT, micro], ["loss", step, LOSS, micro]]
+    if s.group.world_size > 1:
+        out.append(["replicas", step, LOSS, micro])
+    shared_output = s.group.world_size > 1 and case.output_placement.replicated
     if shared_output:
-        out.append(["replicas", step, "output", micro])
+        out.append(["replicas", step, OUTPUT, micro])
     if case.no_grad_forward:
         out.append(["forward", step, NO_GRAD_OUTPUT, 1])
         if shared_output:
             out.append(["replicas", step, NO_GRAD_OUTPUT, 1])
-    if e.settings.capture:
-        for module, placement in e.plan.activations.items():
+    if s.settings.capture:
+        for module, placement in s.plan.activations.items():
             # as often as the dense module produced an output (a mixture's expert that no token
             # was routed to in a micro-batch is not called there, on either side)
-            if not (count := e.produced[(step, module)]):
+            if not (count := s.produced[(step, module)]):
                 continue
-            out.append(["forward", step, f"act:{module}", count])
-            if e.group.world_size > 1 and placement.replicated:
-                out.append(["replicas", step, f"act:{module}", count])
+            out.append(["forward", step, CheckId("act", module), count])
+            if s.group.world_size > 1 and placement.replicated:
+                out.append(["replicas", step, CheckId("act", module), count])
     return out
 
 
-def _params(e: Engine, step: int) -> list[list]:
+def _params(s: Sides, opts: Optimizers, step: int) -> list[list]:
     """The parameter checks of `step`: the gradients the dense side has (the last step's: every
     step trains the same parameters), what the optimizers step, the gradient norm when clipping."""
-    rank, world, out = e.group.rank, e.group.world_size, []
-    for name, p in e.dense.named_parameters():
-        placement = e.plan.params[name]
+    rank, world, out = s.group.rank, s.group.world_size, []
+    for name, p in s.dense.named_parameters():
+        placement = s.plan.params[name]
         if not placement.held_on(rank, world):
             continue
         owner = placement.applied_on
         alone = owner is not None  # compared whole on its owner, zero elsewhere: no replica check
-        shared = not alone and _shared(e, placement, tuple(p.shape))
+        shared = not alone and _shared(s, placement, tuple(p.shape))
         if p.grad is not None:
-            out.append(["grads", step, f"grad:{name}", 1])
+            out.append(["grads", step, CheckId("grad", name), 1])
             if shared:
-                out.append(["replicas", step, f"grad:{name}", 1])
-        if name in e.dense_master.params and (owner is None or owner == rank):
-            out.append(["optimizer", step, f"param:{name}", 1])
+                out.append(["replicas", step, CheckId("grad", name), 1])
+        if name in opts.dense_master.params and (owner is None or owner == rank):
+            out.append(["optimizer", step, CheckId("param", name), 1])
             if shared:
-                out.append(["replicas", step, f"param:{name}", 1])
-    if e.settings.clip_grad_norm is not None:
-        out.append(["optimizer", step, "clip:grad_norm", 1])
+                out.append(["replicas", step, CheckId("param", name), 1])
+    if s.settings.clip_grad_norm is not None:
+        out.append(["optimizer", step, CLIP_NORM, 1])
     return out

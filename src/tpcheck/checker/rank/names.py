@@ -9,7 +9,7 @@ its own way (`up_proj` for the dense `fc1`). Each rank matches, for every dense 
 3. the same name once the wrapper segments (`WRAPPERS`) are dropped from both, when exactly one
    TP parameter left has it;
 4. by values: the TP parameters left whose values are the dense tensor's shard under some
-   candidate placement (inference.py's `matches`: random weights make an accidental match
+   candidate placement (plan_inference.py's `matches`: random weights make an accidental match
    impossible).
 The ranks then agree through the rendezvous store (`agree`): a dense parameter takes the one TP name
 the ranks matched it to (a rank that has no parameter for it says nothing: a tensor held on one rank
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tpcheck.checker.rank import capture
-from tpcheck.checker.rank.inference import matches
+from tpcheck.checker.rank.plan_inference import matches
 from tpcheck.checker.sync import Rendezvous
 from tpcheck.errors import UsageError
 from tpcheck.plan import closest

@@ -32,8 +32,14 @@ optimizer steps; the check then records the raw difference beside the one left u
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tpcheck.checker.rank.training import UserOptimizer
 
 
 class Masters:
@@ -200,3 +206,21 @@ def adam_direction(state: dict, hyper: dict) -> torch.Tensor | None:
     m_hat = state["exp_avg"].double() / (1 - b1**t)
     v_hat = state["exp_avg_sq"].double() / (1 - b2**t)
     return m_hat / (v_hat.sqrt() + eps)
+
+
+@dataclass(frozen=True, eq=False)
+class Optimizers:
+    """Each side's optimizer and what it steps, the replay and the adaptive allowance."""
+
+    dense_master: Masters
+    opt_dense: torch.optim.Optimizer
+    tp_master: Masters | UserOptimizer
+    opt_tp: object  # the TP side's optimizer: a torch optimizer, or the user's wrapper
+    opt_truth: torch.optim.Optimizer | None
+    replay: Replay
+    slack: AdaptiveSlack | None
+    # what a user's optimizer keeps out of sight: "state"/"update" -> parameter names
+    unobserved: dict[str, dict] = field(default_factory=dict)
+
+    def all(self) -> list:
+        return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]

@@ -16,31 +16,33 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.applied_on import ALONE, not_applied_here, owner_bound
-from tpcheck.checker.rank.loading import absmax
+from tpcheck.checker.rank.measure import absmax
 from tpcheck.errors import UsageError
 
 if TYPE_CHECKING:
-    from tpcheck.checker.rank.engine import Engine
+    from tpcheck.checker.rank.optimizer import Optimizers
+    from tpcheck.checker.rank.sides import Sides
 
 
-def compare_weights(e: Engine, loaded_by: str | None) -> None:
+def compare_weights(s: Sides, loaded_by: str | None) -> None:
     """The weights stage (step 0): every TP parameter as loaded against the plan's shard of the
     dense one, bitwise (`loaded_by`: the user's loader, named in the reason); a parameter the plan
     holds on another rank only (`OnRank`) must be absent here."""
-    plan, group = e.plan, e.group
-    tp_params = dict(e.tp.named_parameters())
+    plan, group = s.plan, s.group
+    tp_params = dict(s.tp.named_parameters())
     reason = f"bitwise: the plan's shard, as loaded by {loaded_by}" if loaded_by else None
-    for name, p in e.dense.named_parameters():
+    for name, p in s.dense.named_parameters():
         placement, tp_name = plan.params[name], plan.tp_name(name)
         if not placement.held_on(group.rank, group.world_size):
-            e.cmp.absent(f"param:{name}", tp_name, tp_name in tp_params, placement)
+            s.cmp.absent(CheckId("param", name), tp_name, tp_name in tp_params, placement)
             continue
-        e.cmp.compare(
+        s.cmp.compare(
             "weights",
             0,
-            f"param:{name}",
+            CheckId("param", name),
             tp_params[tp_name].detach(),
             p.detach(),
             p.detach(),
@@ -52,13 +54,13 @@ def compare_weights(e: Engine, loaded_by: str | None) -> None:
 
 
 def compare_params(
-    e: Engine, step: int, stage: str, dense_params: dict, tp_params: dict, get
+    s: Sides, opts: Optimizers, step: int, stage: str, dense_params: dict, tp_params: dict, get
 ) -> None:
     """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against
     the dense side's; after the step these are what the optimizers stepped (float32 masters
     under master weights, compared with float32's bound)."""
-    plan, rank, world = e.plan, e.group.rank, e.group.world_size
-    truth_params = dict(e.truth.named_parameters()) if e.truth is not None else {}
+    plan, rank, world = s.plan, s.group.rank, s.group.world_size
+    truth_params = dict(s.truth.named_parameters()) if s.truth is not None else {}
     for name, p in dense_params.items():
         tp_p = tp_params.get(plan.tp_name(name))
         tp_val, dense_val = get(tp_p) if tp_p is not None else None, get(p)
@@ -66,11 +68,11 @@ def compare_params(
         truth_val = get(truth_p) if truth_params else None
         owner = plan.params[name].applied_on
         sent = None
-        if owner not in (None, 0) and dense_val is not None and e.truth is not e.dense:
+        if owner not in (None, 0) and dense_val is not None and s.truth is not s.dense:
             sent = owner_bound(
-                e.cmp,
-                e.rendezvous,
-                e.slack,
+                s.cmp,
+                s.rendezvous,
+                opts.slack,
                 step,
                 stage,
                 name,
@@ -83,26 +85,28 @@ def compare_params(
         if not plan.params[name].held_on(rank, world):
             continue  # held on another rank only: its absence here was checked with the weights
         if owner is not None and owner != rank:
-            not_applied_here(e.cmp, e.dtype, step, stage, name, tp_val, dense_val, owner)
+            not_applied_here(s.cmp, s.dtype, step, stage, name, tp_val, dense_val, owner)
         elif tp_val is None or dense_val is None:
             if (tp_val is None) != (dense_val is None):
-                _refuse_one_sided_grad(e, name, tp_val is None)
+                _refuse_one_sided_grad(s, name, tp_val is None)
         else:
             _compare_one(
-                e, step, stage, name, p, truth_p, tp_val.detach(), dense_val, truth_val, sent
+                s, opts, step, stage, name, p, truth_p, tp_val.detach(), dense_val, truth_val, sent
             )
 
 
-def _compare_one(e: Engine, step, stage, name, p, truth_p, tp_val, dense_val, truth_val, sent):
+def _compare_one(
+    s: Sides, opts: Optimizers, step, stage, name, p, truth_p, tp_val, dense_val, truth_val, sent
+):
     """One parameter's value on this rank against the dense one (and, after an adaptive step, what
     the allowance leaves of the difference: `raw` keeps the whole of it)."""
-    plan, group = e.plan, e.group
+    plan, group = s.plan, s.group
     truth_val = truth_val.detach() if truth_val is not None else None
     raw = tp_val
     owner = plan.params[name].applied_on
     placement = ALONE if owner is not None and stage != "weights" else plan.params[name]
-    if stage == "optimizer" and e.slack is not None:
-        tp_val, truth_val = e.slack.apply(
+    if stage == "optimizer" and opts.slack is not None:
+        tp_val, truth_val = opts.slack.apply(
             name,
             plan.params[name],
             group.rank,
@@ -113,18 +117,18 @@ def _compare_one(e: Engine, step, stage, name, p, truth_p, tp_val, dense_val, tr
             tp_val,
             truth_val,
         )
-    if sent is None and truth_val is not None and (extra := _update_floor(e, stage, p)):
+    if sent is None and truth_val is not None and (extra := _update_floor(s, opts, stage, p)):
         sent = tolerance.plus_floor(
-            e.cmp.calibrated(dense_val.detach(), truth_val, dense_val.dtype),
+            s.cmp.calibrated(dense_val.detach(), truth_val, dense_val.dtype),
             extra,
-            f"lr x {tolerance.floor_ulps(p.numel())} {e.settings.dtype} ulp(s) of the gradient's "
+            f"lr x {tolerance.floor_ulps(p.numel())} {s.settings.dtype} ulp(s) of the gradient's "
             "scale",
         )
     label = "grad" if stage == "grads" else "param"
-    e.cmp.compare(
+    s.cmp.compare(
         stage,
         step,
-        f"{label}:{name}",
+        CheckId(label, name),
         tp_val,
         dense_val.detach(),
         truth_val,
@@ -135,7 +139,7 @@ def _compare_one(e: Engine, step, stage, name, p, truth_p, tp_val, dense_val, tr
     )
 
 
-def _update_floor(e: Engine, stage: str, p) -> float | None:
+def _update_floor(s: Sides, opts: Optimizers, stage: str, p) -> float | None:
     """The float32 masters after a plain (not adaptive) step of a 16-bit run may differ by what a
     rounding-level difference in their 16-bit gradients moves them: lr x the gradient check's floor
     (ulps of the working dtype at the gradient's scale). Their own calibration cannot see it: the
@@ -143,22 +147,22 @@ def _update_floor(e: Engine, stage: str, p) -> float | None:
     working dtype (one gradient element dominated by an outlier, measured: a 56-element norm
     weight one bfloat16 ulp off at tp 7). Adaptive steps have the allowance instead; an update
     bug is the replay's (bitwise), a gradient bug the grads stage's."""
-    if stage != "optimizer" or e.slack is not None or not e.settings.uses_masters:
+    if stage != "optimizer" or opts.slack is not None or not s.settings.uses_masters:
         return None
     if p.grad is None:
         return None
-    lr = next(g["lr"] for g in e.opt_dense.param_groups if any(q is p for q in g["params"]))
-    return tolerance.floor_ulps(p.numel()) * tolerance.eps(e.dtype) * lr * absmax(p.grad)
+    lr = next(g["lr"] for g in opts.opt_dense.param_groups if any(q is p for q in g["params"]))
+    return tolerance.floor_ulps(p.numel()) * tolerance.eps(s.dtype) * lr * absmax(p.grad)
 
 
-def _refuse_one_sided_grad(e: Engine, name: str, missing_on_tp: bool) -> None:
+def _refuse_one_sided_grad(s: Sides, name: str, missing_on_tp: bool) -> None:
     """A parameter with a gradient on one side only: refused, naming the side that lacks it
     (and, for a replicated one missing on the TP side, the AppliedOnRank placement
     that may be meant)."""
-    side_params = dict((e.tp if missing_on_tp else e.dense).named_parameters())
-    pname = e.plan.tp_name(name) if missing_on_tp else name
+    side_params = dict((s.tp if missing_on_tp else s.dense).named_parameters())
+    pname = s.plan.tp_name(name) if missing_on_tp else name
     if pname in side_params and not side_params[pname].requires_grad:
-        side = f"rank {e.group.rank} of the TP side" if missing_on_tp else "the dense side"
+        side = f"rank {s.group.rank} of the TP side" if missing_on_tp else "the dense side"
         other = "the dense side" if missing_on_tp else "the TP side"
         raise UsageError(
             f"parameter {pname!r} has requires_grad=False on {side} (frozen), while {other} "
@@ -169,67 +173,69 @@ def _refuse_one_sided_grad(e: Engine, name: str, missing_on_tp: bool) -> None:
         hint = (
             "; if the TP module applies it on one rank only (a row-parallel bias added before "
             "the all-reduce), place it AppliedOnRank(r) in the plan, r the rank that applies it"
-            if e.plan.params[name].replicated
+            if s.plan.params[name].replicated
             else "; is it used in the TP forward?"
         )
         raise UsageError(
-            f"parameter {name!r} got no gradient on rank {e.group.rank} of the TP side, "
+            f"parameter {name!r} got no gradient on rank {s.group.rank} of the TP side, "
             f"but does on the dense side{hint}"
         )
     raise UsageError(
-        f"parameter {name!r} got a gradient on rank {e.group.rank} of the TP side but none "
+        f"parameter {name!r} got a gradient on rank {s.group.rank} of the TP side but none "
         "on the dense side: is it used in the dense forward?"
     )
 
 
-def compare_replay(e: Engine, step: int) -> None:
+def compare_replay(s: Sides, opts: Optimizers, step: int) -> None:
     """The TP optimizer's state and update against the replay's, bitwise, parameter by
     parameter: the state first (a wrong moment is the cause, a wrong update its effect), tensors
     before the step count. State the TP optimizer lacks counts as zeros (nothing was accumulated);
     state a user's optimizer keeps where tpcheck cannot map it is "not observable" (a note, never
     zeros), and so is its update where its hidden masters cannot be known (training.py)."""
-    plan, stepped = e.plan, e.tp_master
-    for name in (n for n, _ in e.dense.named_parameters()):
+    plan, stepped, replay = s.plan, opts.tp_master, opts.replay
+    for name in (n for n, _ in s.dense.named_parameters()):
         tp_name = plan.tp_name(name)
         placement = plan.params[name]
-        held = placement.held_on(e.group.rank, e.group.world_size)
-        if not held or e.replay.grads.get(tp_name) is None:
+        held = placement.held_on(s.group.rank, s.group.world_size)
+        if not held or replay.grads.get(tp_name) is None:
             continue  # not stepped here, or held on another rank only (OnRank)
-        own = stepped.state_of(tp_name, e.opt_tp)
+        own = stepped.state_of(tp_name, opts.opt_tp)
         if own is None:
-            if e.replay.state(tp_name):  # state the rule keeps, and the optimizer hides
-                e.unobserved.setdefault("state", {})[tp_name] = None
+            if replay.state(tp_name):  # state the rule keeps, and the optimizer hides
+                opts.unobserved.setdefault("state", {})[tp_name] = None
         else:
-            _compare_state(e, step, name, tp_name, own, placement)
+            _compare_state(s, replay, step, name, tp_name, own, placement)
         if not stepped.update_observable():
-            e.unobserved.setdefault("update", {})[tp_name] = None
+            opts.unobserved.setdefault("update", {})[tp_name] = None
             continue
-        e.cmp.compare_local(
+        s.cmp.compare_local(
             "optimizer",
             step,
-            f"update:{name}",
-            stepped.params[tp_name].detach() - e.replay.before[tp_name],
-            e.replay.update(tp_name),
+            CheckId("update", name),
+            stepped.params[tp_name].detach() - replay.before[tp_name],
+            replay.update(tp_name),
             placement,
             "bitwise: the dense update rule replayed on this rank's TP weights and grads",
-            weights=e.replay.params[tp_name].detach(),
+            weights=replay.params[tp_name].detach(),
         )
 
 
-def _compare_state(e: Engine, step: int, name: str, tp_name: str, own: dict, placement) -> None:
-    for key, ref in sorted(e.replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
+def _compare_state(
+    s: Sides, replay, step: int, name: str, tp_name: str, own: dict, placement
+) -> None:
+    for key, ref in sorted(replay.state(tp_name).items(), key=lambda kv: kv[1].dim() == 0):
         mine = own.get(key)
         if mine is None:
             mine = torch.zeros_like(ref)
         elif not isinstance(mine, torch.Tensor) or mine.shape != ref.shape:
             mine = torch.full_like(ref, float("nan"))  # misshapen state: never equal
-        e.cmp.compare_local(
+        s.cmp.compare_local(
             "optimizer",
             step,
-            f"state:{name}.{key}",
+            CheckId("state", name, entry=key),
             mine.detach(),
             ref,
             placement,
             f"bitwise: the TP optimizer's {key} against the replay's",
-            weights=e.replay.before[tp_name],
+            weights=replay.before[tp_name],
         )

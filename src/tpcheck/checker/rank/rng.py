@@ -18,6 +18,7 @@ import json
 import torch
 from torch import nn
 
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.devices import rng_states, seed_rng
 from tpcheck.checker.rank import decisions
 from tpcheck.checker.rank.compare import Comparator
@@ -164,7 +165,7 @@ class RandomDraws:
             )
             self.cmp.record_rng(
                 step,
-                f"rng:{missed.label}",
+                CheckId("rng", missed.label),
                 self.cmp.next_seq(),
                 1,
                 problem,
@@ -212,7 +213,7 @@ class RandomDraws:
     ) -> None:
         self.cmp.record_rng(
             step,
-            f"rng:{d.label}",
+            CheckId("rng", d.label),
             d.seq,
             error,
             reason,
@@ -236,11 +237,10 @@ class RandomDraws:
         bad = violations(d.rule, states, masks, me)
         self.cmp.record_rng(
             step,
-            f"control:rng:{d.label}",
+            CheckId("rng", d.label, control=True),
             d.seq,
             len(bad),
             REASONS[d.rule],
             d.placement,
             {"rule": d.rule, "ranks": bad, "problem": None},
-            control=True,
         )

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpcheck.checker.rank.capture import named_modules
-from tpcheck.checker.usercode import frame_kind
+from tpcheck.checker.sourcelines import frame_kind
 
 # operation name -> (position of its dimension argument, the input counted, default dimension):
 # the default None means "no dimension given: the whole tensor", which is not recorded
@@ -80,7 +80,7 @@ def _dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
 
 
 def _passes_on(frame) -> bool:
-    """Whether `frame` only hands the call on: torch's or Python's own code (usercode's
+    """Whether `frame` only hands the call on: torch's or Python's own code (sourcelines.py's
     `frame_kind`), or another of tpcheck's function modes (decisions.py's, above this one) calling
     the model's operation."""
     kind = frame_kind(frame.f_code.co_filename)

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpcheck.checker.rank.loading import absmax, max_abs_diff
+from tpcheck.checker.rank.measure import absmax, max_abs_diff
 
 MAX_FACTOR = 8.0
 SMALL_NUMEL, SMALL_FACTOR = 64, 16.0  # the max over a handful of elements is a noisier statistic

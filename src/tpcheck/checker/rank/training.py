@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tpcheck.checker.checkid import CLIP_NORM, CheckId
 from tpcheck.checker.payload import evidence_key
 from tpcheck.errors import UsageError
 from tpcheck.plan import Plan, Replicate, copies
 
 if TYPE_CHECKING:
-    from tpcheck.checker.rank.engine import Engine
+    from tpcheck.checker.rank.sides import Sides
 
 UNOBSERVABLE = "not observable (your optimizer keeps it elsewhere)"
 CLIP_SITE = "clip"  # the site of the default clipping's all-reduce, in the ledger
@@ -216,24 +217,24 @@ class UserOptimizer:
         of 4,096 elements 1 ulp away from torch's) is held to the dense weights after the step."""
         return bool(self.found)
 
-    def check_copy_back(self, e: Engine, step: int) -> None:
+    def check_copy_back(self, s: Sides, step: int) -> None:
         """After the step, each module weight must be its master rounded to the module's dtype
         (the wrapper's copy back), bitwise."""
         if not self.masters:
             return
-        plan = e.plan
-        for name, _ in e.dense.named_parameters():
+        plan = s.plan
+        for name, _ in s.dense.named_parameters():
             tp_name = plan.tp_name(name)
-            s = self.found.get(tp_name)
+            stepped = self.found.get(tp_name)
             p = self._own.get(tp_name)
-            if s is None or p is None or s.tensor is p:
+            if stepped is None or p is None or stepped.tensor is p:
                 continue
-            e.cmp.compare_local(
+            s.cmp.compare_local(
                 "optimizer",
                 step,
-                f"weight:{name}",
+                CheckId("weight", name),
                 p.detach(),
-                s.value.to(p.dtype),
+                stepped.value.to(p.dtype),
                 plan.params[name],
                 "bitwise: your optimizer's master, rounded into the module's weight",
             )
@@ -352,45 +353,45 @@ def _grads_by_dense_name(module: nn.Module, plan: Plan) -> dict[str, torch.Tenso
     }
 
 
-def clip_grads(e: Engine, step: int) -> None:
+def clip_grads(s: Sides, step: int) -> None:
     """The step's gradient clipping on every side, and the check of the two total norms
     (`clip:grad_norm`), with the numbers that name a TP norm of local shards only or of replicated
     parameters counted once per rank (`clip_diagnosis` in checker/verdict/diagnose.py)."""
-    max_norm = e.settings.clip_grad_norm
+    max_norm = s.settings.clip_grad_norm
     if max_norm is None:
         return
-    parts = _norm_parts(e)
+    parts = _norm_parts(s)
     dense_norm = torch.nn.utils.clip_grad_norm_(
-        [p for p in e.dense.parameters() if p.grad is not None], max_norm
+        [p for p in s.dense.parameters() if p.grad is not None], max_norm
     )
     truth_norm = dense_norm
-    if e.truth is not None and e.truth is not e.dense:
+    if s.truth is not None and s.truth is not s.dense:
         truth_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in e.truth.parameters() if p.grad is not None], max_norm
+            [p for p in s.truth.parameters() if p.grad is not None], max_norm
         )
-    elif e.truth is None:
+    elif s.truth is None:
         truth_norm = None
-    clip = e.case.tp_clip_grad_norm
-    with e.tap.tp_phase("optimizer"):
+    clip = s.case.tp_clip_grad_norm
+    with s.tap.tp_phase("optimizer"):
         if clip is None:
-            shapes = {n: tuple(p.shape) for n, p in e.dense.named_parameters()}
-            tp_norm = clip_tp(e.tp, max_norm, e.group, e.plan, shapes)
+            shapes = {n: tuple(p.shape) for n, p in s.dense.named_parameters()}
+            tp_norm = clip_tp(s.tp, max_norm, s.group, s.plan, shapes)
         else:
-            tp_norm = clip(e.tp, max_norm, e.group)
+            tp_norm = clip(s.tp, max_norm, s.group)
     tp_norm = _as_norm(tp_norm)
-    check = e.cmp.compare(
+    check = s.cmp.compare(
         "optimizer",
         step,
-        "clip:grad_norm",
+        CLIP_NORM,
         tp_norm.to(dense_norm.dtype).reshape(()),
         dense_norm.detach().reshape(()),
         None if truth_norm is None else truth_norm.detach().reshape(()),
         Replicate(),
     )
-    e.cmp.evidence.annotate(
-        evidence_key(check.stage, check.step, check.name),
+    s.cmp.evidence.annotate(
+        evidence_key(check.stage, check.step, check.id),
         "clip",
-        {**parts, "world": e.group.world_size},
+        {**parts, "world": s.group.world_size},
     )
 
 
@@ -406,14 +407,14 @@ def _as_norm(value) -> torch.Tensor:
     )
 
 
-def _norm_parts(e: Engine) -> dict[str, float]:
+def _norm_parts(s: Sides) -> dict[str, float]:
     """From the dense gradients before clipping, the squared norms a TP norm could have summed:
     `correct` (every element once), `local` (this rank's own squares: no all-reduce),
     `replicated_world` (every rank's own squares summed: replicated parameters, and elements
     several ranks hold, counted once per rank holding them)."""
-    plan, rank, world = e.plan, e.group.rank, e.group.world_size
+    plan, rank, world = s.plan, s.group.rank, s.group.world_size
     correct = local = summed = 0.0
-    for name, p in e.dense.named_parameters():
+    for name, p in s.dense.named_parameters():
         if p.grad is None:
             continue
         g = p.grad.detach().double()

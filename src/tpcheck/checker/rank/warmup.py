@@ -27,29 +27,30 @@ from tpcheck.checker.rank.loading import cast
 from tpcheck.checker.rank.rng import training_rng
 
 if TYPE_CHECKING:
-    from tpcheck.checker.rank.engine import Engine
+    from tpcheck.checker.rank.sides import Sides
 
 
-def warm_up(e: Engine) -> int:
-    """`e.settings.warmup` forwards of every side on the first batch, outputs dropped; returns the
+def warm_up(s: Sides, train: bool) -> int:
+    """`s.settings.warmup` forwards of every side on the first batch (with autograd where the case
+    trains: `train`), outputs dropped; returns the
     calls of the TP module seen (a forward pre-hook counts them; the report's self-test holds the
     count to the setting on every rank)."""
-    passes = e.settings.warmup
+    passes = s.settings.warmup
     if not passes:
         return 0
-    inputs, _ = e.first_batch
+    inputs, _ = s.first_batch
     calls = []
-    counting = e.tp.register_forward_pre_hook(lambda *_: calls.append(1))
-    references = [(e.dense, e.dtype)]
-    if e.truth is not None and e.truth is not e.dense:
-        references.append((e.truth, torch.float64))
-    with torch.set_grad_enabled(e.forward_only is None):
+    counting = s.tp.register_forward_pre_hook(lambda *_: calls.append(1))
+    references = [(s.dense, s.dtype)]
+    if s.has_truth:
+        references.append((s.truth, torch.float64))
+    with torch.set_grad_enabled(train):
         for i in range(passes):
-            with training_rng(e.device, e.settings.seed, 0, i):
+            with training_rng(s.device, s.settings.seed, 0, i):
                 for model, dtype in references:
                     model(**{k: cast(v, dtype) for k, v in inputs.items()})
-                with e.tap.warming_up():
-                    e.tp(**e._tp_inputs(inputs))
+                with s.tap.warming_up():
+                    s.tp(**s.tp_inputs(inputs))
     counting.remove()
-    e.sync(f"the {passes} warm-up forward(s)")
+    s.sync(f"the {passes} warm-up forward(s)")
     return len(calls)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tpcheck.checker.payload import WARMUP
+from tpcheck.checker.vocabulary import WARMUP
 
 
 def summarize(entries: list[dict], world: int) -> dict:

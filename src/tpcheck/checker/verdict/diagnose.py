@@ -65,6 +65,7 @@ import numpy as np
 
 from tpcheck.checker.payload import evidence_key
 from tpcheck.checker.verdict import mechanisms
+from tpcheck.checker.verdict.divergence import Diagnosis, FirstDivergence
 
 # How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or
 # 16 ulps of the working dtype when coarser (bf16). Chosen per diagnosis from the evidence's dtype.
@@ -167,54 +168,52 @@ RNG_SIGNATURES = {"differ": "rng_not_forked", "same": "rng_diverged"}
 
 
 def diagnose(
-    first: dict,
+    first: FirstDivergence,
     evidence: list[dict],
     world: int,
     micro_batches: int = 1,
     shard_ops: list[dict] | None = None,
-) -> dict:
+) -> Diagnosis:
     """The diagnosis of the first divergent check; `evidence` holds each rank's evidence dict,
     `shard_ops` the operations the TP side ran on a shard of the dimension they read
     (checker/rank/shard_ops.py), to name a mismatch's mechanism."""
-    key = evidence_key(first["stage"], first["step"], first["name"])
+    key = evidence_key(first.stage, first.step, first.id)
     # the replicated tensor's own evidence, under the stage it was compared in
-    if first["stage"] == "replicas":
+    if first.stage == "replicas":
         key = next((k for k in _keys(evidence) if k[1:] == key[1:]), key)
     ev = {r: e[key] for r, e in enumerate(evidence) if key in e}
-    if first.get("kind") == "rng":
+    if first.kind == "rng":
         return _rng_diagnosis(first, ev)
-    if any("held_on" in ev[r] for r in first["ranks"] if r in ev):
+    if any("held_on" in ev[r] for r in first.ranks if r in ev):
         return _held_off_rank(first, ev)
-    if first["name"].startswith("clip:") and (sig := _clip_signature(ev)):
+    if first.id.kind == "clip" and (sig := _clip_signature(ev)):
         signature, details = sig
         return _diagnosis(first, signature, details)
-    if first.get("kind") == "layout":
+    if first.kind == "layout":
         return _layout_diagnosis(first)
-    if first.get("kind") == "routing":
-        location = first["name"].split(":", 1)[-1]
+    if first.kind == "routing":
+        location = first.id.location
         sentence = (
-            f"the decision {location} (step {first['step']}) diverges first: " + CAUSES["routing"]
+            f"the decision {location} (step {first.step}) diverges first: " + CAUSES["routing"]
         )
-        return _diagnosis(first, "routing", {"flips": first.get("reason")}, sentence=sentence)
-    signature, details = (
-        ("replicas_differ", {}) if first["stage"] == "replicas" else ("mismatch", {})
-    )
+        return _diagnosis(first, "routing", {"flips": first.reason}, sentence=sentence)
+    signature, details = ("replicas_differ", {}) if first.stage == "replicas" else ("mismatch", {})
     c = Classifier(
         rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)),
         micro_batches=micro_batches,
     )
-    off = first["ranks"][0] if first["ranks"] else 0
+    off = first.ranks[0] if first.ranks else 0
     if found := mechanisms.reduced_accumulated(first, ev, world):
         return _diagnosis(first, found[0], found[1], cause=found[2])
     if len(ev) == world:
         signature, details = c.classify(ev, world, evidence, off)
         if signature == "partial_sum" and (found := mechanisms.unruled(first, ev)):
             return _diagnosis(first, found[0], {**details, **found[1]}, cause=found[2])
-        if first["stage"] == "replicas" and signature in ("near_bound", "mismatch"):
+        if first.stage == "replicas" and signature in ("near_bound", "mismatch"):
             # copies of one element on several ranks differ, by however little
             signature = "replicas_differ"
-        error, bound = first.get("error"), first.get("bound")
-        exact = bound == 0 or first.get("kind") in ("exact", "replica")
+        error, bound = first.error, first.bound
+        exact = bound == 0 or first.kind in ("exact", "replica")
         if signature == "near_bound" and error is not None and exact:
             # a bitwise check: no rounding separates the two sides
             signature, details = "mismatch", {"error": error, "bound": "bitwise"}
@@ -228,7 +227,12 @@ def diagnose(
     return _diagnosis(first, signature, details)
 
 
-def structural(first: dict, diagnosis: dict, f64_first: dict, f64_diagnosis: dict) -> dict:
+def structural(
+    first: FirstDivergence,
+    diagnosis: Diagnosis | None,
+    f64_first: FirstDivergence,
+    f64_diagnosis: Diagnosis,
+) -> Diagnosis:
     """The working run's `diagnosis` of its first divergence `first` once the float64 run of the
     case failed too (first at `f64_first`, diagnosed `f64_diagnosis`). At the same check, the
     float64 run's signature where the two differ: its numbers are free of 16-bit rounding, which
@@ -238,25 +242,25 @@ def structural(first: dict, diagnosis: dict, f64_first: dict, f64_diagnosis: dic
     as it is."""
     if diagnosis is None:
         return diagnosis
-    same = all(first[k] == f64_first[k] for k in ("stage", "step", "name"))
-    theirs = f64_diagnosis["signature"]
+    same = first.same_check(f64_first)
+    theirs = f64_diagnosis.signature
     readable = same and theirs != "near_bound"
-    if diagnosis["signature"] == "near_bound":
-        where = f"{f64_first['name']} ({f64_first['stage']}, step {f64_first['step']})"
+    if diagnosis.signature == "near_bound":
+        where = f"{f64_first.name} ({f64_first.stage}, step {f64_first.step})"
         signature, cause = (
-            (theirs, f64_diagnosis["cause"]) if readable else ("mismatch", CAUSES["mismatch"])
+            (theirs, f64_diagnosis.cause) if readable else ("mismatch", CAUSES["mismatch"])
         )
         said = "the float64 run fails " + ("at this check" if same else f"too, first at {where}")
         said += ": structural, not a tolerance question"
-    elif readable and theirs != diagnosis["signature"]:
-        signature, cause = theirs, f64_diagnosis["cause"]
+    elif readable and theirs != diagnosis.signature:
+        signature, cause = theirs, f64_diagnosis.cause
         said = (
             "read in the float64 run, which fails at this check too; the working dtype's "
-            f"numbers read as {diagnosis['signature']}"
+            f"numbers read as {diagnosis.signature}"
         )
     else:
         return diagnosis
-    details = {**diagnosis["evidence"], "float64_run": theirs}
+    details = {**diagnosis.evidence, "float64_run": theirs}
     return _diagnosis(first, signature, details, cause=f"{cause} ({said})")
 
 
@@ -285,33 +289,33 @@ def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:
 
 
 def _diagnosis(
-    first: dict,
+    first: FirstDivergence,
     signature: str,
     details: dict,
     cause: str | None = None,
     sentence: str | None = None,
-) -> dict:
+) -> Diagnosis:
     """The diagnosis record of the first divergent check: its signature, the cause in words
     (`CAUSES[signature]` unless said), the evidence's `details` and one sentence (by default
     "<tensor> (<stage>, step <n>) diverges first: <cause>")."""
     cause = CAUSES[signature] if cause is None else cause
-    return {
-        "signature": signature,
-        "cause": cause,
-        "location": first["name"].split(":", 1)[-1],
-        "tensor": first["name"],
-        "stage": first["stage"],
-        "step": first["step"],
-        "ranks": first["ranks"],
-        "evidence": details,
-        "sentence": sentence
-        or f"{first['name']} ({first['stage']}, step {first['step']}) diverges first: {cause}",
-    }
+    return Diagnosis(
+        signature=signature,
+        cause=cause,
+        location=first.id.location,
+        tensor=first.name,
+        stage=first.stage,
+        step=first.step,
+        ranks=first.ranks,
+        evidence=details,
+        sentence=sentence
+        or f"{first.name} ({first.stage}, step {first.step}) diverges first: {cause}",
+    )
 
 
-def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
+def _rng_diagnosis(first: FirstDivergence, ev: dict[int, dict]) -> Diagnosis:
     """An RNG placement check diverges first: the rule it broke names the signature."""
-    info = next((e["rng"] for r, e in sorted(ev.items()) if r in first["ranks"] and "rng" in e), {})
+    info = next((e["rng"] for r, e in sorted(ev.items()) if r in first.ranks and "rng" in e), {})
     signature = (
         "dropout_mismatch"
         if info.get("problem") or info.get("rule") not in RNG_SIGNATURES
@@ -320,32 +324,32 @@ def _rng_diagnosis(first: dict, ev: dict[int, dict]) -> dict:
     details = {"rule": info.get("rule"), "with_ranks": info.get("ranks", [])}
     if info.get("problem"):
         details["problem"] = info["problem"]
-    location = first["name"].split(":", 1)[-1]
+    location = first.id.location
     sentence = (
-        f"the random masks at {location} (step {first['step']}) diverge first: {CAUSES[signature]}"
+        f"the random masks at {location} (step {first.step}) diverge first: {CAUSES[signature]}"
     )
     return _diagnosis(first, signature, details, sentence=sentence)
 
 
-def _held_off_rank(first: dict, ev: dict[int, dict]) -> dict:
+def _held_off_rank(first: FirstDivergence, ev: dict[int, dict]) -> Diagnosis:
     """A parameter the plan holds on one rank only is present on another rank (the weights stage's
     absence check fails there)."""
-    owner = next(ev[r]["held_on"] for r in first["ranks"] if "held_on" in ev.get(r, {}))
-    location = first["name"].split(":", 1)[-1]
+    owner = next(ev[r]["held_on"] for r in first.ranks if "held_on" in ev.get(r, {}))
+    location = first.id.location
     sentence = (
-        f"{location} exists on rank(s) {first['ranks']} although the plan holds it on rank "
+        f"{location} exists on rank(s) {first.ranks} although the plan holds it on rank "
         f"{owner} only: {CAUSES['held_off_rank']}"
     )
-    details = {"held_on": owner, "present_on": first["ranks"]}
+    details = {"held_on": owner, "present_on": first.ranks}
     return _diagnosis(first, "held_off_rank", details, sentence=sentence)
 
 
-def _layout_diagnosis(first: dict) -> dict:
+def _layout_diagnosis(first: FirstDivergence) -> Diagnosis:
     """A module output that is no placement of the dense one diverges first: its shapes (the check's
     reason) and the mechanism, in words."""
-    why = BUFFER_NO_PLACEMENT if first.get("stage") == "buffers" else CAUSES["no_placement"]
-    cause = f"{first.get('reason')}: {why}"
-    return _diagnosis(first, "no_placement", {"shapes": first.get("reason")}, cause=cause)
+    why = BUFFER_NO_PLACEMENT if first.stage == "buffers" else CAUSES["no_placement"]
+    cause = f"{first.reason}: {why}"
+    return _diagnosis(first, "no_placement", {"shapes": first.reason}, cause=cause)
 
 
 def _keys(evidence: list[dict]):
@@ -535,5 +539,5 @@ class Classifier:
                 bias = (world - 1) * e["dense"]
                 tol = max(noise, self.rel * _scale(bias))
                 if all(float(np.abs(row - bias).max(initial=0.0)) <= tol for row in rows):
-                    return name.split(":", 1)[-1]
+                    return name.location
         return None

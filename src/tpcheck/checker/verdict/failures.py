@@ -18,7 +18,7 @@ import re
 
 from tpcheck.checker.case import CaseSpec
 from tpcheck.checker.payload import ledger_diff
-from tpcheck.checker.usercode import frame_kind, readable_path
+from tpcheck.checker.sourcelines import frame_kind, readable_path
 from tpcheck.checker.verdict.hangs import describe, hang_details, hang_summary
 from tpcheck.checker.vocabulary import Verdict
 

@@ -104,12 +104,12 @@ def _both_failed(result: CaseResult, f64: CaseResult) -> None:
     result.diagnosis = structural(result.first_divergence, old, f, f64.diagnosis)
     if result.diagnosis is not old:
         result.summary = result.summary.replace(
-            f"{old['signature']}: {old['cause']}",
-            f"{result.diagnosis['signature']}: {result.diagnosis['cause']}",
+            f"{old.signature}: {old.cause}",
+            f"{result.diagnosis.signature}: {result.diagnosis.cause}",
         )
     result.summary += (
-        f"; not equivalent in the float64 run too: structural (first there: {f['name']} "
-        f"({f['stage']}, step {f['step']}), {f64.diagnosis['signature']})"
+        f"; not equivalent in the float64 run too: structural (first there: {f.name} "
+        f"({f.stage}, step {f.step}), {f64.diagnosis.signature})"
     )
 
 
@@ -133,9 +133,11 @@ def record(f64: CaseResult) -> dict:
     out = {
         "verdict": f64.verdict,
         "summary": f64.summary,
-        "first_divergence": f64.first_divergence,
-        "diagnosis": f64.diagnosis,
-        "self_test": f64.self_test,
+        "first_divergence": (
+            f64.first_divergence.to_json() if f64.first_divergence is not None else None
+        ),
+        "diagnosis": f64.diagnosis.to_json() if f64.diagnosis is not None else None,
+        "self_test": f64.self_test.to_json() if f64.self_test is not None else None,
         "seconds": f64.seconds,
     }
     if f64.checks is not None:

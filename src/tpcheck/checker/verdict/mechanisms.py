@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpcheck.checker.usercode import readable_path
+from tpcheck.checker.sourcelines import readable_path
+from tpcheck.checker.verdict.divergence import FirstDivergence
 
 GRAD_ACCUMULATION_REDUCED = "grad_accumulation_reduced"
 NO_PLAN_RULE = "no_plan_rule"
@@ -54,11 +55,11 @@ CAUSES = {
 }
 
 
-def _param(first: dict) -> str | None:
+def _param(first: FirstDivergence) -> str | None:
     """The parameter of a gradient check ('grad:NAME', grads stage), else None."""
-    if first["stage"] != "grads" or not first["name"].startswith("grad:"):
+    if first.stage != "grads" or first.id.kind != "grad":
         return None
-    return first["name"].split(":", 1)[1]
+    return first.id.target
 
 
 def accumulation_weights(world: int, n: int) -> np.ndarray:
@@ -67,10 +68,10 @@ def accumulation_weights(world: int, n: int) -> np.ndarray:
     return float(world) ** np.arange(n - 1, -1, -1)
 
 
-def reduced_accumulated(first: dict, ev: dict[int, dict], world: int) -> tuple | None:
+def reduced_accumulated(first: FirstDivergence, ev: dict[int, dict], world: int) -> tuple | None:
     """(signature, details, cause) when the first divergent gradient is the accumulated `.grad`
     reduced after every micro-batch; else None."""
-    param, bound = _param(first), first.get("bound")
+    param, bound = _param(first), first.bound
     if param is None or world < 2 or len(ev) != world or not bound:
         return None
     parts = [ev[r].get("micro_grads") for r in range(world)]
@@ -113,7 +114,7 @@ def reduced_accumulated(first: dict, ev: dict[int, dict], world: int) -> tuple |
     return GRAD_ACCUMULATION_REDUCED, details, cause
 
 
-def unruled(first: dict, ev: dict[int, dict]) -> tuple | None:
+def unruled(first: FirstDivergence, ev: dict[int, dict]) -> tuple | None:
     """(signature, details, cause) when the first divergent gradient, a partial sum over the
     ranks, is of a parameter no rule of the TP code's plan covers; else None (no plan given,
     or a rule covers it)."""
@@ -153,15 +154,14 @@ def _style(ev: dict[int, dict]) -> dict:
     }
 
 
-def _module_of(first: dict) -> str | None:
-    """The module whose output a forward check compares ('act:NAME'), '' for the model's output,
-    else None."""
-    if first["stage"] != "forward":
+def _module_of(first: FirstDivergence) -> str | None:
+    """The module whose output a forward check compares ('act:NAME', its pass included), '' for
+    the model's output, else None."""
+    if first.stage != "forward":
         return None
-    name = first["name"]
-    if name.startswith("act:"):
-        return name.split(":", 1)[1]
-    return "" if name.split(":", 1)[0] == "output" else None
+    if first.id.kind == "act":
+        return first.id.location
+    return "" if first.id.kind == "output" else None
 
 
 def _within(op_module: str, module: str) -> bool:
@@ -179,7 +179,7 @@ def _within(op_module: str, module: str) -> bool:
 
 
 def source_line(at: str) -> str:
-    """'path:line' as people read it ('transformers/models/x/modeling_x.py:970'): usercode's
+    """'path:line' as people read it ('transformers/models/x/modeling_x.py:970'): sourcelines.py's
     `readable_path`."""
     path, _, line = at.rpartition(":")
     return f"{readable_path(path)}:{line}"
@@ -211,7 +211,7 @@ def _same_op_in(op: dict, ops: list[dict]) -> list[str]:
     )
 
 
-def op_on_shard(first: dict, ops: list[dict]) -> tuple | None:
+def op_on_shard(first: FirstDivergence, ops: list[dict]) -> tuple | None:
     """(signature, details, cause) when the first divergence, a mismatch at a module output, has
     in its code an operation the TP side ran on a shard of the dimension it reads
     (checker/rank/shard_ops.py); else None."""

@@ -19,13 +19,21 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from tpcheck.checker.case import CaseSpec, RunSettings
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check, RankPayload, evidence_key
 from tpcheck.checker.rank import tolerance
+from tpcheck.checker.settings import RunSettings
 from tpcheck.checker.verdict.collectives import check_ledger
 from tpcheck.checker.verdict.diagnose import diagnose
+from tpcheck.checker.verdict.divergence import (
+    Diagnosis,
+    FirstDivergence,
+    SelfTest,
+    first_divergence,
+)
 from tpcheck.checker.verdict.failures import failure_fields
-from tpcheck.checker.vocabulary import NO_GRAD_OUTPUT, WITHOUT_AUTOGRAD, Verdict
+from tpcheck.checker.vocabulary import Verdict
 from tpcheck.errors import ExitCode
 from tpcheck.findings import finding_for
 
@@ -43,9 +51,9 @@ class CaseResult:
     seconds: float
     checks: list[Check] | None = None  # every rank's, judged (`passed`), the controls apart
     ledger: dict | None = None
-    self_test: dict | None = None
-    first_divergence: dict | None = None
-    diagnosis: dict | None = None
+    self_test: SelfTest | None = None
+    first_divergence: FirstDivergence | None = None
+    diagnosis: Diagnosis | None = None
     problems: list[dict] | None = None
     hang: dict | None = None
     crash: dict | None = None
@@ -76,7 +84,9 @@ class CaseResult:
             "verdict": self.verdict,
             "as_expected": self.as_expected,
             "summary": self.summary,
-            "first_divergence": self.first_divergence,
+            "first_divergence": (
+                self.first_divergence.to_json() if self.first_divergence is not None else None
+            ),
         }
         if self.checks is not None:
             out["checks"] = [check_json(c) for c in self.checks]
@@ -93,11 +103,11 @@ class CaseResult:
             "float64_run",
         ):
             if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+                out[key] = _json(getattr(self, key))
         if self.checks is not None:
-            out["self_test"] = self.self_test
-            out["diagnosis"] = self.diagnosis
-        if finding := finding_for(self.diagnosis):
+            out["self_test"] = _json(self.self_test)
+            out["diagnosis"] = _json(self.diagnosis)
+        if finding := finding_for(out.get("diagnosis")):
             out["finding"] = finding
         return out
 
@@ -115,14 +125,8 @@ class CaseResult:
             **{k: _frozen(v) for k, v in given.items() if k in spec_fields and k != "overrides"},
             overrides=tuple((k, _frozen(v)) for k, v in (given.get("overrides") or {}).items()),
         )
-        check_fields = {f.name for f in dataclasses.fields(Check)}
-        checks = (
-            None
-            if "checks" not in case
-            else [
-                Check(**{k: v for k, v in c.items() if k in check_fields}) for c in case["checks"]
-            ]
-        )
+        checks = None if "checks" not in case else [check_from_json(c) for c in case["checks"]]
+        first = case.get("first_divergence")
         return cls(
             spec=spec,
             run=run,
@@ -131,13 +135,13 @@ class CaseResult:
             summary=case["summary"],
             seconds=case["seconds"],
             checks=checks,
+            first_divergence=FirstDivergence.from_json(first) if first is not None else None,
+            self_test=SelfTest.from_json(case["self_test"]) if case.get("self_test") else None,
+            diagnosis=Diagnosis.from_json(case["diagnosis"]) if case.get("diagnosis") else None,
             **{
                 k: case.get(k)
                 for k in (
                     "ledger",
-                    "self_test",
-                    "first_divergence",
-                    "diagnosis",
                     "problems",
                     "hang",
                     "crash",
@@ -159,8 +163,10 @@ def _frozen(value):
 def check_json(check: Check) -> dict:
     """A check as the report holds it: every field but `control` (the report lists no control) and
     `loaded_by` where nothing but tpcheck loaded the tensor."""
-    out = dict(vars(check))  # flat: asdict's deep copy is slow
-    del out["control"], out["planted"], out["blind"]
+    # flat (asdict's deep copy is slow); the identity rendered as the report's name, in its place
+    out = {("name" if k == "id" else k): v for k, v in vars(check).items()}
+    out["name"] = str(check.id)
+    del out["planted"], out["blind"]
     del out["bin_errors"], out["bins"]  # judged: the worst bin's figures are kept
     for key in ("magnitude", "scale"):
         if out[key] is None:
@@ -192,6 +198,20 @@ SPEC_KEYS = (
     "expected",
     "device",
 )
+
+
+def _json(value):
+    """A record's JSON object (its `to_json()`); a plain value as it is."""
+    return value.to_json() if hasattr(value, "to_json") else value
+
+
+def check_from_json(c: dict) -> Check:
+    """A report's check read back (`check_json`'s inverse): its name parsed to the identity."""
+    given = {k: v for k, v in c.items() if k in CHECK_FIELDS}
+    return Check(id=CheckId.parse(c["name"]), **given)
+
+
+CHECK_FIELDS = {f.name for f in dataclasses.fields(Check)} - {"id"}
 
 
 def spec_json(spec: CaseSpec, run: RunSettings) -> dict:
@@ -244,17 +264,17 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         forward_only=forward_only,
         activations=payloads[0].activations,
     )
-    result.self_test["failures"] += missing_warmup(payloads, run.warmup)
+    result.self_test.failures += missing_warmup(payloads, run.warmup)
     result.as_expected = result.verdict == result.expected
-    if result.self_test["failures"]:
+    if result.self_test.failures:
         result.verdict, result.as_expected = "error", False
         result.summary = (
-            f"the checker failed its control: {result.self_test['failures'][0]}; no verdict can be "
+            f"the checker failed its control: {result.self_test.failures[0]}; no verdict can be "
             "trusted (a bug in tpcheck: please report it with this case)"
         )
         return result
     if failed:
-        result.first_divergence = _first(failed, checks)
+        result.first_divergence = first_divergence(failed, checks)
         micro = 1 if forward_only is not None else run.micro_batches  # forward only: one pass
         ops = payloads[0].shard_ops  # the reductions and splits that ran on a shard
         result.diagnosis = diagnose(result.first_divergence, evidence, spec.world_size, micro, ops)
@@ -323,7 +343,7 @@ def self_test(
     evidence: list[dict],
     flagged: list[Check] | None = None,
     manifests: list[tuple[int, list | None]] | None = None,
-) -> dict:
+) -> SelfTest:
     """The controls must all be in `flagged` (the failures the verdict reads: `failing`), every rank
     must have one at every stage and step where it has checks, each non-replica control's evidence
     must show its planted error, and every rank must have made every check of its manifest
@@ -355,13 +375,13 @@ def self_test(
     ]
     if manifests is not None:
         failures += missing_checks(checks, manifests)
-    return {
-        "controls": len(controls),
-        "flagged": sum(id(c) in caught for c in controls),
-        "failures": failures,
-        "skipped": skipped,
-        "manifest": sum(len(m or ()) for _, m in manifests or ()),
-    }
+    return SelfTest(
+        controls=len(controls),
+        flagged=sum(id(c) in caught for c in controls),
+        failures=failures,
+        skipped=skipped,
+        manifest=sum(len(m or ()) for _, m in manifests or ()),
+    )
 
 
 def missing_warmup(payloads: list[RankPayload], warmup: int) -> list[str]:
@@ -377,7 +397,7 @@ def missing_warmup(payloads: list[RankPayload], warmup: int) -> list[str]:
 def _shown(control: Check, evidence: list[dict]) -> str | None:
     """What is wrong with a control's evidence (None: it shows the planted element, its difference
     at least half the planted error, at most the control's whole error)."""
-    kept = evidence[control.rank].get(evidence_key(control.stage, control.step, control.name))
+    kept = evidence[control.rank].get(evidence_key(control.stage, control.step, control.id))
     if kept is None:
         return f"missing instead of {control.error:.3g}"
     shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0))
@@ -397,7 +417,7 @@ def missing_checks(checks: list[Check], manifests: list[tuple[int, list | None]]
     is a rank that sent no manifest."""
     have: dict[tuple, int] = {}
     for c in checks:
-        key = (c.rank, c.stage, c.step, c.name)
+        key = (c.rank, c.stage, c.step, c.id)
         have[key] = have.get(key, 0) + 1
     out = []
     for rank, entries in manifests:
@@ -427,7 +447,7 @@ def _fill_bounds(checks: list[Check]) -> list[Check]:
     def keyed(rank_checks):
         seen: dict[tuple, int] = {}
         for c in rank_checks:
-            key = (c.stage, c.step, c.name, c.control)
+            key = (c.stage, c.step, c.id)
             seen[key] = seen.get(key, -1) + 1
             yield (*key, seen[key]), c
 
@@ -457,56 +477,6 @@ def _fill_bounds(checks: list[Check]) -> list[Check]:
     return missing
 
 
-def _first(failed: list[Check], checks: Sequence[Check] = ()) -> dict:
-    """The first divergence: the first failed check in execution order (`failing`), but for one
-    made in a forward without autograd where the same step's training forward fails too: that
-    forward's first failure names the module, while the pass without autograd compares the model's
-    output only (and the decisions made on the way, a router's top-k). The pass without autograd
-    is each step's first (`Case.no_grad_forward`: the checks of the step up to its output's,
-    `checks` on the same rank) and the eval-mode one after the last step's micro-batches. A failure
-    of that pass alone stays first: a path taken only without autograd."""
-    ends = {
-        (c.rank, c.step): c.seq for c in checks if c.name == NO_GRAD_OUTPUT and c.stage == "forward"
-    }
-
-    def without_autograd(c: Check) -> bool:
-        end = ends.get((c.rank, c.step))
-        return c.name in WITHOUT_AUTOGRAD or (
-            c.stage == "forward" and end is not None and c.seq <= end
-        )
-
-    first = failed[0]
-    if without_autograd(first):
-        first = next(
-            (
-                c
-                for c in failed
-                if c.stage == "forward" and c.step == first.step and not without_autograd(c)
-            ),
-            first,
-        )
-    ranks = sorted(
-        {
-            c.rank
-            for c in failed
-            if c.name == first.name and c.step == first.step and c.stage == first.stage
-        }
-    )
-    out = {
-        "stage": first.stage,
-        "step": first.step,
-        "name": first.name,
-        "ranks": ranks,
-        "error": first.error,
-        "bound": first.bound,
-        "kind": first.kind,
-        "reason": first.reason,
-    }
-    if first.raw_error is not None:
-        out["raw_error"] = first.raw_error
-    return out
-
-
 def forward_only_note(forward_only: dict | None) -> str:
     """The summary's word on a case checked forward only ("" for one that trained)."""
     if forward_only is None:
@@ -527,16 +497,16 @@ def _verdict_summary(result: CaseResult, failed: list[Check]) -> str:
         return f"equivalent: {len(result.checks)} checks passed on {result.spec.world_size} rank(s)"
     f, d = result.first_divergence, result.diagnosis
     loaded_by = f" (as loaded by {failed[0].loaded_by})" if failed[0].loaded_by else ""
-    if f["kind"] == "layout":  # no numbers to say: the output is not comparable
+    if f.kind == "layout":  # no numbers to say: the output is not comparable
         return (
             f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: "
-            f"{f['name']} ({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: "
-            f"{d['signature']}: {d['cause']}"
+            f"{f.name} ({f.stage}, step {f.step}) on rank(s) {f.ranks}: "
+            f"{d.signature}: {d.cause}"
         )
     return (
-        f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f['name']} "
-        f"({f['stage']}, step {f['step']}) on rank(s) {f['ranks']}: error {f['error']:.3g} > bound "
-        f"{f['bound']:.3g}; {d['signature']}: {d['cause']}{loaded_by}"
+        f"not equivalent: {len(failed)} of {len(result.checks)} checks failed; first: {f.name} "
+        f"({f.stage}, step {f.step}) on rank(s) {f.ranks}: error {f.error:.3g} > bound "
+        f"{f.bound:.3g}; {d.signature}: {d.cause}{loaded_by}"
     )
 
 

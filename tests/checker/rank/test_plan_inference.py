@@ -4,7 +4,7 @@ values, the first one every rank matches wins, and another rank's shard is named
 import pytest
 import torch
 
-from tpcheck.checker.rank.inference import candidates, looks_like, matches, plan_as_code
+from tpcheck.checker.rank.plan_inference import candidates, looks_like, matches, plan_as_code
 from tpcheck.plan import Fused, Plan, Replicate, Shard
 
 
@@ -68,7 +68,7 @@ def test_uneven_fused_qkv_is_proposed_by_rank_0_and_matched_on_every_rank(world,
     """GQA's fused [q; k; v] with fewer KV heads than query heads, KV heads sharded (kv >= world) or
     replicated over ranks (kv < world): the shape alone does not say where q ends,
     rank 0's values do."""
-    from tpcheck.checker.rank.inference import uneven_fused
+    from tpcheck.checker.rank.plan_inference import uneven_fused
 
     heads, hd, hidden = 8, 4, 16
     true = Fused(0, (heads, kv, kv), (hd, hd, hd))
@@ -91,7 +91,7 @@ def test_a_contiguous_split_of_a_fused_qkv_is_inferred_as_the_shard_it_is():
     """A loader that split [q; k; v] contiguously (the classic bug) holds `Shard(0)` of the dense
     weight; no uneven-fused proposal claims it too, so the plan says what the loader did (and the TP
     forward's values then fail)."""
-    from tpcheck.checker.rank.inference import uneven_fused
+    from tpcheck.checker.rank.plan_inference import uneven_fused
 
     dense = torch.randn((8 + 4) * 4, 16, generator=torch.Generator().manual_seed(3))
     naive = [Shard(0).shard(dense, r, 2) for r in range(2)]
@@ -110,7 +110,7 @@ def test_a_gqa_attention_loaded_by_its_own_loader_is_checked_with_no_plan_writte
     from tpcheck import CaseSpec, RunSettings, check
     from tpcheck.blocks.attention import BLOCK
     from tpcheck.blocks.base import config_for
-    from tpcheck.checker.usercode import register
+    from tpcheck.checker.casefile import register
 
     spec = CaseSpec(
         block="attention",
@@ -147,7 +147,7 @@ def test_a_weight_split_unevenly_is_named_with_the_world_sizes_that_divide_it():
     from torch import nn
 
     from tpcheck import Case, CaseSpec, RunSettings, check
-    from tpcheck.checker.usercode import register
+    from tpcheck.checker.casefile import register
 
     class TP(nn.Module):
         def __init__(self, group, dtype):

@@ -1,7 +1,7 @@
 """Parallel styles tpcheck ships for transformers' plans, registered in transformers'
 `ALL_PARALLEL_STYLES` under tpcheck-named keys when this module is imported (by
-`tpcheck.adapters.transformers`, before any rank forks: the ranks and the parent know the same
-styles). A plan rule names one like any of transformers' own:
+`tpcheck.adapters.transformers.common`, before any rank forks: the ranks and the parent know the
+same styles). A plan rule names one like any of transformers' own:
 
     tpcheck hf qwen3 --rule 'model.layers.*.self_attn.q_norm=tpcheck_reduce_grad_on_arrival'
 

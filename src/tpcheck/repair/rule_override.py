@@ -54,6 +54,8 @@ import shlex
 
 from torch import nn
 
+from tpcheck.checker.checkid import CheckId
+
 DEFAULT_BUDGET = 16
 _RAISED = re.compile(r"raised at (\S+?):(\d+)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
@@ -91,8 +93,8 @@ def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str
     check, first divergence first; for an error, the modules whose forward holds the raising
     line."""
     found: list[str] = []
-    for check in _failed_names(result):
-        for token in check.split(":")[1:]:
+    for check in _failed_ids(result):
+        for token in _tokens(check):
             module = _module_of(token, modules, params)
             if module and module not in found:
                 found.append(module)
@@ -101,11 +103,19 @@ def failing_modules(result: dict, modules: dict[str, nn.Module], params: set[str
     return found
 
 
-def _failed_names(result: dict) -> list[str]:
-    """The names of the first divergent check and of every failed check, in that order."""
+def _failed_ids(result: dict) -> list[CheckId]:
+    """The identities of the first divergent check and of every failed check, in that order (a
+    report's names read back)."""
     first = (result.get("first_divergence") or {}).get("name")
     failed = [c["name"] for c in result.get("checks", ()) if not c.get("passed", True)]
-    return ([first] if first else []) + failed
+    return [CheckId.parse(n) for n in ([first] if first else []) + failed]
+
+
+def _tokens(check: CheckId) -> list[str]:
+    """What of a check may name a module or a parameter: its target (with a state's entry) and its
+    pass."""
+    target = check.target + (f".{check.entry}" if check.entry else "")
+    return [t for t in (target, check.pass_) if t]
 
 
 def raising_modules(result: dict, modules: dict[str, nn.Module]) -> list[str]:
@@ -178,7 +188,7 @@ def wildcard(name: str) -> str:
 def own_param_keys(result: dict, params: set[str], plan: dict[str, str]) -> list[str]:
     """The plan keys that are failing parameters' own rules (a key naming the parameter, not its
     module), first divergence first."""
-    keys = [wildcard(t) for n in _failed_names(result) for t in n.split(":")[1:] if t in params]
+    keys = [wildcard(t) for n in _failed_ids(result) for t in _tokens(n) if t in params]
     return list(dict.fromkeys(k for k in keys if k in plan))
 
 
@@ -213,7 +223,7 @@ def module_kind(key: str, modules: dict[str, nn.Module], params: set[str]) -> st
 
 
 def style_choices(kind: str, current: str | None) -> list[str]:
-    from tpcheck.adapters.transformers_styles import REDUCE_GRAD_ON_ARRIVAL, ROWWISE_ANY_INPUT
+    from tpcheck.adapters.transformers.styles import REDUCE_GRAD_ON_ARRIVAL, ROWWISE_ANY_INPUT
 
     styles = {
         "param": _PARAM_STYLES,
@@ -305,9 +315,10 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     import torch
 
     from tpcheck.adapters import transformers as hf
+    from tpcheck.checker.casefile import HF_PREFIX
 
     spec, result = target.spec, target.result
-    arch = spec.block.removeprefix(hf.HF_PREFIX)
+    arch = spec.block.removeprefix(HF_PREFIX)
     prep = hf.prepare(arch, spec.world_size, target.rules or None)
     meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
     modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}

@@ -1,30 +1,6 @@
-"""Check real Megatron-Core layers (optional extra
-`tpcheck[megatron]`, megatron-core==0.16.1) on CPU/gloo.
-
-Cases: `column_case` (ColumnParallelLinear), `row_case` (RowParallelLinear), `embedding_case`
-(VocabParallelEmbedding), `cross_entropy_case` (vocab_parallel_cross_entropy after a column-parallel
-head), `gated_mlp_case` (the gated MLP built from a TransformerConfig), `transformer_layer_case` (a
-TransformerLayer: GQA self-attention + gated MLP, optionally sequence parallel) and `gpt_model_case`
-(a tiny GPTModel returning its per-token vocab-parallel cross-entropy), each against a dense twin
-with the same parameter names.
-
-Running Megatron-Core on CPU needs four things, done by `init_megatron(group)` on every rank:
-- `torch.cuda.current_device` is replaced by a function returning the CPU device (its layers ask for
-  it when they allocate weights; a process-wide monkeypatch, only on the rank processes);
-- Megatron's CUDA RNG tracker is replaced by its CPU counterpart (`_CPUTracker`): the same named
-  states, seeded as `model_parallel_cuda_manual_seed` seeds them (the model-parallel one
-  `seed + 2718 + tp rank`), swapped into the CPU generator by `fork()` (DotProductAttention forks
-  around the attention dropout, TransformerBlock around every layer under SP, the embedding around
-  its dropout under SP), so the cases can train with dropout and tpcheck checks where
-  Megatron draws each mask;
-- the config sets `use_cpu_initialization=True, gradient_accumulation_fusion=False`;
-- `parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)` on the rank's
-  existing gloo group (once per process: a rank pool serves one world size).
-Attention gets an explicit causal mask (`causal_mask`): given None, Megatron makes it on "cuda".
-Megatron's layers return `(output, bias)`; `Unpack` keeps the output (bias is None when
-`skip_bias_add=False`). Megatron's collectives do not pass through a TPGroup, so the case ledger
-holds only the checker's own; every tensor is still compared on every rank.
-"""
+"""A Megatron-Core TransformerLayer (GQA self-attention and a gated MLP, optionally sequence
+parallel) and a tiny GPTModel with its vocab-parallel cross-entropy, each against a dense twin with
+the same parameter names: `transformer_layer_case`, `gpt_model_case`."""
 
 from __future__ import annotations
 
@@ -34,353 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcheck.checker.case import Case, RunSettings
-from tpcheck.errors import UsageError
-from tpcheck.parallel.group import TPGroup
+from tpcheck.adapters.megatron import runtime as mc
+from tpcheck.adapters.megatron.layers import DenseGatedMLP
+from tpcheck.adapters.megatron.runtime import Finalized, Keep, init_megatron
+from tpcheck.checker.case import Case
+from tpcheck.checker.settings import RunSettings
 from tpcheck.parallel.losses import sp_mse_loss
-from tpcheck.parallel.random import drawing_from
 from tpcheck.plan import Fused, Plan, Replicate, Shard
-
-try:  # imported at module load, so a case file importing this pays it once, before the ranks fork
-    from megatron.core import parallel_state
-    from megatron.core import tensor_parallel as mtp
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import (
-        _allreduce_non_tensor_model_parallel_grads,
-    )
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    from megatron.core.transformer.transformer_config import TransformerConfig
-except ImportError as e:  # pragma: no cover - depends on the optional extra
-    MEGATRON_ERROR: str | None = (
-        f"megatron-core is not importable ({e}); pip install 'tpcheck[megatron]'"
-    )
-else:
-    MEGATRON_ERROR = None
-
-
-def available() -> bool:
-    return MEGATRON_ERROR is None
-
-
-def init_megatron(group: TPGroup) -> None:
-    """CPU patch + Megatron's global parallel state over this rank's gloo group (idempotent)."""
-    if MEGATRON_ERROR:
-        raise ImportError(MEGATRON_ERROR)
-    if group.device.type != "cpu":
-        raise UsageError(
-            "Megatron-Core layers are checked on the CPU only (tpcheck runs them with their CUDA "
-            "calls patched to the CPU); leave --device out"
-        )
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPUTracker):
-        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
-            _CPUTracker(group.rank),
-            True,
-        )
-    if parallel_state.model_parallel_is_initialized():
-        have = parallel_state.get_tensor_model_parallel_world_size()
-        if have == group.world_size:
-            return
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=group.world_size)
-
-
-SEED = 1234  # the training script's seed, as given to model_parallel_cuda_manual_seed
-
-
-class _CPUTracker(mrandom.CudaRNGStatesTracker if MEGATRON_ERROR is None else object):
-    """Megatron's RNG tracker on CPU: its named states as CPU generator states, seeded as
-    `model_parallel_cuda_manual_seed(SEED)` seeds them on tensor-parallel rank `tp_rank`
-    (data-parallel: SEED; model-parallel: SEED + 2718 + tp_rank; expert: SEED + 1024 + tp_rank);
-    `fork(name)` swaps one into the CPU default generator and back, as Megatron's
-    swaps the CUDA one."""
-
-    def __init__(self, tp_rank: int) -> None:
-        super().__init__()
-        self.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, SEED)
-        self.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, SEED + 2718 + tp_rank)
-        self.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, SEED + 1024 + tp_rank)
-
-    def add(self, name: str, seed: int) -> None:
-        self._is_initialized = True
-        if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
-        if name in self.states_:
-            raise Exception(f"cuda rng state {name} already exists")
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    def fork(
-        self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME if MEGATRON_ERROR is None else ""
-    ):
-        if name not in self.states_:
-            raise Exception(f"cuda rng state {name} is not added")
-        return drawing_from(self.states_, name)
-
-
-def config(world: int, dtype: torch.dtype, hidden: int, ffn: int, **kw) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=hidden,
-        ffn_hidden_size=ffn,
-        num_attention_heads=4,
-        tensor_model_parallel_size=world,
-        params_dtype=dtype,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        **kw,
-    )
-
-
-class Unpack(nn.Module):
-    """Megatron layers return (output, bias): keep the output; parameters appear as `layer.*`."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        out = self.layer(x)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class Keep(Unpack):
-    """`Unpack` for a module called with its own keyword arguments (TransformerLayer returns
-    (output, context); GPTModel the loss or logits)."""
-
-    def forward(self, **kwargs):
-        out = self.layer(**kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class Finalized(Keep):
-    """A Megatron model as its training loop sees it: `finalize_grads()` (called by the engine in
-    the optimizer phase, before the step) runs Megatron's own
-    `_allreduce_non_tensor_model_parallel_grads`, the part of `finalize_model_grads` that sums over
-    the TP group the grads of parameters marked `sequence_parallel=True` (norm weights under SP:
-    each rank saw only its sequence shard, so its grad is partial). No-op without SP. `ddp_config`
-    is what that function reads off a model chunk."""
-
-    def __init__(self, layer: nn.Module, cfg: TransformerConfig) -> None:
-        super().__init__(layer)
-        self.cfg, self.ddp_config = cfg, DistributedDataParallelConfig()
-
-    def finalize_grads(self) -> None:
-        _allreduce_non_tensor_model_parallel_grads([self], self.cfg)
-
-
-def init_normal(model: nn.Module, g: torch.Generator) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-
-
-def hidden_batch(seq: int, batch: int, hidden: int, out: int | None = None):
-    def make(g, dtype):
-        x = torch.randn(seq, batch, hidden, generator=g)
-        return {"x": x.to(dtype)}, torch.randn(seq, batch, out or hidden, generator=g).to(dtype)
-
-    return make
-
-
-def _fields(kw: dict) -> dict:
-    return {"init": init_normal, "run": RunSettings(steps=2), **kw}
-
-
-def column_case(hidden: int = 16, out: int = 32, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """ColumnParallelLinear(bias, gather_output=True):
-    weight and bias Shard(0), output replicated."""
-
-    def build_tp(group, dtype):
-        init_megatron(group)
-        cfg = config(group.world_size, dtype, hidden, out)
-        return Unpack(
-            mtp.ColumnParallelLinear(
-                hidden, out, config=cfg, init_method=cfg.init_method, bias=True, gather_output=True
-            )
-        )
-
-    return Case(
-        name="megatron_column",
-        build_dense=lambda dtype: Unpack(nn.Linear(hidden, out, dtype=dtype)),
-        build_tp=build_tp,
-        plan=Plan(params={"layer.weight": Shard(0), "layer.bias": Shard(0)}),
-        make_batch=hidden_batch(seq, batch, hidden, out),
-        **_fields(kw),
-    )
-
-
-def row_case(hidden: int = 32, out: int = 16, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """RowParallelLinear(bias, input_is_parallel=False): weight Shard(1), bias replicated."""
-
-    def build_tp(group, dtype):
-        init_megatron(group)
-        cfg = config(group.world_size, dtype, out, hidden)
-        return Unpack(
-            mtp.RowParallelLinear(
-                hidden,
-                out,
-                config=cfg,
-                init_method=cfg.init_method,
-                bias=True,
-                input_is_parallel=False,
-                skip_bias_add=False,
-            )
-        )
-
-    return Case(
-        name="megatron_row",
-        build_dense=lambda dtype: Unpack(nn.Linear(hidden, out, dtype=dtype)),
-        build_tp=build_tp,
-        plan=Plan(params={"layer.weight": Shard(1), "layer.bias": Replicate()}),
-        make_batch=hidden_batch(seq, batch, hidden, out),
-        **_fields(kw),
-    )
-
-
-def embedding_case(vocab: int = 64, hidden: int = 16, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """VocabParallelEmbedding: weight Shard(0) (a vocab
-    range per rank, masked lookup + all-reduce)."""
-
-    def build_tp(group, dtype):
-        init_megatron(group)
-        cfg = config(group.world_size, dtype, hidden, 4 * hidden)
-        return mtp.VocabParallelEmbedding(vocab, hidden, init_method=cfg.init_method, config=cfg)
-
-    def make(g, dtype):
-        tokens = torch.randint(0, vocab, (batch, seq), generator=g)
-        return {"input_": tokens}, torch.randn(batch, seq, hidden, generator=g).to(dtype)
-
-    return Case(
-        name="megatron_vocab_embedding",
-        build_dense=lambda dtype: _Embedding(vocab, hidden, dtype),
-        build_tp=build_tp,
-        plan=Plan(params={"weight": Shard(0)}),
-        make_batch=make,
-        grad_inputs=(),
-        **_fields(kw),
-    )
-
-
-class _Embedding(nn.Embedding):
-    def __init__(self, vocab, hidden, dtype):
-        super().__init__(vocab, hidden, dtype=dtype)
-
-    def forward(self, input_):  # Megatron's argument name
-        return super().forward(input_)
-
-
-class _Head(nn.Module):
-    """Dense twin of a column-parallel LM head: logits [s, b, vocab]."""
-
-    def __init__(self, hidden, vocab, dtype, parallel=None):
-        super().__init__()
-        self.layer = (
-            parallel if parallel is not None else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
-        )
-
-    def forward(self, x):
-        out = self.layer(x)
-        return out[0] if isinstance(out, tuple) else out
-
-
-def cross_entropy_case(
-    hidden: int = 16, vocab: int = 64, seq: int = 4, batch: int = 2, **kw
-) -> Case:
-    """vocab_parallel_cross_entropy on column-parallel
-    logits [s, b, vocab/tp] vs F.cross_entropy."""
-
-    def build_tp(group, dtype):
-        init_megatron(group)
-        cfg = config(group.world_size, dtype, hidden, 4 * hidden)
-        return _Head(
-            hidden,
-            vocab,
-            dtype,
-            mtp.ColumnParallelLinear(
-                hidden,
-                vocab,
-                config=cfg,
-                init_method=cfg.init_method,
-                bias=False,
-                gather_output=False,
-            ),
-        )
-
-    def make(g, dtype):
-        x = torch.randn(seq, batch, hidden, generator=g)
-        return {"x": x.to(dtype)}, torch.randint(0, vocab, (seq, batch), generator=g)
-
-    def loss(logits, target):
-        return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
-
-    def tp_loss(logits_local, target, group):
-        return mtp.vocab_parallel_cross_entropy(logits_local, target).mean()
-
-    return Case(
-        name="megatron_vocab_cross_entropy",
-        build_dense=lambda dtype: _Head(hidden, vocab, dtype),
-        build_tp=build_tp,
-        plan=Plan(params={"layer.weight": Shard(0)}),
-        make_batch=make,
-        loss=loss,
-        tp_loss=tp_loss,
-        output_placement=Shard(2),
-        **_fields(kw),
-    )
-
-
-class DenseGatedMLP(nn.Module):
-    """Dense twin of Megatron's gated MLP: fc1 [gate;
-    up] = [2*ffn, h], silu(gate) * up, fc2 [h, ffn]."""
-
-    def __init__(self, hidden: int, ffn: int, dtype=None) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
-        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
-
-    def forward(self, x):
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # [s, b, ffn] each
-        return self.linear_fc2(F.silu(gate) * up)
-
-
-def gated_mlp_case(hidden: int = 16, ffn: int = 32, seq: int = 4, batch: int = 2, **kw) -> Case:
-    """megatron.core MLP with gated_linear_unit=True: rank r's fc1 holds [gate_r; up_r] (Fused)."""
-
-    def build_tp(group, dtype):
-        init_megatron(group)
-        cfg = config(
-            group.world_size,
-            dtype,
-            hidden,
-            ffn,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-        )
-        subs = MLPSubmodules(linear_fc1=mtp.ColumnParallelLinear, linear_fc2=mtp.RowParallelLinear)
-        return Unpack(MLP(cfg, subs))
-
-    plan = Plan(
-        params={
-            "layer.linear_fc1.weight": Fused(0, (ffn, ffn)),
-            "layer.linear_fc2.weight": Shard(1),
-        }
-    )
-    return Case(
-        name="megatron_gated_mlp",
-        build_dense=lambda dtype: Unpack(DenseGatedMLP(hidden, ffn, dtype)),
-        build_tp=build_tp,
-        plan=plan,
-        make_batch=hidden_batch(seq, batch, hidden),
-        **_fields(kw),
-    )
-
 
 # -------------------------------------------------------------- a transformer layer and a GPT model
 
@@ -392,7 +28,7 @@ class CPUNorm:
     `sequence_parallel=config.sequence_parallel`, as TENorm and FusedLayerNorm mark theirs: the mark
     that Megatron's finalize_model_grads reduces by (see `Finalized`)."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+    def __new__(cls, config: mc.TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
         norm = (nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm)(
             hidden_size, eps=eps
         )
@@ -412,11 +48,11 @@ def layer_config(
     layers: int = 1,
     dropout: float = 0.0,
     **kw,
-) -> TransformerConfig:
+) -> mc.TransformerConfig:
     """GQA attention, gated SiLU MLP, RMSNorm, no biases; `dropout` for both the hidden and the
     attention dropout (0 by default). Megatron refuses SP without TP, so at world 1 SP is off (a
     Shard(0) over one rank is the whole tensor: the case is unchanged)."""
-    return TransformerConfig(
+    return mc.TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=ffn,
@@ -439,10 +75,10 @@ def layer_config(
     )
 
 
-def layer_spec(cfg: TransformerConfig):
+def layer_spec(cfg: mc.TransformerConfig):
     """Megatron's local (no Transformer Engine) GPT layer spec: ColumnParallelLinear QKV and fc1,
     RowParallelLinear proj and fc2, DotProductAttention with a causal mask; `CPUNorm` under SP."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = mc.get_gpt_layer_local_spec(normalization="RMSNorm")
     if cfg.sequence_parallel:
         subs = dataclasses.replace(
             spec.submodules, input_layernorm=CPUNorm, pre_mlp_layernorm=CPUNorm
@@ -590,7 +226,9 @@ def transformer_layer_case(
         cfg = layer_config(
             group.world_size, dtype, hidden, ffn, heads, groups, sequence_parallel, dropout=dropout
         )
-        return Finalized(build_module(layer_spec(cfg), config=cfg, layer_number=1), cfg).to(dtype)
+        return Finalized(mc.build_module(layer_spec(cfg), config=cfg, layer_number=1), cfg).to(
+            dtype
+        )
 
     def make(g, dtype):
         x = torch.randn(seq, batch, hidden, generator=g).to(dtype)
@@ -675,7 +313,7 @@ def _smoothed(model: nn.Module, label_smoothing: float) -> nn.Module:
     logits -> [b, s])."""
 
     def compute_language_model_loss(labels, logits):
-        loss = mtp.vocab_parallel_cross_entropy(
+        loss = mc.mtp.vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1).contiguous(), label_smoothing
         )
         return loss.transpose(0, 1).contiguous()
@@ -729,9 +367,9 @@ def gpt_model_case(
         )
         spec = layer_spec(cfg)
         norm = spec.submodules.input_layernorm
-        model = GPTModel(
+        model = mc.GPTModel(
             cfg,
-            TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm),
+            mc.TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm),
             vocab,
             seq,
             position_embedding_type="rope",

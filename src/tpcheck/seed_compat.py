@@ -13,8 +13,9 @@ import sys
 import torch
 
 from tpcheck.blocks import BLOCKS, config_for
-from tpcheck.checker.case import CaseSpec, RunSettings
-from tpcheck.parallel.group import TPGroup
+from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.settings import RunSettings
+from tpcheck.parallel.group import PHASES, TPGroup
 
 SEED_MODES = ("equivalence", "missing_forward_reduce", "missing_backward_reduce")
 MODES = ("inspect", *SEED_MODES, "all")
@@ -177,7 +178,7 @@ def describe_blocks(preset: str, world_size: int) -> dict:
                         for ph, op, site in case.expected_collectives
                         if ph == phase
                     ]
-                    for phase in ("forward", "backward", "optimizer")
+                    for phase in PHASES
                 },
             }
     return out

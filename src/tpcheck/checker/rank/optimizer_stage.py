@@ -1,0 +1,151 @@
+"""The optimizers of one case on one rank, and the optimizer stage of a step.
+
+`Optimizers` is what each side's optimizer steps (the modules' own parameters, or their float32
+masters; the user's TP optimizer, seen through it: training.py), the three optimizers over the
+case's rule, the replay of the rule on the TP side's inputs and the allowance after adaptive steps
+(optimizer.py), and what a user's optimizer keeps out of sight. Built once over the `Sides`
+(`build`), never for a case checked forward only.
+
+The stage (`stage`), after the step's gradients were compared: clipping (training.py), the grads
+handed to what each optimizer steps, the replay of the dense rule on the TP side's own weights and
+grads, the float64 truth restarted from the dense side's weights and state, the three optimizer
+steps, the masters written back, then the update and state against the replay, what each optimizer
+stepped against the dense side's, and the user's copy back into the module.
+
+Around every step: the gradients zeroed (`zero_grads`) and, after the first, the TP side and the
+truth restarted from the dense side's weights (`restart_tp`, `restart_truth`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from tpcheck.checker.rank import training
+from tpcheck.checker.rank.loading import restart_in_place
+from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Optimizers, Replay
+from tpcheck.checker.rank.params import compare_params, compare_replay
+
+if TYPE_CHECKING:
+    from tpcheck.checker.rank.sides import Sides
+
+
+def build(s: Sides) -> Optimizers:
+    """The optimizers over the case's rule: the dense side's over its masters, the TP side's (the
+    user's `tp_optimizer`, a fault's, or the rule), the truth's, the replay and the allowance."""
+    case, group, settings = s.case, s.group, s.settings
+
+    def rule(named_params) -> torch.optim.Optimizer:
+        return case.make_rule(settings, named_params)
+
+    dense_master = Masters.of(s.dense, settings)
+    opt_dense = rule(dense_master.named_parameters())
+    if case.tp_optimizer is not None:
+        opt_tp = case.tp_optimizer(s.tp, group)
+        tp_master = training.UserOptimizer(s.tp, opt_tp)
+        training.check_masters(tp_master, dense_master, settings)
+    else:
+        tp_master = Masters.of(s.tp, settings)
+        opt_tp = (
+            case.inject.tp_optimizer(tp_master.owner, group, settings.make_optimizer)
+            if case.inject.tp_optimizer is not None
+            else rule(tp_master.named_parameters())
+        )
+    opt_truth = rule(s.truth.named_parameters()) if s.has_truth else None
+    replay = Replay(tp_master.params, rule)
+    adaptive = "betas" in opt_dense.defaults
+    return Optimizers(
+        dense_master=dense_master,
+        opt_dense=opt_dense,
+        tp_master=tp_master,
+        opt_tp=opt_tp,
+        opt_truth=opt_truth,
+        replay=replay,
+        slack=AdaptiveSlack(opt_dense, replay, opt_truth) if adaptive else None,
+    )
+
+
+def stage(s: Sides, opts: Optimizers, step: int) -> None:
+    """The optimizer stage of `step` (module docstring)."""
+    training.clip_grads(s, step)
+    opts.dense_master.take_grads()
+    opts.tp_master.take_grads()
+    # the dense rule on the TP side's own weights and grads (as the user's optimizer was handed
+    # them: after its step)
+    if not opts.tp_master.replay_after_step:
+        opts.replay.run(*opts.tp_master.replay_inputs())
+    restart_truth(s, opts, opts.dense_master.params.items(), opts.opt_dense)
+    for opt in opts.all():
+        with s.tap.tp_phase("optimizer") if opt is opts.opt_tp else contextlib.nullcontext():
+            opt.step()
+    if opts.tp_master.replay_after_step:
+        opts.replay.run(*opts.tp_master.replay_inputs())
+    opts.dense_master.write_back()
+    opts.tp_master.write_back()
+    s.sync(f"optimizer step {step}")
+    compare_replay(s, opts, step)
+    compare_params(
+        s, opts, step, "optimizer", opts.dense_master.params, opts.tp_master.params, lambda p: p
+    )
+    opts.tp_master.check_copy_back(s, step)
+
+
+def zero_grads(s: Sides, opts: Optimizers) -> None:
+    for opt in opts.all():
+        training.zero_grad(opt)
+    # under master weights the optimizers hold the masters
+    for model in (s.dense, s.tp, s.truth):
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+
+
+def restart_tp(s: Sides, opts: Optimizers) -> None:
+    """Every step after the first starts the TP side from the dense side's weights (and
+    masters), written into its parameters in place through the plan (loading.py's
+    `restart_in_place`; never through the user's `load_tp`, which loads once): each step is then
+    checked from the same weights, so its forward, grads and update are held to the rounding of
+    that step's own arithmetic. Nothing is lost: the previous step's update was compared with
+    the dense rule element by element (the replay) and the weights with the dense ones. The TP
+    optimizer's state and anything the TP module keeps besides its parameters (caches derived
+    from the weights, buffers) are not touched: stale as in training, where nothing rebuilds
+    them."""
+    restart_in_place(s.tp, s.dense, s.plan, s.group)
+    if opts.tp_master.masters:
+        source = opts.dense_master if opts.dense_master.masters else s.dense
+        training.restart_masters(opts.tp_master, source, s.plan, s.group)
+
+
+def restart_truth(
+    s: Sides, opts: Optimizers, dense_params, dense_opt: torch.optim.Optimizer | None = None
+) -> None:
+    """The float64 truth restarts from the dense side at every step: its weights (before the
+    forward: the weights the dense module computes with; before the optimizer step: what the
+    dense optimizer steps, and that optimizer's state, in float64). So the dense side's distance
+    to the truth is the rounding of this step's arithmetic only, never the dense trajectory's
+    own drift (16-bit weights cannot follow lr-sized updates exactly: without the restart the
+    reference's "error" after one step is of the order of the update itself, and every bound
+    after it is vacuous)."""
+    if opts.opt_truth is None:
+        return
+    truth = dict(s.truth.named_parameters())
+    with torch.no_grad():
+        for name, p in dense_params:
+            t = truth[name]
+            t.copy_(p.detach().double())
+            if dense_opt is not None and (state := dense_opt.state.get(p)):
+                opts.opt_truth.state[t] = {k: _in_float64(v, t.dtype) for k, v in state.items()}
+
+
+def _in_float64(value, dtype: torch.dtype = torch.float64):
+    """An optimizer state entry for the float64 truth: moment tensors in float64 (in `dtype`: the
+    truth parameter's, float32 for a module the case keeps so), the rest (a scalar step tensor, a
+    number) copied as they are."""
+    if not torch.is_tensor(value):
+        return value
+    return (
+        value.detach().clone().to(dtype)
+        if value.is_floating_point() and value.dim()
+        else value.clone()
+    )
