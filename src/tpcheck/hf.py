@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 
 from tpcheck.adapters import transformers as hf
-from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.case import CaseSpec, Target
 from tpcheck.errors import UsageError
 
 # optimizer steps per architecture (each with its micro-batches): the sweep's default
@@ -114,7 +114,7 @@ def sweep_section(
 
     rows = list(skipped)
     for r in results:
-        arch = r["spec"]["block"].removeprefix("hf:")
+        arch = Target.parse(r["spec"]["block"]).name  # the report's spec, read back
         reason = "" if r["verdict"] in ("equivalent", "not equivalent") else r["summary"]
         rows.append(
             {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tpcheck.blocks import BLOCKS, config_for
 from tpcheck.checker.case import Case, CaseSpec
-from tpcheck.checker.casefile import HF_PREFIX, build_user_case, is_user_block
+from tpcheck.checker.casefile import build_user_case
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, Launcher, TorchrunLauncher
 from tpcheck.errors import UsageError
 from tpcheck.faults import CATALOGUE, apply_fault, check_applies
@@ -21,13 +21,13 @@ class DefaultResolver:
     """Built-in blocks (+ catalogue faults), case files and registered Cases."""
 
     def prepare(self, spec: CaseSpec) -> CaseSpec:
-        if spec.fault and spec.fault in CATALOGUE and not is_user_block(spec.block):
+        if spec.fault and spec.fault in CATALOGUE and not spec.target.user:
             return CATALOGUE[spec.fault].prepare(spec)
         return spec
 
     def validate(self, spec: CaseSpec) -> None:
         spec.validate()
-        if spec.block.startswith(HF_PREFIX):
+        if spec.target.kind == "hf":
             if spec.device != "cpu":
                 raise UsageError(
                     f"device {spec.device!r}: HuggingFace architectures are checked on the CPU "
@@ -42,7 +42,7 @@ class DefaultResolver:
 
             prepare_spec(spec)
             return
-        if is_user_block(spec.block):
+        if spec.target.user:
             if spec.fault:
                 raise UsageError(
                     f"fault {spec.fault!r}: built-in faults apply to built-in blocks only; plant "
@@ -50,19 +50,20 @@ class DefaultResolver:
                 )
             return
         block = _block(spec.block)
-        block.check_config(config_for(spec), spec)
+        block.check_config(config_for(spec, block.shards), spec)
         if spec.fault:
             check_applies(spec)
 
     def build(self, spec: CaseSpec) -> Case:
-        if spec.block.startswith(HF_PREFIX):
+        if spec.target.kind == "hf":
             from tpcheck.adapters.transformers import hf_case
 
             return hf_case(spec)
-        if is_user_block(spec.block):
+        if spec.target.user:
             return build_user_case(spec)
         spec = self.prepare(spec)
-        case = _block(spec.block).case(spec, config_for(spec))
+        block = _block(spec.block)
+        case = block.case(spec, config_for(spec, block.shards))
         return apply_fault(case, spec) if spec.fault else case
 
 

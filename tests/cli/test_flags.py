@@ -206,3 +206,22 @@ def test_the_cli_and_run_settings_share_the_lr_limit():
     RunSettings(lr=MAX_LR)
     with pytest.raises(UsageError, match="overflow"):
         RunSettings(lr=MAX_LR * 1.01)
+
+
+@pytest.mark.parametrize(
+    "block, words",
+    [
+        ("attention", "world size 3 does not divide the number of heads 4"),
+        ("mlp", "world size 3 does not divide the FFN width 64"),
+        ("embedding", "world size 3 does not divide the vocabulary 64"),
+        ("layer", "world size 3 does not divide the FFN width 64"),
+    ],
+)
+def test_a_world_size_is_refused_for_what_the_block_splits(block, words, capsys, launcher):
+    """Each block is held to the dimensions its TP twin splits: the attention block (no FFN) names
+    its heads, never an FFN width it does not have."""
+    assert main(["run", "--block", block, "--preset", "tiny", "--world-size", "3"]) == 2
+    line = _error_line(capsys)
+    assert words in line
+    assert block != "attention" or "FFN" not in line
+    assert launcher == []

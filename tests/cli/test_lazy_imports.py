@@ -1,12 +1,7 @@
-"""`tpcheck --help` imports no command, `tpcheck faults --help` only `faults`, and neither imports
-torch of the CLI's own. Each check runs in a fresh interpreter (this one has imported everything).
-
-torch is still loaded by `tpcheck --help` as a user runs it, for two reasons outside the CLI's
-commands: `tpcheck/__init__.py` re-exports the public API (`tpcheck.checker.case` imports torch),
-and `entry()` keeps the process to one thread (`torch.set_num_threads(1)`) before `main` runs. So
-the torch check stands the package's `__init__` aside (a bare `tpcheck` package on the same path):
-it shows what `main` itself imports; `test_help_through_the_package_imports_no_torch` takes over
-once the package's `__init__` is lazy."""
+"""`tpcheck --help` imports no command, `tpcheck faults --help` only `faults`, and none imports
+torch: not the CLI's own modules, not the package's `__init__` (its public API re-exported lazily),
+not the `tpcheck` command's entry (the process is kept to one thread once the arguments are read).
+Each check runs in a fresh interpreter (this one has imported everything)."""
 
 import json
 import subprocess
@@ -77,3 +72,39 @@ def test_help_through_the_package_imports_no_torch():
             "...): `tpcheck --help` loads it before the CLI runs"
         )
     assert _imported(["--help"], ["faults", "--help"])["torch"] is False
+
+
+def test_the_tpcheck_command_help_imports_no_torch():
+    """The command as a user runs it (`python -m tpcheck`, the same `entry()` as the console
+    script): Python's own import log of `--help` and `faults --help` names no torch module."""
+    for argv in (["--help"], ["faults", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "tpcheck", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+        assert "tpcheck.cli" in imported  # the log is read
+        assert not [m for m in imported if m == "torch" or m.startswith("torch.")], argv
+
+
+def test_the_package_still_gives_every_public_name():
+    """Lazy, not less: every name of `tpcheck.__all__` resolves, to the object its module
+    defines."""
+    code = (
+        "import importlib, tpcheck\n"
+        "for n in tpcheck.__all__:\n"
+        "    v = getattr(tpcheck, n)\n"
+        "    assert v is not None, n\n"
+        "from tpcheck import Case, check\n"
+        "from tpcheck.checker.case import Case as C\n"
+        "assert Case is C and callable(check)\n"
+        "print('ok')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

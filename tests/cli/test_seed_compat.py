@@ -86,6 +86,8 @@ def ours():
                     "all",
                     "--world-size",
                     "2",
+                    "--seed-json",
+                    "-",
                     "-q",
                     "--seed",
                     str(seed),
@@ -158,3 +160,36 @@ def test_single_mode_prints_the_seed_run_result():
     assert result["mode"] == "missing_backward_reduce" and result["passed"] is False
     # the fault is caught, as expected for an injected fault: exit 0 (docs/usage.md#exit-codes)
     assert proc.returncode == 0
+
+
+def test_mode_all_prints_the_summary_and_writes_the_seed_json_where_asked(tmp_path):
+    """`--mode all` keeps its screen for the summary (no JSON on stdout); `--seed-json PATH`
+    writes the seed's JSON there, the same object the --json report holds under "seed"."""
+    seed_json, report = tmp_path / "seed.json", tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpcheck", "run", "--mode", "all", "--world-size", "2"]
+        + ["--seed-json", str(seed_json), "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "3 of 3 case(s) as expected" in proc.stderr  # inspect runs no case
+    assert json.loads(seed_json.read_text()) == json.loads(report.read_text())["seed"]
+    assert set(json.loads(seed_json.read_text())) == {"inspect", *MODES}
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--seed-json", "x.json"], "--seed-json 'x.json' goes with --mode"),
+        (["--mode", "all", "--seed-json", "/nonexistent/dir/s.json"], "--seed-json"),
+    ],
+)
+def test_seed_json_is_refused_before_any_rank_where_it_cannot_apply(argv, words, capsys):
+    from tpcheck.cli import main
+
+    assert main(["run", *argv]) == 2
+    assert words in capsys.readouterr().err

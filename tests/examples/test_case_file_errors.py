@@ -1,6 +1,8 @@
 """Mistakes in a user's case file: exit 2, a message naming the user's file and line, no traceback
 from tpcheck's internals, no hang. All the rank-side ones run in one launch."""
 
+import json
+
 import pytest
 
 from tpcheck.cli import main
@@ -63,7 +65,24 @@ def test_import_time_errors_name_file_and_line(tmp_path, capsys):
     assert main(["verify", f"{boom}:nope"]) == 2
     several = _write(tmp_path, "several", "a = own_module.correct\nb = own_module.buggy")
     assert main(["verify", f"{several}:c"]) == 2
-    assert "available: ['a', 'b']" in capsys.readouterr().err
+    assert (
+        "available: 'a' (Case name 'own_mlp'), 'b' (Case name 'own_mlp_bias_before_reduce')"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_case_is_picked_by_its_variable_or_by_its_case_name(tmp_path, capsys):
+    """`file.py:NAME` takes the variable or the Case's own `name` (what every report calls it);
+    a name two Cases share is refused, naming their variables."""
+    several = _write(tmp_path, "named", "a = own_module.correct\nb = own_module.buggy")
+    report = tmp_path / "r.json"
+    assert main(["verify", f"{several}:own_mlp", "--steps", "1", "--json", str(report)]) == 0
+    (case,) = json.loads(report.read_text())["cases"]
+    assert case["name"].startswith("own_mlp/tp2") and case["verdict"] == "equivalent"
+    assert main(["verify", f"{several}:own_mlp_bias_before_reduce", "--steps", "1", "-q"]) == 1
+    twice = _write(tmp_path, "twice", "a = own_module.correct\nb = own_module.correct")
+    assert main(["verify", f"{twice}:own_mlp"]) == 2
+    assert "several cases named 'own_mlp' (variables ['a', 'b'])" in capsys.readouterr().err
 
 
 def test_rank_side_errors_exit_2_with_user_line(tmp_path, capsys):

@@ -80,15 +80,16 @@ def synthetic_check(name: str, stage: str, seq: int, step: int, rank: int, error
 
 
 def synthetic_case(name: str, columns: int = 12, steps: int = 3, failing: bool = False) -> dict:
-    """A case with `columns` tensors spread over the stages, checked on 2 ranks for `steps` steps;
-    the same names recur per rank (the legend must still name each line once)."""
+    """A case with `columns` tensors spread over the stages, checked on 2 ranks for `steps` steps,
+    each tensor's error moving from step to step; the same names recur per rank (the legend must
+    still name each line once)."""
     checks = []
     for j in range(columns):
         stage = STAGES[j * len(STAGES) // columns]
         prefix = {"forward": "act", "backward": "actgrad", "grads": "grad"}.get(stage, stage)
         for step in range(1, steps + 1):
             for rank in range(2):
-                error = 1e-3 if failing and j % 7 == 3 else 1e-8 * (1 + j % 5)
+                error = (1e-3 if failing and j % 7 == 3 else 1e-8 * (1 + j % 5)) * (1 + step / 8)
                 checks.append(
                     synthetic_check(f"{prefix}:layers.{j}.mlp", stage, j, step, rank, error)
                 )

@@ -94,7 +94,8 @@ def test_dom_has_the_verdicts_and_no_errors(seed_run, tmp_path):
     assert "3 of 3 case(s) as expected" in dom
     for case in seed_run.report["cases"]:
         assert case["name"] in dom and case["verdict"] in dom
-    assert '<pre id="probe" data-images="1/1">errors=0</pre>' in dom, dom[-1500:]
+    # the failing region of the heatmap, and every check's folded under it: both decoded
+    assert '<pre id="probe" data-images="2/2">errors=0</pre>' in dom, dom[-1500:]
     assert "Uncaught" not in proc.stderr and ":CONSOLE" not in proc.stderr
 
 
@@ -186,3 +187,49 @@ def test_wide_tables_scroll_inside_their_card(tmp_path):
     headless = wrapped.replace("<th>c11</th>", "")
     layout, _ = layout_of(tmp_path, headless, "headless")
     assert "headers: table 0 has 11 th (0 empty) for 12 columns" in layout, layout
+
+
+# Injected: after load, where the diagnosis block and its first case's rows end, in CSS pixels from
+# the top of the page (the window is 1280 x 800: visible without scrolling means within 800).
+WHERE = """<script>
+window.addEventListener('load',function(){var d=document.getElementById('diagnosis'),p=document.createElement('pre');
+p.id='where';var dl=d&&d.querySelector('dl');
+p.textContent=d?('top='+Math.round(d.getBoundingClientRect().top)+' rows_end='+Math.round(dl.getBoundingClientRect().bottom)):'none';
+document.body.appendChild(p);});
+</script>"""  # noqa: E501 - the script as the browser reads it
+
+
+@pytest.fixture(scope="module")
+def two_layer_run(tmp_path_factory):
+    """A failing 2-layer model (the tiny LM: embedding, 2 layers, head), with its correct twin."""
+    from report_helpers import run_with_reports
+
+    args = ("run", "--block", "lm", "--preset", "tiny", "--world-size", "2")
+    return run_with_reports(
+        tmp_path_factory.mktemp("lm"), (*args, "--fault", "missing_backward_reduce")
+    )
+
+
+def test_the_diagnosis_is_under_the_summary_and_visible_without_scrolling(two_layer_run, tmp_path):
+    """At 1280 x 800 the diagnosis (first divergence, signature, explanation) of the failing case
+    ends inside the first screen; the heatmap, the plots and the case sections come after it."""
+    page = two_layer_run.html_path.read_text()
+    assert (
+        page.index("id=diagnosis")
+        < page.index("<h2>Error relative to bound")
+        < page.index("section class=case")
+    )
+    path = tmp_path / "diag.html"
+    path.write_text(page.replace("</head>", WHERE + "</head>", 1))
+    proc = dump_dom(tmp_path, path.as_uri(), "--window-size=1280,800")
+    where = re.search(r'<pre id="where">top=(\d+) rows_end=(\d+)</pre>', proc.stdout)
+    assert where, proc.stdout[-1500:]
+    top, rows_end = map(int, where.groups())
+    assert 0 < top < rows_end <= 800, (top, rows_end)
+
+
+def test_the_report_of_a_two_layer_case_is_small(two_layer_run):
+    """The heatmap of every check is folded behind the failing region, the images in a 256-colour
+    palette: the page of a 2-layer model and its twin stays under 1.5 MB."""
+    assert two_layer_run.html_path.stat().st_size < 1.5e6
+    assert "<details><summary>All checks: " in two_layer_run.html_path.read_text()

@@ -76,7 +76,9 @@ def test_plain_output_has_no_ansi_escapes_and_names_everything(terminal_env):
         assert r["name"] in text
     assert "grad:x (backward, step 1) ranks [0, 1]" in text  # first divergence column
     assert "partial_sum at gate_up" in text  # the diagnosis' signature and location, when present
-    assert "UNEXPECTED" in text and "broken_tp: not equivalent: summary of broken_tp" in text
+    # what was expected, then what came: never "UNEXPECTED (equivalent)", which reads backwards
+    assert "expected equivalent, got not equivalent" in text and "UNEXPECTED" not in text
+    assert "broken_tp: not equivalent: summary of broken_tp" in text
     assert text.rstrip().endswith("2 of 3 case(s) as expected")
 
 
@@ -136,5 +138,5 @@ def test_progress_bar_on_a_terminal_finishes_and_restores_the_cursor(terminal_en
     for i, r in enumerate(RESULTS):
         progress(i + 1, len(RESULTS), r)
     text = out.getvalue()
-    assert "3/3" in text and "UNEXPECTED broken_tp" in text
+    assert "3/3" in text and "broken_tp: expected equivalent, got not equivalent" in text
     assert text.endswith("\x1b[?25h")  # stopped at the last case: the cursor is shown again

@@ -88,6 +88,26 @@ def test_step_plot_legend_names_each_line_once():
     assert len(texts) == len(set(texts)) == 6  # every tensor and the bound
 
 
+def test_the_step_plot_draws_only_the_tensors_that_moved():
+    """A tensor whose figure is the same at every step (an exact match pinned at the floor) adds
+    nothing to a per-step plot: left out; a case where nothing moved has no plot at all."""
+    case = synthetic_case("moving", columns=6)
+    still = [c for c in case["checks"] if c["name"] != "act:layers.0.mlp"]
+    for c in still:  # every tensor but one pinned: its step 1 figure at every step
+        c["error"] = next(
+            d["error"]
+            for d in still
+            if (d["name"], d["step"], d["rank"]) == (c["name"], 1, c["rank"])
+        )
+    assert list(plots.step_curves(case)) == ["act:layers.0.mlp"]
+    page = render_html(synthetic_report([case]))
+    assert page.count("class=curves") == 1
+    for c in case["checks"]:
+        c["error"] = 1e-8
+    assert plots.step_curves(case) == {}
+    assert "class=curves" not in render_html(synthetic_report([case]))
+
+
 @pytest.mark.parametrize("n_cases", [1, 30])
 def test_rendering_emits_no_warning(n_cases, capsys):
     cases = [

@@ -10,16 +10,7 @@ import pytest
 from tpcheck.report.schema import SCHEMA, load_schema
 
 from report_helpers import SEED_ARGS, tpcheck
-
-
-def without_timings(value):
-    """The report with every `seconds` key removed:
-    what two runs of the same command must agree on."""
-    if isinstance(value, dict):
-        return {k: without_timings(v) for k, v in value.items() if k != "seconds"}
-    if isinstance(value, list):
-        return [without_timings(v) for v in value]
-    return value
+from timings import without_timings
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,9 @@ import pytest
 from tpcheck.cli import main
 from tpcheck.report import schema
 
+from timings import without_timings
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def without_timings(value):
-    """The report with every `seconds` key removed:
-    what two runs of the same command must agree on."""
-    if isinstance(value, dict):
-        return {k: without_timings(v) for k, v in value.items() if k != "seconds"}
-    if isinstance(value, list):
-        return [without_timings(v) for v in value]
-    return value
 
 
 @pytest.mark.slow

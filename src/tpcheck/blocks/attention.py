@@ -45,6 +45,7 @@ def attention_parts(cfg: ModelConfig, world: int, sp: bool, prefix: str = "") ->
 
 BLOCK = Block(
     name="attention",
+    shards=("heads",),
     dense=lambda cfg, dtype: DenseAttention(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelAttention(
         cfg, group, sequence_parallel=sp, dtype=dtype

@@ -16,7 +16,7 @@ from torch import nn
 
 from tpcheck.checker.case import Case, CaseSpec
 from tpcheck.errors import UsageError
-from tpcheck.models.config import ModelConfig, preset
+from tpcheck.models.config import SHARDED, ModelConfig, preset
 from tpcheck.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tpcheck.parallel.group import TPGroup
 from tpcheck.parallel.losses import sp_mse_loss
@@ -32,6 +32,8 @@ class Block:
     batch(cfg) -> make_batch(generator, dtype); io(cfg, sp) -> the Case's loss / placement fields;
     collectives(cfg, world, sp) -> (phase, op, site) per micro-batch (forward, backward) and per
     step (optimizer); needs: config fields the block cannot do without ("heads", "vocab");
+    shards: the config dimensions its TP twin splits over the ranks (of models/config.py's
+    `SHARDED`), the only ones a world size must divide;
     decode_steps: the Case's decode passes (a block that decodes is checked forward only);
     sequence_parallel: False for a block that cannot run under sequence parallelism."""
 
@@ -43,6 +45,7 @@ class Block:
     collectives: Callable[[ModelConfig, int, bool], list[Collective]]
     io: Callable[[ModelConfig, bool], dict]
     needs: tuple[str, ...] = ()
+    shards: tuple[str, ...] = SHARDED
     decode_steps: int = 0
     sequence_parallel: bool = True
 
@@ -75,15 +78,16 @@ class Block:
         )
 
 
-def config_for(spec: CaseSpec) -> ModelConfig:
-    """The preset's config with the spec's overrides, checked against the world size."""
+def config_for(spec: CaseSpec, shards: tuple[str, ...] = SHARDED) -> ModelConfig:
+    """The preset's config with the spec's overrides, checked against the world size on the
+    dimensions in `shards` (a block's own: `Block.shards`)."""
     cfg = preset(spec.preset)
     if spec.overrides:
         try:
             cfg = cfg.replace(**dict(spec.overrides))
         except TypeError as e:
             raise UsageError(f"bad config override {dict(spec.overrides)}: {e}") from None
-    cfg.check_world_size(spec.world_size, sequence_parallel=spec.sequence_parallel)
+    cfg.check_world_size(spec.world_size, sequence_parallel=spec.sequence_parallel, dims=shards)
     return cfg
 
 

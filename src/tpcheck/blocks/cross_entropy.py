@@ -39,6 +39,7 @@ def cross_entropy_io(cfg: ModelConfig, sp: bool) -> dict:
 
 BLOCK = Block(
     name="cross_entropy",
+    shards=("vocab",),
     dense=lambda cfg, dtype: LMHead(cfg.hidden, cfg.vocab, dtype),
     tp=lambda cfg, group, dtype, sp: named(
         ParallelLMHead(cfg.hidden, cfg.vocab, group, sequence_parallel=sp, dtype=dtype), "head"

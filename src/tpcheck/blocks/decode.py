@@ -59,6 +59,7 @@ def decode_io(cfg: ModelConfig, sp: bool) -> dict:
 
 BLOCK = Block(
     name="decode",
+    shards=("ffn", "heads", "vocab"),
     dense=lambda cfg, dtype: DenseDecoder(cfg, cache_len(cfg), dtype),
     tp=lambda cfg, group, dtype, sp: ParallelDecoder(cfg, group, cache_len(cfg), dtype=dtype),
     plan=decode_plan,

@@ -36,6 +36,7 @@ def embedding_io(cfg: ModelConfig, sp: bool) -> dict:
 
 BLOCK = Block(
     name="embedding",
+    shards=("vocab",),
     dense=lambda cfg, dtype: Embedding(cfg.vocab, cfg.hidden, dtype),
     tp=lambda cfg, group, dtype, sp: named(
         VocabParallelEmbedding(cfg.vocab, cfg.hidden, group, sequence_parallel=sp, dtype=dtype),

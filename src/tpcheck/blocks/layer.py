@@ -33,6 +33,7 @@ def layer_parts(cfg: ModelConfig, world: int, sp: bool, prefix: str = "") -> lis
 
 BLOCK = Block(
     name="layer",
+    shards=("ffn", "heads"),
     dense=lambda cfg, dtype: DenseLayer(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelLayer(cfg, group, sequence_parallel=sp, dtype=dtype),
     plan=layer_plan,

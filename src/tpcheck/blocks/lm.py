@@ -68,6 +68,7 @@ def lm_io(cfg: ModelConfig, sp: bool) -> dict:
 
 BLOCK = Block(
     name="lm",
+    shards=("ffn", "heads", "vocab"),
     dense=lambda cfg, dtype: DenseLM(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelLM(cfg, group, sequence_parallel=sp, dtype=dtype),
     plan=lm_plan,

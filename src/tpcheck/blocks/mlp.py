@@ -51,6 +51,7 @@ def mlp_collectives(cfg: ModelConfig, world: int, sp: bool) -> list[Collective]:
 
 BLOCK = Block(
     name="mlp",
+    shards=("ffn",),
     dense=lambda cfg, dtype: DenseMLP(cfg, dtype),
     tp=lambda cfg, group, dtype, sp: ParallelMLP(cfg, group, sequence_parallel=sp, dtype=dtype),
     plan=mlp_plan,

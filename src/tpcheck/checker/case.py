@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -370,8 +370,10 @@ class Case:
 
 @dataclass(frozen=True, kw_only=True)
 class CaseSpec:
-    """The picklable name of a case. `block` is a built-in block name, "file:PATH[:NAME]" (a case
-    file) or "registered:ID" (a Case registered in this process).
+    """The picklable name of a case. `block` names what is checked as the report writes it: a
+    built-in block name, "file:PATH[:NAME]" (a case file), "registered:ID" (a Case registered in
+    this process) or "hf:ARCH" (a HuggingFace architecture); `target` is the same as a typed value,
+    the one way code reads it.
 
     run: how it runs, one `RunSettings` (dtype, steps, micro-batches, optimizer, lr, seed, capture,
     master weights); None: the case's own (a case file's `Case.run`, `RunSettings()` for a built-in
@@ -418,12 +420,17 @@ class CaseSpec:
         return dataclasses.replace(self, run=dataclasses.replace(self.settings, **changes))
 
     @property
+    def target(self) -> Target:
+        """What the spec names, typed (`block` read once)."""
+        return Target.parse(self.block)
+
+    @property
     def name(self) -> str:
         if self.label:
             return self.label
         parts = [self.block, self.preset, f"tp{self.world_size}"]
         # a case file's own: not known here
-        if self.run is not None or not self.block.startswith(USER_PREFIXES):
+        if self.run is not None or not self.target.user:
             run = self.settings
             parts.append(run.dtype)
             if not run.master_weights and run.dtype in ("bfloat16", "float16"):
@@ -460,9 +467,35 @@ class CaseSpec:
 
 # what `CaseSpec.with_run` may set
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunSettings))
-# a case file, a Case registered in this process
-FILE_PREFIX, REGISTERED_PREFIX = "file:", "registered:"
-USER_PREFIXES = (FILE_PREFIX, REGISTERED_PREFIX)
+TargetKind = Literal["block", "file", "registered", "hf"]
+# how each kind of target but a built-in block is written in a spec's `block` (and the report)
+PREFIXES: dict[str, str] = {"file": "file:", "registered": "registered:", "hf": "hf:"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a spec names: a built-in block (`name` its name), a case file (`name`
+    "PATH[:NAME]"), a Case registered in this process (`name` its id) or a HuggingFace architecture
+    (`name` its model type). `str()` is the spec's `block`, as the report writes it; `parse` its
+    inverse, the one place a `block` is read."""
+
+    kind: TargetKind
+    name: str
+
+    def __str__(self) -> str:
+        return PREFIXES.get(self.kind, "") + self.name
+
+    @classmethod
+    def parse(cls, block: str) -> Target:
+        for kind, prefix in PREFIXES.items():
+            if block.startswith(prefix):
+                return cls(kind, block[len(prefix) :])  # type: ignore[arg-type]
+        return cls("block", block)
+
+    @property
+    def user(self) -> bool:
+        """A user's own Case (a case file, or registered): its run settings are its own."""
+        return self.kind in ("file", "registered")
 
 
 # Each rank is a process on this machine. Beyond ~8 ranks per core, gloo's rendezvous and

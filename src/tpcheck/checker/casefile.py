@@ -21,13 +21,11 @@ import inspect
 import os
 import sys
 
-from tpcheck.checker.case import FILE_PREFIX, REGISTERED_PREFIX, RUN_FIELDS, Case, CaseSpec
+from tpcheck.checker.case import RUN_FIELDS, Case, CaseSpec, Target
 from tpcheck.checker.sourcelines import _defined_in, short_path
 from tpcheck.checker.usercode import _survives, call_user, guard_user_case
 from tpcheck.errors import UsageError
 
-# a HuggingFace architecture with transformers' own plan (tpcheck.adapters.transformers)
-HF_PREFIX = "hf:"
 # what a caller may set of a user case's own run settings: every RunSettings field, nothing else
 OVERRIDABLE = RUN_FIELDS
 
@@ -35,10 +33,6 @@ _REGISTERED: dict[str, Case] = {}
 _MODULES: dict[str, object] = {}  # absolute path -> loaded module (inherited by forked ranks)
 # the process that imported tpcheck (the CLI, the API's caller); ranks are forks
 _PARENT = os.getpid()
-
-
-def is_user_block(block: str) -> bool:
-    return block.startswith((FILE_PREFIX, REGISTERED_PREFIX))
 
 
 def build_user_case(spec: CaseSpec) -> Case:
@@ -60,7 +54,7 @@ def register(case: Case) -> str:
         raise UsageError(f"tpcheck can register a tpcheck.Case, not {type(case).__name__}")
     key = f"{case.name}-{id(case):x}"
     _REGISTERED[key] = case
-    return REGISTERED_PREFIX + key
+    return str(Target("registered", key))
 
 
 # ------------------------------------------------------------------------------ case files
@@ -156,23 +150,44 @@ def pick(module, path: str, name: str | None):
     for key in (name, f"case_{name}"):
         if key in found:
             return key, found[key]
+    # the name every report calls it by: a Case's own `name`
+    named = [(attr, v) for attr, v in found.items() if isinstance(v, Case) and v.name == name]
+    if len(named) == 1:
+        return named[0]
+    if named:
+        raise UsageError(
+            f"case file {short_path(path)} has several cases named {name!r} (variables "
+            f"{[attr for attr, _ in named]}); pick one by its variable, {short_path(path)}:VARIABLE"
+        )
     raise UsageError(
-        f"case file {short_path(path)} has no case {name!r}; available: {sorted(found)}"
+        f"case file {short_path(path)} has no case {name!r}; available: {_listing(found)}"
+    )
+
+
+def _listing(found: dict[str, object]) -> str:
+    """The names a case can be picked by: each variable, with its Case's own name where that
+    differs ("case (Case name 'my_gpt')")."""
+    return ", ".join(
+        f"{attr!r} (Case name {v.name!r})"
+        if isinstance(v, Case) and v.name and v.name != attr
+        else repr(attr)
+        for attr, v in sorted(found.items())
     )
 
 
 def user_case(spec: CaseSpec) -> Case:
     """The user's Case for `spec` (not yet overridden
     by the spec's fields), with guarded callables."""
-    if spec.block.startswith(REGISTERED_PREFIX):
-        key = spec.block[len(REGISTERED_PREFIX) :]
+    target = spec.target
+    if target.kind == "registered":
+        key = target.name
         if key not in _REGISTERED:
             raise UsageError(
                 f"no registered case {key!r} in this process: register() it before the ranks start"
             )
         case = _REGISTERED[key]
         return guard_user_case(case, _defined_in(case.build_tp))
-    path, name = parse_target(spec.block[len(FILE_PREFIX) :])
+    path, name = parse_target(target.name)
     attr, obj = pick(load_module(path), path, name)
     if not isinstance(obj, Case):
         if os.getpid() == _PARENT:
@@ -189,7 +204,7 @@ def user_case(spec: CaseSpec) -> Case:
 def expand_target(target: str) -> list[str]:
     """A case file given without :NAME that defines several
     cases stands for all of them, in file order."""
-    if target.startswith(REGISTERED_PREFIX):
+    if Target.parse(target).kind == "registered":
         return [target]
     path, name = parse_target(target)
     if name is not None:
@@ -209,7 +224,8 @@ def file_spec(target: str, world_size: int, label: str = "", **given) -> CaseSpe
         raise UsageError(
             f"cannot override {unknown} of a case file; overridable: {list(OVERRIDABLE)}"
         )
-    block = target if target.startswith(REGISTERED_PREFIX) else FILE_PREFIX + target
+    given_as = Target.parse(target)
+    block = target if given_as.kind == "registered" else str(Target("file", target))
     probe = CaseSpec(block=block, world_size=world_size)
     own = user_case(probe)
     run = dataclasses.replace(own.run, **given)

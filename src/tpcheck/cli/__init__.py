@@ -39,13 +39,9 @@ def entry() -> None:
     """The `tpcheck` command: `main`, then exit without torch's slow interpreter teardown (about a
     second; gloo sometimes aborts in it), once stdout and stderr are flushed -- argparse's exits
     (--help, --version, a flag error) too. Its own process computes on one thread, so that the ranks
-    it forks may share the CPUs (checker/pool/spawn.py)."""
-    # imported here, not at the top: `import tpcheck.cli` (and `main(["--help"])`) needs no torch
-    from tpcheck.checker.pool.spawn import keep_parent_to_one_thread
-
-    keep_parent_to_one_thread()
+    it forks may share the CPUs (`main(one_thread=True)`)."""
     try:
-        code = main()
+        code = main(one_thread=True)
     except SystemExit as e:
         if not isinstance(e.code, int):
             raise
@@ -59,12 +55,21 @@ def entry() -> None:
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, one_thread: bool = False) -> int:
+    """Run the command `argv` (default: the process's arguments); its exit code. `one_thread`
+    (the `tpcheck` command's own process): once the arguments are read (`--help` exits before,
+    without torch), this process computes on one thread, so that the ranks it forks share the
+    CPUs (checker/pool/spawn.py)."""
     if sys.stderr is None:  # started with stderr closed: print(file=None) would write to stdout
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_argv(argv)
     args.argv = argv
+    if one_thread:
+        # imported here, not at the top: `import tpcheck.cli` (and `--help`) needs no torch
+        from tpcheck.checker.pool.spawn import keep_parent_to_one_thread
+
+        keep_parent_to_one_thread()
     try:
         with StopOnSignals():
             code = args.func(args)

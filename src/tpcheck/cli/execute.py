@@ -131,7 +131,8 @@ def say(
     interrupted = report.get("interrupted")
     failed = []  # outputs that could not be written: said at the end, exit 2
     seed = report.get("seed")
-    if seed and (problem := write_stdout(json.dumps(seed, indent=2) + "\n")):
+    seed_to = seed_destination(args)
+    if seed and seed_to == "-" and (problem := write_stdout(json.dumps(seed, indent=2) + "\n")):
         failed.append(problem)
     if not args.quiet:
         if results:
@@ -148,9 +149,10 @@ def say(
             "case(s): every rank was stopped; the reports hold the cases that finished",
             file=sys.stderr,
         )
-    failed += write_outputs(
-        report, {"--json": args.json_path, "--html": args.html_path}, args.quiet
-    )
+    outputs = {"--json": args.json_path, "--html": args.html_path}
+    if seed and seed_to not in (None, "-"):
+        outputs["--seed-json"] = seed_to
+    failed += write_outputs(report, outputs, args.quiet)
     if not interrupted:
         return exit_after_outputs(failed, code)
     for line in failed:  # the signal's exit code stands; a failed output is still said
@@ -176,6 +178,16 @@ def _plan_text(r: dict) -> str:
     return f"# {r['name']}: no plan inferred (written in the case file, or {r['verdict']})\n"
 
 
+def seed_destination(args: argparse.Namespace) -> str | None:
+    """Where the seed's JSON of a `--mode` run goes: `--seed-json` when given ("-": stdout); else
+    stdout for one mode (as the seed's own script prints it) and nowhere for `--mode all`, whose
+    screen is the summary (its JSON is in the --json report, under "seed")."""
+    given = getattr(args, "seed_json_path", None)
+    if given is not None:
+        return given
+    return None if getattr(args, "mode", None) == "all" else "-"
+
+
 def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> list[str]:
     """Write the report to each output given ({flag: path}); one that fails is skipped and the
     others are still written. Returns a line per failure."""
@@ -184,11 +196,12 @@ def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> 
         if path is None:
             continue
         try:
-            text = (
-                json.dumps(report, indent=2, sort_keys=True) + "\n"
-                if flag == "--json"
-                else render_html(report)
-            )
+            if flag == "--seed-json":  # as stdout would have it
+                text = json.dumps(report["seed"], indent=2) + "\n"
+            elif flag == "--json":
+                text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+            else:
+                text = render_html(report)
             write_atomic(path, text)
         except OSError as e:
             failed.append(f"{flag} {path!r}: cannot write the report: {e.strerror or e}")

@@ -30,14 +30,17 @@ MODE_OPTIONS = {
     "timeout",
     "json_path",
     "html_path",
+    "seed_json_path",
     "quiet",
 }
-INSPECT_OPTIONS = {"mode", "world_size", "json_path", "html_path", "quiet"}  # inspect runs nothing
+# inspect runs nothing
+INSPECT_OPTIONS = {"mode", "world_size", "json_path", "html_path", "seed_json_path", "quiet"}
 EPILOG = """examples:
   tpcheck run --block mlp attention --world-size 2 4 --dtype float32 bf16
   tpcheck run --block layer --sp --fault all --json r.json --html r.html
   tpcheck run --block layer lm --preset tiny --dropout 0.1 --attention-dropout 0.1 --world-size 2 4
-  tpcheck run --mode all --world-size 2              # the seed's modes, its JSON on stdout
+  tpcheck run --mode all --world-size 2              # the seed's modes: a summary table
+  tpcheck run --mode equivalence                     # one seed mode: its JSON on stdout
   tpcheck run --block layer --preset tiny --world-size 2 --device cuda   # one GPU per rank, NCCL"""
 
 
@@ -46,8 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         choices=MODES,
-        help="the seed's modes on the seed fixture (prints the seed's JSON); 'all' "
-        "runs inspect and the three run modes in one launch",
+        help="the seed's modes on the seed fixture; one mode prints the seed's JSON on stdout "
+        "(as the seed's script does), 'all' runs inspect and the three run modes in one launch "
+        "and prints the summary (its seed JSON: --seed-json, or under 'seed' in --json)",
+    )
+    parser.add_argument(
+        "--seed-json",
+        dest="seed_json_path",
+        metavar="PATH",
+        help="with --mode: write the seed-compatible JSON here ('-': stdout) instead of stdout",
     )
     parser.add_argument(
         "--block", nargs="+", default=["mlp"], help="blocks to check (default: mlp)"
@@ -84,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     options.check_flags(args)
+    if args.seed_json_path is not None and not args.mode:
+        raise UsageError(
+            f"--seed-json {args.seed_json_path!r} goes with --mode: only the seed's modes have the "
+            "seed's JSON (a matrix run's report: --json PATH)"
+        )
+    if args.seed_json_path not in (None, "-"):
+        options.check_output_path("--seed-json", args.seed_json_path)
     world_sizes = args.world_size or [int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2]
     if args.mode:
         refuse_options_the_mode_ignores(args)

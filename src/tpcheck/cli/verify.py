@@ -7,7 +7,7 @@ import argparse
 import itertools
 import os
 
-from tpcheck.checker.case import FILE_PREFIX, CaseSpec
+from tpcheck.checker.case import CaseSpec, Target
 from tpcheck.checker.casefile import expand_target, file_spec
 from tpcheck.checker.pool.launch import DEFAULT_TIMEOUT_S, under_torchrun
 from tpcheck.cli import options
@@ -117,7 +117,9 @@ def target_spec(target: str, world_size: int, dtype: str | None, given: dict, br
         return file_spec(target, world_size, dtype=dtype, **given)
     except UsageError as e:
         spec = CaseSpec(
-            block=FILE_PREFIX + target, world_size=world_size, label=f"{target}/tp{world_size}"
+            block=str(Target("file", target)),
+            world_size=world_size,
+            label=f"{target}/tp{world_size}",
         )
         broken[spec] = e
         return spec

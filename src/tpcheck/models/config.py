@@ -10,6 +10,11 @@ from tpcheck.errors import UsageError
 GATE_UP_LAYOUTS = ("stacked", "concat")
 
 
+# the dimensions a block may split over the ranks: the FFN width, the attention heads (and the KV
+# heads with them), the vocabulary
+SHARDED = ("ffn", "heads", "vocab")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shapes of a block or tiny LM. Activations are `[seq, batch, hidden]`.
@@ -73,25 +78,27 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def check_world_size(self, world: int, *, sequence_parallel: bool = False) -> None:
-        """Raise UsageError, naming both numbers, unless
-        this config can be split over `world` ranks."""
+    def check_world_size(
+        self, world: int, *, sequence_parallel: bool = False, dims: tuple[str, ...] = SHARDED
+    ) -> None:
+        """Raise UsageError, naming both numbers, unless the dimensions in `dims` (of `SHARDED`:
+        those a block splits over the ranks; a block checks its own) split over `world` ranks."""
         if world < 1:
             raise UsageError(f"world size must be >= 1, got {world}")
-        if self.ffn % world:
+        if "ffn" in dims and self.ffn % world:
             raise UsageError(
                 f"world size {world} does not divide the FFN width {self.ffn}; "
                 f"use a world size that divides {self.ffn}"
             )
-        if self.heads and self.heads % world:
+        if "heads" in dims and self.heads and self.heads % world:
             raise UsageError(f"world size {world} does not divide the number of heads {self.heads}")
-        kv = self.num_kv_heads if self.heads else 0
+        kv = self.num_kv_heads if self.heads and "heads" in dims else 0
         if kv and kv % world and world % kv:
             raise UsageError(
                 f"kv_heads {kv} and world size {world}: one must divide the other "
                 "(KV heads are sharded, or replicated over world // kv_heads ranks)"
             )
-        if self.vocab and self.vocab % world:
+        if "vocab" in dims and self.vocab and self.vocab % world:
             raise UsageError(
                 f"world size {world} does not divide the vocabulary {self.vocab}; "
                 "pad the vocabulary to a multiple of the world size"

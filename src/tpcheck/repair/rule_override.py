@@ -315,10 +315,9 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     import torch
 
     from tpcheck.adapters import transformers as hf
-    from tpcheck.checker.casefile import HF_PREFIX
 
     spec, result = target.spec, target.result
-    arch = spec.block.removeprefix(HF_PREFIX)
+    arch = spec.target.name
     prep = hf.prepare(arch, spec.world_size, target.rules or None)
     meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
     modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}

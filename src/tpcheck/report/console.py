@@ -94,10 +94,11 @@ def summary_table(results: list[dict]) -> Table:
     ):
         table.add_column(col, min_width=min_width, overflow="fold")
     for r in results:
-        mark = (
-            Text("ok", style="green") if r["as_expected"] else Text("UNEXPECTED", style="bold red")
+        expected = (
+            Text(f"ok ({r['expected']})", style="green")
+            if r["as_expected"]
+            else Text(unexpected_text(r), style="bold red")
         )
-        expected = Text.assemble(mark, f" ({r['expected']})")
         verdict = Text(r["verdict"], style=VERDICT_STYLE.get(r["verdict"], ""))
         table.add_row(
             r["name"],
@@ -109,6 +110,12 @@ def summary_table(results: list[dict]) -> Table:
             signature_text(r),
         )
     return table
+
+
+def unexpected_text(r: dict) -> str:
+    """A case that did not go as expected, in the order people read it: what was expected, then
+    what came ("expected not equivalent, got equivalent": a planted fault went unseen)."""
+    return f"expected {r['expected']}, got {r['verdict']}"
 
 
 def print_summary(results: list[dict], out: TextIO | None = None) -> None:
@@ -184,7 +191,7 @@ class _LiveBar:
             self.task = self.bar.add_task("", total=total)
         if not result["as_expected"]:
             self.bar.console.print(
-                Text(f"UNEXPECTED {result['name']}: {result['verdict']}", style="bold red")
+                Text(f"{result['name']}: {unexpected_text(result)}", style="bold red")
             )
         self.bar.update(
             self.task, completed=done, description=f"{result['name']}: {result['verdict']}"

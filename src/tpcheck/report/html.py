@@ -15,6 +15,7 @@ import re
 
 from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.vocabulary import LEDGER_PHASES, WARMUP
+from tpcheck.report.console import unexpected_text
 from tpcheck.report.float64 import float64_line
 from tpcheck.report.module_outputs import counts, module_outputs_code
 
@@ -66,6 +67,7 @@ pre{background:#f6f6f8;padding:8px;overflow-x:auto;font-size:12px;white-space:pr
 code{font-size:13px;overflow-wrap:anywhere}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:6px 0}
 dt{font-weight:600}dd{margin:0}
+#diagnosis h3{margin:10px 0 2px}details>summary{cursor:pointer;color:#444;margin:6px 0}
 """
 
 
@@ -83,7 +85,7 @@ def render_html(report: dict) -> str:
     cases = report.get("cases", [])
     sweep = report.get("sweep")
     summary = _sweep(sweep, cases) if sweep else _summary_table(cases)  # one summary table
-    parts = [_header(report), summary, _heatmap(cases)]
+    parts = [_header(report), summary, _diagnoses(cases), _heatmap(cases)]
     parts += [_case_section(i, case) for i, case in enumerate(cases)]
     title = f"tpcheck report: {_banner_text(report)}"
     return (
@@ -189,7 +191,7 @@ def _verdict(v: str) -> str:
 def _mark(case: dict) -> str:
     if case["as_expected"]:
         return "<span class=ok>✓ as expected</span>"
-    return "<span class=unexpected>✗ UNEXPECTED</span>"
+    return f"<span class=unexpected>✗ {esc(unexpected_text(case))}</span>"
 
 
 def _summary_table(cases: list[dict]) -> str:
@@ -225,6 +227,23 @@ def _heatmap(cases: list[dict]) -> str:
     cases = drawn
     from tpcheck.report import plots
 
+    failing, every = plots.failing_columns(cases), plots.tensor_columns(cases)
+    shown = (
+        f"<p class=muted>The tensors some case failed at ({len(failing)} of {len(every)}):</p>"
+        f"<img id=heatmap alt='heatmap of error over bound at the failing tensors' "
+        f"src='{plots.heatmap_png(cases, only=failing)}'>"
+        if failing and len(failing) < len(every)
+        else ""
+    )
+    full = (
+        f"<img id={'heatmap-all' if shown else 'heatmap'} alt='heatmap of error over bound per "
+        f"case and tensor' src='{plots.heatmap_png(cases)}'>"
+    )
+    if shown or not failing:  # folded: the failing region first, every check a click away
+        inside = "" if failing else ", every one inside its bound"
+        full = (
+            f"<details><summary>All checks: {len(every)} tensors{inside}</summary>{full}</details>"
+        )
     return (
         "<h2>Error relative to bound</h2><p class=muted>Each cell: log10(error / bound), the "
         "maximum over ranks, steps and stages (loaded weights, optimizer updates, buffers, "
@@ -233,9 +252,57 @@ def _heatmap(cases: list[dict]) -> str:
         f"capped at ±{plots.CAP:g} decades. Exact (bitwise) checks have bound 0: a match is at the "
         "floor, any difference at the ceiling. Grey: not checked (the case stopped before). A "
         "block with many tensors is cut into panels, one under the other, by stage.</p>"
-        f"<img id=heatmap alt='heatmap of error over bound per case and tensor' "
-        f"src='{plots.heatmap_png(cases)}'>" + note
+        + shown
+        + full
+        + note
     )
+
+
+def _diagnoses(cases: list[dict]) -> str:
+    """Right under the summary: for each case that is not equivalent or not as expected, what
+    diverged first, its signature, the explanation and the fix, and the user's line where one is
+    known; the rest of the page (heatmap, cases) follows."""
+    rows = [_diagnosed(i, c) for i, c in enumerate(cases) if not _fine(c)]
+    rows = [r for r in rows if r]
+    if not rows:
+        return ""
+    return "<section id=diagnosis><h2>Diagnosis</h2>" + "".join(rows) + "</section>"
+
+
+def _fine(case: dict) -> bool:
+    return case["as_expected"] and case["verdict"] == "equivalent"
+
+
+def _diagnosed(i: int, case: dict) -> str:
+    d, f = case.get("diagnosis") or {}, case.get("first_divergence") or {}
+    head = (
+        f"<h3><a href='#case-{i}'>{esc(case['name'])}</a> {_verdict(case['verdict'])} "
+        f"{_mark(case)}</h3>"
+    )
+    if not d and not f:  # no divergence to name (a hang, an error): the summary says why
+        return head + f"<p>{esc(case.get('summary', ''))}</p>"
+    items = []
+    if f:
+        ranks = ", ".join(map(str, f.get("ranks", [])))
+        items.append(("first divergence", f"{f['name']} ({f['stage']}, step {f['step']})"))
+        items.append(("on ranks", ranks))
+    if d:
+        items += [("signature", d.get("signature")), ("explanation", d.get("sentence"))]
+    if line := _user_line(case):
+        items.append(("your line", line))
+    if finding := case.get("finding"):
+        items.append(("known defect", f"{finding['title']} ({finding['doc']})"))
+    return head + _dl([(k, v) for k, v in items if v])
+
+
+def _user_line(case: dict) -> str | None:
+    """The user's source line the diagnosis names: where an operation ran on a shard, or the
+    loader that loaded a failing weight."""
+    ops = ((case.get("diagnosis") or {}).get("evidence") or {}).get("ops") or []
+    if ops and ops[0].get("at"):
+        return str(ops[0]["at"])
+    loaded = [c.get("loaded_by") for c in case.get("checks", []) if not c["passed"]]
+    return next((x for x in loaded if x), None)
 
 
 # ------------------------------------------------------------------------------ one case
@@ -362,9 +429,13 @@ def _problems(case: dict) -> str:
 
 
 def _curves(case: dict) -> str:
+    """error / bound per step, for the tensors whose figure moved over the steps (none: no plot)."""
     if max((c["step"] for c in case.get("checks", [])), default=0) < 2:
         return ""
     from tpcheck.report import plots
+
+    if not plots.step_curves(case):
+        return ""
 
     return (
         f"<h4>Error / bound per step</h4><img class=curves alt='error over bound per step for "

@@ -117,10 +117,23 @@ def bound_cmap() -> ListedColormap:
     )
 
 
-def heatmap_png(cases: list[dict]) -> str:
-    """The case x tensor heatmap as a data URI: wider than the page, its columns are cut into
-    panels stacked one under the other, by stage (forward, loss, backward, grads, optimizer)."""
+def failing_columns(cases: list[dict]) -> list[str]:
+    """The tensors some case failed at (error beyond its bound), in the heatmap's order: the
+    region the page shows first."""
+    _, cols, m = heatmap_matrix(cases)
+    with np.errstate(invalid="ignore"):
+        beyond = np.nan_to_num(m, nan=-CAP) > 0
+    return [c for j, c in enumerate(cols) if beyond[:, j].any()]
+
+
+def heatmap_png(cases: list[dict], only: list[str] | None = None) -> str:
+    """The case x tensor heatmap as a data URI (`only`: these tensors' columns alone): wider than
+    the page, its columns are cut into panels stacked one under the other, by stage (forward,
+    loss, backward, grads, optimizer)."""
     rows, cols, m = heatmap_matrix(cases)
+    if only is not None:
+        keep = [j for j, c in enumerate(cols) if c in set(only)]
+        cols, m = [cols[j] for j in keep], m[:, keep]
     place = column_stages(cases)
     stages = [place[c][2] for c in cols]
     labels = 0.075 * max(map(len, rows)) + 0.2  # inches of row labels at fontsize 9
@@ -189,8 +202,9 @@ def _annotate(ax, m: np.ndarray) -> None:
 
 
 def step_curves(case: dict) -> dict[str, dict[int, float]]:
-    """Per tensor, per step (>= 1): max over ranks and
-    stages of error / bound (0 for exact matches)."""
+    """Per tensor, per step (>= 1): max over ranks and stages of error / bound (0 for exact
+    matches); only the tensors whose figure moved from one step to another (a line pinned at one
+    value, an exact match at the floor say, shows nothing a step adds)."""
     curves: dict[str, dict[int, float]] = {}
     for c in case.get("checks", []):
         if c["step"] < 1:
@@ -198,7 +212,8 @@ def step_curves(case: dict) -> dict[str, dict[int, float]]:
         ratio = 10.0 ** log_ratio(c["error"], c["bound"])
         per_step = curves.setdefault(c["name"], {})
         per_step[c["step"]] = max(per_step.get(c["step"], 0.0), ratio)
-    return {n: curves[n] for n in tensor_columns([case]) if n in curves}
+    moved = {n for n, per_step in curves.items() if len(set(per_step.values())) > 1}
+    return {n: curves[n] for n in tensor_columns([case]) if n in moved}
 
 
 def curve_series(case: dict) -> list[tuple[str, list[int], list[float], bool]]:
@@ -263,6 +278,13 @@ def curves_png(case: dict) -> str:
 
 
 def _data_uri(fig: Figure) -> str:
+    """The figure as a PNG data URI, its colours reduced to a 256-entry palette (a heatmap's cells
+    and text need no more; a quarter of the bytes of 32-bit RGBA)."""
+    from PIL import Image  # matplotlib's own dependency
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata=PNG_META, bbox_inches="tight", pad_inches=0.08)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    image = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    small = io.BytesIO()
+    image.quantize(colors=256, method=Image.Quantize.FASTOCTREE).save(small, "png", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(small.getvalue()).decode("ascii")

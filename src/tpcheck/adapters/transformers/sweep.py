@@ -34,8 +34,7 @@ from tpcheck.adapters.transformers.common import (
 from tpcheck.adapters.transformers.configs import small_config
 from tpcheck.adapters.transformers.inputs import batch_maker, hidden_loss, lm_loss
 from tpcheck.adapters.transformers.probe import _probe
-from tpcheck.checker.case import Case, CaseSpec
-from tpcheck.checker.casefile import HF_PREFIX
+from tpcheck.checker.case import Case, CaseSpec, Target
 from tpcheck.checker.settings import RunSettings
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -220,7 +219,7 @@ def _prepare(model_type: str, world: int, rule_items: tuple) -> Prepared:
 def prepare_spec(spec: CaseSpec) -> tuple[Prepared, dict[str, str] | None]:
     """(`prepare` of the spec's architecture, the plan rules it overrides) for `spec.block` =
     "hf:<model_type>" (rules in `spec.overrides["tp_plan"]`); Skip becomes bad input naming it."""
-    model_type = spec.block[len(HF_PREFIX) :]
+    model_type = spec.target.name
     rules = dict(dict(spec.overrides).get("tp_plan", ())) or None
     try:
         return prepare(model_type, spec.world_size, rules), rules
@@ -273,11 +272,12 @@ def hf_spec(
     """The spec of one architecture with transformers' own plan (`rules` override some of its
     rules); `settings`: run settings besides the dtype (steps, micro_batches, ...)."""
     overrides = (("tp_plan", tuple(sorted(rules.items()))),) if rules else ()
-    label = label or f"{HF_PREFIX}{model_type}/tp{world_size}/{dtype}" + ("/rules" if rules else "")
+    block = str(Target("hf", model_type))
+    label = label or f"{block}/tp{world_size}/{dtype}" + ("/rules" if rules else "")
     if _has_pinned(model_type, world_size, rules):
         label += "/float32-truth"  # its float32-pinned modules bound against a float32 truth
     return CaseSpec(
-        block=HF_PREFIX + model_type,
+        block=block,
         world_size=world_size,
         run=RunSettings(dtype=dtype, **settings),
         overrides=overrides,
