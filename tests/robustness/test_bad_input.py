@@ -76,15 +76,18 @@ def test_unparseable_flags_exit_2(args, capsys):
 
 
 def test_world_size_must_divide_heads_kv_heads_and_vocab(children):
-    """The config's divisibility rules, checked in the
+    """The config's divisibility rules of the dimensions each block splits, checked in the
     parent: each case is "invalid", none forks."""
     before = children()
     specs = [
-        CaseSpec(preset="tiny", world_size=3, overrides=(("ffn", 96),)),
+        CaseSpec(block="layer", preset="tiny", world_size=3, overrides=(("ffn", 96),)),
         CaseSpec(
-            preset="tiny", world_size=2, overrides=(("hidden", 48), ("heads", 6), ("kv_heads", 3))
+            block="attention",
+            preset="tiny",
+            world_size=2,
+            overrides=(("hidden", 48), ("heads", 6), ("kv_heads", 3)),
         ),
-        CaseSpec(preset="tiny", world_size=2, overrides=(("vocab", 63),)),
+        CaseSpec(block="embedding", preset="tiny", world_size=2, overrides=(("vocab", 63),)),
         CaseSpec(preset="tiny", world_size=2, overrides=(("no_such_field", 1),)),
     ]
     results = check(specs)

@@ -95,7 +95,7 @@ def test_an_optimizer_tpcheck_cannot_see_into_is_checked_by_its_weights(results)
     assert r["verdict"] == "equivalent", r["summary"]
     assert any("update of 6 parameter(s)" in n for n in r["notes"]), r.get("notes")
     assert "not checked: optimizer update of 6 parameter(s)" in r["summary"]
-    from tpcheck.report.html import _case_section
+    from tpcheck.report.html_case import _case_section
 
     assert "Not checked: optimizer update of 6 parameter(s)" in _case_section(0, r)
     assert not any(c["name"].startswith(("state:", "update:")) for c in r["checks"])

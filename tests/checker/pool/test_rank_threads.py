@@ -145,10 +145,13 @@ def test_ranks_forked_after_large_ops_in_the_parent_complete(parent):
 
 
 def test_the_tpcheck_command_keeps_its_process_to_one_thread():
+    """The command (`entry()`) runs its command on one thread: the `faults` command's own main,
+    replaced, reports what it runs on."""
     code = (
-        "import sys, torch; from tpcheck.cli import main; from tpcheck.checker.pool import spawn; "
-        "sys.argv = ['tpcheck', 'faults']; import tpcheck.cli as c; c.main = lambda: print("
-        "torch.get_num_threads(), spawn._PARENT_KEPT_TO_ONE_THREAD) or 0; c.entry()"
+        "import sys, torch; from tpcheck.checker.pool import spawn; "
+        "import tpcheck.cli.faults as f; "
+        "f.main = lambda args: print(torch.get_num_threads(), spawn._PARENT_KEPT_TO_ONE_THREAD) "
+        "or 0; sys.argv = ['tpcheck', 'faults']; from tpcheck.cli import entry; entry()"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["1", "True"], out.stderr[-2000:]
