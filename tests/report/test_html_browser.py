@@ -204,7 +204,7 @@ def two_layer_run(tmp_path_factory):
     """A failing 2-layer model (the tiny LM: embedding, 2 layers, head), with its correct twin."""
     from report_helpers import run_with_reports
 
-    args = ("run", "--block", "lm", "--preset", "tiny", "--world-size", "2")
+    args = ("run", "--block", "lm", "--preset", "tiny", "--world-size", "2", "--steps", "2")
     return run_with_reports(
         tmp_path_factory.mktemp("lm"), (*args, "--fault", "missing_backward_reduce")
     )

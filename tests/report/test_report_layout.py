@@ -108,7 +108,8 @@ def test_the_step_plot_draws_only_the_tensors_that_moved():
     assert "class=curves" not in render_html(synthetic_report([case]))
 
 
-@pytest.mark.parametrize("n_cases", [1, 30])
+# 30 cases repeat the path of one at scale: in the slow suite
+@pytest.mark.parametrize("n_cases", [1, pytest.param(30, marks=pytest.mark.slow)])
 def test_rendering_emits_no_warning(n_cases, capsys):
     cases = [
         synthetic_case(f"case_{i}/tp2/float32", columns=10 + i, failing=i % 3 == 0)
