@@ -21,7 +21,6 @@ DEMO_RUN := $(VENV)/bin/tpcheck run --mode all --world-size 2 --json reports/dem
 demo: $(STAMP)
 	mkdir -p reports  # tpcheck writes into existing directories only
 	@echo '$(DEMO_RUN)'; code=0; $(DEMO_RUN) || code=$$?; \
-	echo "seed-compatible JSON: reports/demo-seed.json"; \
 	echo "next: '. $(VENV)/bin/activate' puts tpcheck on PATH for the README's Use commands" \
 		"(e.g. tpcheck faults); or call $(VENV)/bin/tpcheck"; \
 	exit $$code

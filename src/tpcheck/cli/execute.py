@@ -188,6 +188,14 @@ def seed_destination(args: argparse.Namespace) -> str | None:
     return None if getattr(args, "mode", None) == "all" else "-"
 
 
+# what each output is called when it is written
+OUTPUT_LABELS = {
+    "--json": "JSON report",
+    "--html": "HTML report",
+    "--seed-json": "seed-compatible JSON",
+}
+
+
 def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> list[str]:
     """Write the report to each output given ({flag: path}); one that fails is skipped and the
     others are still written. Returns a line per failure."""
@@ -207,5 +215,5 @@ def write_outputs(report: dict, outputs: dict[str, str | None], quiet: bool) -> 
             failed.append(f"{flag} {path!r}: cannot write the report: {e.strerror or e}")
         else:
             if not quiet:
-                print(f"{flag[2:].upper()} report: {path}", file=sys.stderr)
+                print(f"{OUTPUT_LABELS[flag]}: {path}", file=sys.stderr)
     return failed
