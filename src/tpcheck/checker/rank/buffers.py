@@ -2,8 +2,8 @@
 
 Buffers (`named_buffers()`, persistent or not: a batch norm's running statistics, a rotary
 cos/sin cache, a causal mask) are state the forward may change, and `model.eval()` computes with
-them. Every step restarts the TP module's parameters from the dense ones (engine.py), never its
-buffers: a buffer the TP forward updates follows its own course, as in training, and is compared
+them. Every step restarts the TP module's parameters from the dense ones (optimizer_stage.py), never
+its buffers: a buffer the TP forward updates follows its own course, as in training, and is compared
 with the dense module's at step 0 (as built, beside the weights) and after every step's optimizer
 stage, stage "buffers", check `buffer:<dense name>`:
 - which TP buffer is which dense one (`BufferChecks.start`, agreed over the ranks through the

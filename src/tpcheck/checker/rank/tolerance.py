@@ -10,8 +10,8 @@ Three kinds of comparison, each recorded with the bound it used and why:
 
 * calibrated: the TP tensor against the dense model's tensor in the same dtype, with a bound tied to
   the dense model's own error against a float64 ground truth (the dense model in float64, rank 0
-  only). Every step starts both sides and the truth from the same weights (checker/rank/engine.py),
-  so that error is the rounding of this step's arithmetic:
+  only). Every step starts both sides and the truth from the same weights
+  (checker/rank/optimizer_stage.py), so that error is the rounding of this step's arithmetic:
 
       max |TP - dense| <= MAX_FACTOR * max |dense - truth| + FLOOR_ULPS * eps * max |truth|
 
