@@ -24,9 +24,9 @@ def test_equivalent_at_world_sizes_1_2_4():
         assert ranks == set(range(r["world_size"]))  # every rank was checked
         stages = {c["stage"] for c in r["checks"]}
         assert {"weights", "forward", "loss", "backward", "grads", "optimizer"} <= stages
-        # every parameter is checked after every step (3 AdamW steps): against the dense model, and
-        # its update and AdamW state (exp_avg, exp_avg_sq, step) against the
-        # replay of the dense rule
+        # every parameter is checked after every step (3 AdamW steps): against the dense model, its
+        # AdamW moments (exp_avg, exp_avg_sq) against the dense optimizer's, and its update and
+        # AdamW state (exp_avg, exp_avg_sq, step) against the replay of the dense rule
         post = {(c["name"], c["step"]) for c in r["checks"] if c["stage"] == "optimizer"}
         params = ("norm.weight", "gate_up.weight", "down.weight", "down.bias")
         assert post == {
@@ -39,6 +39,8 @@ def test_equivalent_at_world_sizes_1_2_4():
                 f"state:{p}.exp_avg",
                 f"state:{p}.exp_avg_sq",
                 f"state:{p}.step",
+                f"moment:{p}.exp_avg",
+                f"moment:{p}.exp_avg_sq",
             )
         }
         assert all("bound" in c and c["reason"] for c in r["checks"])

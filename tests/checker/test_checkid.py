@@ -32,6 +32,8 @@ NAMED = [
     (CheckId("update", "fc1.weight"), "update:fc1.weight"),
     (CheckId("weight", "fc1.weight"), "weight:fc1.weight"),
     (CheckId("state", "fc1.weight", entry="exp_avg_sq"), "state:fc1.weight.exp_avg_sq"),
+    (CheckId("moment", "fc1.weight", entry="exp_avg"), "moment:fc1.weight.exp_avg"),
+    (CheckId("clipped", "norm.bias"), "clipped:norm.bias"),
     (CheckId("buffer", "rope.cos"), "buffer:rope.cos"),
     (CheckId("rng", "layers.0.mlp: dropout #1"), "rng:layers.0.mlp: dropout #1"),
     (CheckId("routing", "layers.1.gate.topk#1"), "routing:layers.1.gate.topk#1"),

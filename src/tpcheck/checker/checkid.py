@@ -13,7 +13,9 @@ The rendered forms (the report's `name` of a check, docs/report-schema.md):
 | `loss` | (none) | `loss` |
 | `act`, `actgrad` | a module | `act:layers.0.mlp`, `act:layers.0.mlp:decode2` |
 | `param`, `grad`, `update`, `weight` | a parameter (or a forward input) | `grad:fc1.weight` |
-| `state` | a parameter and its state entry | `state:fc1.weight.exp_avg` |
+| `state` | a parameter and its state entry (against the replay) | `state:fc1.weight.exp_avg` |
+| `moment` | a parameter's state entry (against the dense side's) | `moment:fc1.weight.exp_avg` |
+| `clipped` | a parameter's gradient after the step's clipping | `clipped:fc1.bias` |
 | `buffer` | a buffer | `buffer:rope.cos` |
 | `rng`, `routing` | where the draw or decision was made | `rng:layers.0.mlp: dropout #1` |
 | `clip` | what was clipped | `clip:grad_norm` |
@@ -36,6 +38,8 @@ Kind = Literal[
     "update",
     "weight",
     "state",
+    "moment",
+    "clipped",
     "buffer",
     "rng",
     "routing",
@@ -44,6 +48,8 @@ Kind = Literal[
 KINDS: tuple[Kind, ...] = get_args(Kind)
 # the kinds whose checks carry the pass of a decoding run (or the forward without autograd)
 PASSED: tuple[Kind, ...] = ("output", "act", "actgrad")
+# the kinds whose checks name an optimizer state entry: against the replay, against the dense side
+ENTRIES: tuple[Kind, ...] = ("state", "moment")
 CONTROL = "control:"
 
 
@@ -54,13 +60,13 @@ class CheckId:
     kind: Kind
     target: str = ""
     pass_: str = ""  # "" (a training forward, the prefill), "decode2", "eval", "no_grad"
-    entry: str = ""  # an optimizer state's entry (`exp_avg`), for kind "state"
+    entry: str = ""  # an optimizer state's entry (`exp_avg`), for kinds "state" and "moment"
     control: bool = False
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"no check kind {self.kind!r}"
         assert not self.pass_ or self.kind in PASSED, f"{self.kind} checks have no pass"
-        assert not self.entry or self.kind == "state", "only a state check has an entry"
+        assert not self.entry or self.kind in ENTRIES, "only a state check has an entry"
 
     def __str__(self) -> str:
         text = self.kind
@@ -105,7 +111,7 @@ class CheckId:
             pass_ = rest
         elif kind in PASSED and ":" in rest:
             target, _, pass_ = rest.rpartition(":")
-        elif kind == "state":
+        elif kind in ENTRIES:
             target, _, entry = rest.rpartition(".")
         else:
             target = rest

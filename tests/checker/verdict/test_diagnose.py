@@ -334,6 +334,8 @@ def test_record_fields():
         "decay",
         "scaled_by_micro_batches",
         "routing",
+        "decision_bias",
+        "clip_partial",
         "rng_not_forked",
         "rng_diverged",
         "dropout_mismatch",

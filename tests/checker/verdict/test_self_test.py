@@ -12,14 +12,23 @@ import torch
 
 from mutants import (
     activations_not_compared,
+    bound_from_the_tp_side,
     dense_error_times_1000,
+    factor_constants_times_50,
     factor_times_50,
+    float64_run_failures_dropped,
+    float64_run_ignored,
+    float64_run_never_runs,
     floor_16bit_times_64,
     records_zero,
     reference_vs_itself,
+    replay_update_is_the_tp_sides,
     replicas_not_compared,
+    replicas_only_control,
+    self_test_reads_rank_0,
     steps_after_first_dropped,
     tolerance_times_1000,
+    verdict_list_rank_0,
     verdict_reads_rank_0,
 )
 from tpcheck import CaseSpec, check, exit_code
@@ -28,6 +37,9 @@ from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.verdict import result as result_module
+from tpcheck.checker.verdict.divergence import SelfTest
+from tpcheck.checker.verdict.result import CaseResult, Reading, read_failures
+from tpcheck.faults.detectability import Probe
 
 from paths import REPO
 
@@ -102,22 +114,32 @@ def test_a_control_that_is_not_flagged_names_where(monkeypatch):
     assert "control:" in r["summary"] and "was not flagged" in r["summary"]
 
 
-# Mutants that passed the self-test while it stood apart from the comparison (a control planted on
-# the reference, no manifest, its own reading of the failures, skips on the bound's own numbers),
-# each with the catalogue fault it hid: six turned it into "equivalent" with every control flagged
-# (reference_vs_itself, steps_after_first_dropped, verdict_reads_rank_0 on a bug rank 1 alone sees,
-# dense_error_times_1000 and factor_times_50 on a float32 bug at 5e-6, floor_16bit_times_64 on a
-# float16 bug at 3%); replicas_not_compared and activations_not_compared left every control flagged
-# while whole stages went unchecked (their faults are still seen by other checks).
+# Mutants of the comparison path, each with a catalogue fault it hides where the self-test does not
+# see it (the self-test then ends the run in "error"). Each of these turned that fault into
+# "equivalent" with every control flagged while the self-test stood apart from the comparison (a
+# control planted on the reference, no manifest, its own reading of the failures, an excuse made of
+# the bound's own constants): reference_vs_itself, steps_after_first_dropped, verdict_reads_rank_0
+# and verdict_list_rank_0 on a bug rank 1 alone sees, dense_error_times_1000, factor_times_50 and
+# factor_constants_times_50 on a float32 bug at 5e-6, floor_16bit_times_64 on a float16 bug at 3%;
+# replicas_not_compared and activations_not_compared left every control flagged while whole stages
+# went unchecked (their faults are still seen by other checks). bound_from_the_tp_side hides its
+# fault from every check; self_test_reads_rank_0 and replicas_only_control blind the self-test
+# without touching the verdict. The last column: the correct twin's verdict under the mutant
+# ("equivalent" where the mutant acts only on failures of real checks: the twin has none).
 HIDDEN = [
-    (reference_vs_itself, "partial_sum_off_by_3pct", "float32"),
-    (steps_after_first_dropped, "weight_cached_at_first_forward", "float32"),
-    (verdict_reads_rank_0, "lr_times_world_on_last_rank", "float32"),
-    (dense_error_times_1000, "norm_eps_differs", "float32"),
-    (factor_times_50, "norm_eps_differs", "float32"),
-    (replicas_not_compared, "optimizer_differs_across_ranks", "float32"),
-    (floor_16bit_times_64, "partial_sum_off_by_3pct", "float16"),
-    (activations_not_compared, "partial_sum_off_by_3pct", "float32"),
+    (reference_vs_itself, "partial_sum_off_by_3pct", "float32", "error"),
+    (steps_after_first_dropped, "weight_cached_at_first_forward", "float32", "error"),
+    (verdict_reads_rank_0, "lr_times_world_on_last_rank", "float32", "error"),
+    (verdict_list_rank_0, "lr_times_world_on_last_rank", "float32", "equivalent"),
+    (self_test_reads_rank_0, "lr_times_world_on_last_rank", "float32", "error"),
+    (dense_error_times_1000, "norm_eps_differs", "float32", "error"),
+    (factor_times_50, "norm_eps_differs", "float32", "error"),
+    (factor_constants_times_50, "norm_eps_differs", "float32", "error"),
+    (bound_from_the_tp_side, "partial_sum_off_by_3pct", "float32", "equivalent"),
+    (replicas_not_compared, "optimizer_differs_across_ranks", "float32", "error"),
+    (replicas_only_control, "partial_sum_off_by_3pct", "float32", "error"),
+    (floor_16bit_times_64, "partial_sum_off_by_3pct", "float16", "error"),
+    (activations_not_compared, "partial_sum_off_by_3pct", "float32", "error"),
 ]
 
 
@@ -125,19 +147,21 @@ def _buggy(fault: str, dtype: str) -> CaseSpec:
     return CaseSpec(block="mlp", preset="tiny", world_size=2, fault=fault).with_run(dtype=dtype)
 
 
-@pytest.mark.parametrize("mutant, fault, dtype", HIDDEN, ids=lambda v: getattr(v, "__name__", v))
-def test_a_mutant_that_hid_a_caught_bug_ends_in_error(monkeypatch, mutant, fault, dtype):
+@pytest.mark.parametrize(
+    "mutant, fault, dtype, twin", HIDDEN, ids=lambda v: getattr(v, "__name__", None)
+)
+def test_a_mutant_that_hid_a_caught_bug_ends_in_error(monkeypatch, mutant, fault, dtype, twin):
     mutant(monkeypatch)
     buggy = _buggy(fault, dtype)
-    results = check([buggy, dataclasses.replace(buggy, fault=None)])
-    for r in results:
-        assert r["verdict"] == "error", (mutant.__name__, r["summary"])
-        assert r["summary"].startswith("the checker failed its control"), r["summary"]
-    assert exit_code(results) == 3
+    r, correct = check([buggy, dataclasses.replace(buggy, fault=None)])
+    assert r["verdict"] == "error", (mutant.__name__, r["summary"])
+    assert r["summary"].startswith("the checker failed its control"), r["summary"]
+    assert correct["verdict"] == twin, (mutant.__name__, correct["summary"])
+    assert exit_code([r, correct]) == 3
 
 
 def test_the_real_checker_catches_each_hidden_bug_and_passes_its_twin():
-    buggy = list(dict.fromkeys(_buggy(fault, dtype) for _, fault, dtype in HIDDEN))
+    buggy = list(dict.fromkeys(_buggy(fault, dtype) for _, fault, dtype, _ in HIDDEN))
     results = check(buggy + [dataclasses.replace(b, fault=None) for b in buggy])
     by_fault = dict(zip([(b.fault, b.run.dtype) for b in buggy], results))
     for r in results:
@@ -148,6 +172,66 @@ def test_the_real_checker_catches_each_hidden_bug_and_passes_its_twin():
     failing = by_fault["lr_times_world_on_last_rank", "float32"]["checks"]
     assert ranks == {0, 1} and {c["rank"] for c in failing if not c["passed"]} == {1}
     assert by_fault["weight_cached_at_first_forward", "float32"]["first_divergence"]["step"] == 2
+
+
+# The float64 run's mutants, on a bug only the float64 run sees (one rank's partial sum 1% off in
+# bfloat16 at world 2: under bfloat16's own bounds). The float64 run merged as a record whose
+# verdict never reaches the case, or never run at all, is caught where the case is read
+# (`result.held_to_float64_run`); its failures dropped inside the float64 run, by its own
+# self-test there.
+BELOW_BFLOAT16 = Probe("partial", "bfloat16", 2, 0.01, 1)
+FLOAT64_MUTANTS = [
+    (float64_run_ignored, "the float64 run its bfloat16 settings want did not pass", "equivalent"),
+    (float64_run_never_runs, "none was recorded", "error"),
+    (float64_run_failures_dropped, "error in the float64 run: the checker failed its", "error"),
+]
+
+
+def _bfloat16_pair() -> list[CaseSpec]:
+    correct = CaseSpec(block="mlp", preset="tiny", world_size=2).with_run(dtype="bfloat16")
+    return [BELOW_BFLOAT16.spec(), correct]
+
+
+@pytest.mark.parametrize(
+    "mutant, said, twin", FLOAT64_MUTANTS, ids=lambda v: getattr(v, "__name__", None)
+)
+def test_a_float64_run_mutant_ends_in_error_naming_the_float64_run(monkeypatch, mutant, said, twin):
+    mutant(monkeypatch)
+    r, correct = check(_bfloat16_pair())
+    assert r["verdict"] == "error" and said in r["summary"], (mutant.__name__, r["summary"])
+    assert correct["verdict"] == twin, (mutant.__name__, correct["summary"])
+    assert exit_code([r, correct]) == 3
+
+
+def test_the_real_checker_catches_the_bug_below_bfloat16_in_its_float64_run_only():
+    r, correct = check(_bfloat16_pair())
+    assert r["verdict"] == "not equivalent", r["summary"]
+    assert r["summary"].startswith("not equivalent only in the float64 run"), r["summary"]
+    assert r["float64_run"]["verdict"] == "not equivalent"
+    assert correct["verdict"] == "equivalent", correct["summary"]
+    assert correct["float64_run"]["verdict"] == "equivalent"
+
+
+# The optimizer replay's mutant: its update the TP side's own, so the bitwise update check compares
+# TP with itself. An lr 1 + 1e-6 times too large on the last rank (under every calibrated bound:
+# only the bitwise replay sees it) then passes with every control flagged: a control planted on
+# the compared TP tensor goes through the comparison, not through the replay that made the
+# reference. Seeing it takes a control of the replay itself (the dense rule re-run on a planted
+# input, its update held to move), in the optimizer stage.
+TINY_LR_BUG = Probe("lr", "float32", 2, 1e-6, 1, float64_run="off")
+
+
+def test_a_replay_that_returns_the_tp_update_ends_in_error(monkeypatch):
+    replay_update_is_the_tp_sides(monkeypatch)
+    (r,) = check([TINY_LR_BUG.spec()])
+    assert r["verdict"] == "error", r["summary"]
+
+
+def test_the_real_checker_catches_the_lr_bug_only_the_replay_sees():
+    (r,) = check([TINY_LR_BUG.spec()])
+    assert r["verdict"] == "not equivalent", r["summary"]
+    failed = {c["name"].split(":")[0] for c in r["checks"] if not c["passed"]}
+    assert failed == {"update"}, failed
 
 
 def _check(name="act:a", **kw) -> Check:
@@ -171,15 +255,125 @@ def test_an_unflagged_control_is_excused_only_by_the_dense_error_measured_apart(
 
 
 def test_a_control_the_verdict_did_not_read_as_failed_is_not_flagged():
-    """The self-test reads the failures the verdict reads (`failing`), not a judgement of its
+    """The self-test reads the failures the verdict reads (`read_failures`), not a judgement of its
     own: a failed control left out of that list is unflagged."""
     control = _check(name="control:act:a", error=2.0, passed=False, planted=2.0)
     kept = {"tp": np.array([2.0]), "ref": np.zeros(1)}
     evidence = [{("forward", 1, CheckId.parse("control:act:a")): kept}]
-    read = result_module.self_test([_check()], [control], evidence, [control])
+    read = result_module.self_test([_check()], [control], evidence, read_failures([control]))
     assert read.failures == [] and read.flagged == 1
-    unread = result_module.self_test([_check()], [control], evidence, [])
+    unread = result_module.self_test([_check()], [control], evidence, read_failures([]))
     assert unread.flagged == 0 and "was not flagged" in unread.failures[0]
+
+
+def _two_ranks():
+    """On ranks 0 and 1 a real check that failed and a flagged control (its evidence showing its
+    planted error), as `merge` has them: (checks, controls, evidence, the one list of failures)."""
+    checks = [_check(rank=r, error=2.0, passed=False) for r in (0, 1)]
+    controls = [
+        _check(name="control:act:a", rank=r, error=2.0, passed=False, planted=2.0) for r in (0, 1)
+    ]
+    kept = {"tp": np.array([2.0]), "ref": np.zeros(1)}
+    evidence = [{("forward", 1, CheckId.parse("control:act:a")): kept} for _ in (0, 1)]
+    return checks, controls, evidence, result_module.failing(checks + controls)
+
+
+def test_the_verdict_and_the_self_test_read_one_reading_of_the_failures():
+    checks, controls, evidence, flagged = _two_ranks()
+    reading = read_failures(flagged)
+    assert reading.verdict == "not equivalent"
+    assert reading.failed == checks and reading.caught == controls
+    st = result_module.self_test(checks, controls, evidence, reading)
+    assert st.failures == [] and st.flagged == 2
+    assert read_failures([]).verdict == "equivalent"
+
+
+# A filter on either side of the reading, or on the list itself (rank 0's failures only, the
+# mutants that once ended in "equivalent"), a failure read on the wrong side or twice: each is a
+# failure of the self-test, the first it says here.
+FILTERS = {
+    "the verdict's list": (
+        lambda r: Reading(r.flagged, [c for c in r.failed if c.rank == 0], r.caught),
+        "1 of the 4 failures were not read (first: act:a (forward, step 1, rank 1))",
+    ),
+    "the self-test's list": (
+        lambda r: Reading(r.flagged, r.failed, [c for c in r.caught if c.rank == 0]),
+        "1 of the 4 failures were not read (first: control:act:a (forward, step 1, rank 1))",
+    ),
+    "the one list": (
+        lambda r: Reading([c for c in r.flagged if c.rank == 0], r.failed, r.caught),
+        "2 check(s) read are not among the failures (first: act:a (forward, step 1, rank 1))",
+    ),
+    "a control read as a check": (
+        lambda r: Reading(r.flagged, r.failed + r.caught[:1], r.caught[1:]),
+        "1 failure(s) were read on the wrong side (first: control:act:a (forward, step 1, rank 0))",
+    ),
+    "a failure read twice": (
+        lambda r: Reading(r.flagged, r.failed + r.failed[:1], r.caught),
+        "1 failure(s) were read twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", FILTERS)
+def test_a_filter_on_either_side_of_the_reading_fails_the_self_test(where):
+    checks, controls, evidence, flagged = _two_ranks()
+    mutate, said = FILTERS[where]
+    st = result_module.self_test(checks, controls, evidence, mutate(read_failures(flagged)))
+    assert st.failures and st.failures[0] == said, st.failures
+
+
+def test_the_blind_spot_does_not_move_with_the_bounds_constants(monkeypatch):
+    """What excuses an unflagged control is frozen apart from the bound (`blind_spot`,
+    BLIND_SPOT_*): the bound's constants 50 times larger (and every tensor "small") excuse no more
+    controls. A float32 control of 1e-5 at scale 1: the dense error, the tensor's size, and the
+    excuse."""
+    probes = [(1e-7, 4096), (1e-6, 4096), (5e-7, 4096), (5e-7, 32)]
+    excused = [tolerance.blind_spot(m, 1.0, n, torch.float32, 1e-5) is not None for m, n in probes]
+    assert excused == [False, True, False, True]
+    for name in ("MAX_FACTOR", "SMALL_FACTOR", "FLOOR_ULPS", "SMALL_FLOOR_ULPS"):
+        monkeypatch.setattr(tolerance, name, 50 * getattr(tolerance, name))
+    monkeypatch.setattr(tolerance, "SMALL_NUMEL", 10**9)
+    factor = tolerance.factor
+    monkeypatch.setattr(tolerance, "factor", lambda *args: 50 * factor(*args))
+    again = [tolerance.blind_spot(m, 1.0, n, torch.float32, 1e-5) is not None for m, n in probes]
+    assert again == excused
+
+
+def _equivalent(dtype: str, float64_run: dict | None) -> CaseResult:
+    """An "equivalent" case in `dtype`, its float64 run as the record holds it."""
+    spec = CaseSpec(block="mlp", preset="tiny", world_size=2).with_run(dtype=dtype)
+    return CaseResult(
+        spec=spec,
+        run=spec.settings,
+        verdict="equivalent",
+        as_expected=True,
+        summary="equivalent: 1 checks passed on 2 rank(s)",
+        seconds=0.0,
+        checks=[_check()],
+        self_test=SelfTest(controls=1, flagged=1),
+        float64_run=float64_run,
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype, record, verdict",
+    [
+        ("bfloat16", {"verdict": "equivalent"}, "equivalent"),
+        ("bfloat16", {"skipped": "the case does not run in float64"}, "equivalent"),
+        ("float32", None, "equivalent"),  # float32 wants none by default
+        ("bfloat16", None, "error"),
+        ("float16", {"verdict": "not equivalent"}, "error"),
+        ("bfloat16", {"verdict": "error"}, "error"),
+    ],
+)
+def test_an_equivalent_case_is_held_to_the_float64_run_it_wants(dtype, record, verdict):
+    case = _equivalent(dtype, record).to_json()
+    assert case["verdict"] == verdict, case["summary"]
+    if verdict == "error":
+        assert case["summary"].startswith("the checker failed its control: the case reads "), case
+        assert case["self_test"]["failures"] and case["as_expected"] is False
+    assert exit_code([case]) == (3 if verdict == "error" else 0)
 
 
 def test_the_manifest_counts_every_micro_batch_on_every_rank():

@@ -223,6 +223,30 @@ def clip_all_summed(model, max_norm, group):
     return total
 
 
+def clip_sharded_only(model, max_norm, group):
+    """Bug: the right total norm, but only the tensor-parallel parameters' gradients are scaled
+    (the replicated ones, the norm's weight and bias and the row-parallel bias, step unclipped)."""
+    total = _megatron_norm(model, group)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None and getattr(p, "tensor_model_parallel", False):
+            p.grad.mul_(coef)
+    return total
+
+
+def _megatron_norm(model, group):
+    tp_sq, dup_sq = torch.zeros(()), torch.zeros(())
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if getattr(p, "tensor_model_parallel", False):
+            tp_sq = tp_sq + p.grad.float().pow(2).sum()
+        else:
+            dup_sq = dup_sq + p.grad.float().pow(2).sum()
+    dist.all_reduce(tp_sq, group=group.pg)
+    return (tp_sq + dup_sq).sqrt()
+
+
 # ------------------------------------------------------------------ loaders that replace parameters
 
 
@@ -306,6 +330,7 @@ clip_default = _clip_case("clip_default")
 clip_correct = _clip_case("clip_correct", clip_megatron)
 clip_local = _clip_case("clip_local", clip_local_norm)
 clip_replicated_twice = _clip_case("clip_replicated_twice", clip_all_summed)
+clip_sharded_gradients_only = _clip_case("clip_sharded_gradients_only", clip_sharded_only)
 
 assign_loader = _case("assign_loader")
 meta_loader = _case(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import tolerance
+from tpcheck.checker.rank.decisions import DECISION_BIAS, Judged
 from tpcheck.checker.rank.evidence import Evidence
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.rank.measure import absmax, maxdiff
@@ -249,34 +250,47 @@ class Comparator:
         self.evidence.keep_rng(step, check_id, error, placement, info)
         return check
 
-    def record_routing(
-        self, step: int, label: str, seq: int, gap: float, margin: float, rows: int, of_rows: int
-    ) -> Check:
+    def record_routing(self, step: int, judged: Judged) -> Check:
         """A discrete decision of the TP side against the dense side's (checker/rank/decisions.py):
         `error` the gap between the competing values where the two differ (0: the same decision),
-        bound the rounding margin; a flip within it was replayed, one beyond it fails."""
-        within = gap <= margin
-        reason = (
-            f"the TP side decided as the dense side ({of_rows} row(s))"
-            if rows == 0
-            else f"{rows} of {of_rows} row(s) flipped at a gap of {gap:.3g} "
-            + ("within" if within else "beyond")
-            + f" the rounding margin {margin:.3g} (2 x the calibrated bound of its input)"
-        )
+        bound the rounding margin; a flip within it was replayed, one beyond it fails. An input
+        the TP side offsets per index beyond its bound fails as a `decision_bias` (error: the
+        offset, bound: its bound). Once per step and kind on this rank, the self-test's controls
+        the decision carries (a planted flip, a planted offset) are recorded the same way: each
+        must fail, or be a blind spot its control named."""
+        j = judged
+        error, bound = (j.offset, j.offset_bound) if j.kind == DECISION_BIAS else (j.gap, j.margin)
+        check = self._routing_check(step, CheckId("routing", j.label), j, j.kind, error, bound)
+        check.reason, check.passed = j.reason(), j.passed
+        for kind, planted, bound, blind in j.controls:
+            if not self.take_control(("forward", step, kind)):
+                continue
+            target = j.label if kind == "routing" else f"{j.label}:offset"
+            control = self._routing_check(
+                step, CheckId("routing", target, control=True), j, kind, planted, bound
+            )
+            control.planted, control.blind = planted, blind
+            zero = torch.zeros(1, dtype=torch.float64)
+            self._keep_evidence(control, torch.tensor([planted], dtype=torch.float64), zero, zero)
+        return check
+
+    def _routing_check(
+        self, step: int, check_id: CheckId, j: Judged, kind: str, error: float, bound: float
+    ) -> Check:
         check = Check(
             stage="forward",
             step=step,
-            id=CheckId("routing", label),
+            id=check_id,
             rank=self.group.rank,
-            error=gap,
-            diff_vs_dense=gap,
-            bound=margin,
-            kind="routing",
-            reason=reason,
-            passed=within,
+            error=error,
+            diff_vs_dense=error,
+            bound=bound,
+            kind=kind,
+            reason=f"a planted {'flip' if kind == 'routing' else 'offset'} of {error:.3g}",
+            passed=error <= bound,
             placement="replicate",
-            seq=seq,
-            numel=of_rows,
+            seq=j.seq,
+            numel=j.of_rows,
         )
         self.checks.append(check)
         return check

@@ -114,6 +114,23 @@ class Replay:
         self.before: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor | None] = {}
         self.opt = make_rule(list(self.params.items()))
+        self.make_rule, self.tp_params = make_rule, tp_params
+
+    def planted(self, name: str) -> tuple[Replay, int] | None:
+        """The self-test's control of the replay itself: a replay of parameter `name` alone, from
+        no state (a first step's), on the inputs this replay was handed but with the gradient's
+        largest element negated (its update must then differ from the TP side's there: the rule
+        moves it the other way), and the flat index of that element; None where the gradient is
+        zero."""
+        grad = self.grads.get(name)
+        if grad is None or not bool(grad.abs().max() > 0):
+            return None
+        moved = grad.detach().clone().reshape(-1)
+        i = int(moved.abs().argmax())
+        moved[i] = -moved[i]
+        control = Replay({name: self.tp_params[name]}, self.make_rule)
+        control.run({name: self.before[name]}, {name: moved.view_as(grad)})
+        return control, i
 
     def run(self, values: dict[str, torch.Tensor], grads: dict) -> None:
         with torch.no_grad():
@@ -128,6 +145,11 @@ class Replay:
     def update(self, name: str) -> torch.Tensor:
         """The replay's update of `name`: after - before."""
         return self.params[name].detach() - self.before[name]
+
+    def live_state(self, name: str) -> dict | None:
+        """The replay's optimizer state of `name` itself (written in place by a restart), or
+        None before the replay first stepped it."""
+        return self.opt.state.get(self.params[name]) if name in self.params else None
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         """The replay's optimizer state of `name` (tensors only), e.g. exp_avg, exp_avg_sq, step."""

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tpcheck.checker.rank import training
+from tpcheck.checker.rank import moments, training
 from tpcheck.checker.rank.loading import restart_in_place
 from tpcheck.checker.rank.optimizer import AdaptiveSlack, Masters, Optimizers, Replay
-from tpcheck.checker.rank.params import compare_params, compare_replay
+from tpcheck.checker.rank.params import compare_params, compare_replay, replay_control
 
 if TYPE_CHECKING:
     from tpcheck.checker.rank.sides import Sides
@@ -69,7 +69,7 @@ def build(s: Sides) -> Optimizers:
 
 def stage(s: Sides, opts: Optimizers, step: int) -> None:
     """The optimizer stage of `step` (module docstring)."""
-    training.clip_grads(s, step)
+    clip(s, opts, step)
     opts.dense_master.take_grads()
     opts.tp_master.take_grads()
     # the dense rule on the TP side's own weights and grads (as the user's optimizer was handed
@@ -86,10 +86,28 @@ def stage(s: Sides, opts: Optimizers, step: int) -> None:
     opts.tp_master.write_back()
     s.sync(f"optimizer step {step}")
     compare_replay(s, opts, step)
+    replay_control(s, opts, step)
+    moments.compare_moments(s, opts, step)
     compare_params(
         s, opts, step, "optimizer", opts.dense_master.params, opts.tp_master.params, lambda p: p
     )
     opts.tp_master.check_copy_back(s, step)
+
+
+def clip(s: Sides, opts: Optimizers, step: int) -> None:
+    """The step's clipping (training.py: each side's own, the two total norms compared), then
+    every parameter's clipped gradient on the TP side against the dense side's clipped by the
+    dense rule (`clipped:<parameter>`): the norm alone cannot see a clipping that scales some
+    gradients and not others. Each such check keeps, for the diagnosis, the factor the TP
+    clipping scaled each parameter's gradient by and the dense side's."""
+    if s.settings.clip_grad_norm is None:
+        return
+    before = training.tp_grads(s)
+    coef = training.clip_grads(s, step)
+    dense, tp = dict(s.dense.named_parameters()), dict(s.tp.named_parameters())
+    compare_params(s, opts, step, "optimizer", dense, tp, lambda p: p.grad, label="clipped")
+    if coef is not None:  # the diagnosis's numbers (a stand-in clipping may return none)
+        training.keep_clip_scales(s, step, before, coef)
 
 
 def zero_grads(s: Sides, opts: Optimizers) -> None:
@@ -115,6 +133,7 @@ def restart_tp(s: Sides, opts: Optimizers) -> None:
     if opts.tp_master.masters:
         source = opts.dense_master if opts.dense_master.masters else s.dense
         training.restart_masters(opts.tp_master, source, s.plan, s.group)
+    moments.restart_state(s, opts)
 
 
 def restart_truth(

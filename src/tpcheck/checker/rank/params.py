@@ -54,11 +54,22 @@ def compare_weights(s: Sides, loaded_by: str | None) -> None:
 
 
 def compare_params(
-    s: Sides, opts: Optimizers, step: int, stage: str, dense_params: dict, tp_params: dict, get
+    s: Sides,
+    opts: Optimizers,
+    step: int,
+    stage: str,
+    dense_params: dict,
+    tp_params: dict,
+    get,
+    label: str | None = None,
 ) -> None:
     """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against
     the dense side's; after the step these are what the optimizers stepped (float32 masters
-    under master weights, compared with float32's bound)."""
+    under master weights, compared with float32's bound). `label`: the checks' kind, by default
+    `grad` at the grads stage and `param` after the step (`clipped`: the grads after the step's
+    clipping, each side's own, against the dense side's clipped by the dense rule)."""
+    label = label or ("grad" if stage == "grads" else "param")
+    slack = opts.slack if label == "param" else None
     plan, rank, world = s.plan, s.group.rank, s.group.world_size
     truth_params = dict(s.truth.named_parameters()) if s.truth is not None else {}
     for name, p in dense_params.items():
@@ -72,7 +83,7 @@ def compare_params(
             sent = owner_bound(
                 s.cmp,
                 s.rendezvous,
-                opts.slack,
+                slack,
                 step,
                 stage,
                 name,
@@ -90,14 +101,14 @@ def compare_params(
             if (tp_val is None) != (dense_val is None):
                 _refuse_one_sided_grad(s, name, tp_val is None)
         else:
-            _compare_one(
-                s, opts, step, stage, name, p, truth_p, tp_val.detach(), dense_val, truth_val, sent
-            )
+            args = (name, p, truth_p, tp_val.detach(), dense_val, truth_val, sent)
+            _compare_one(s, opts, step, stage, label, *args)
 
 
 def _compare_one(
-    s: Sides, opts: Optimizers, step, stage, name, p, truth_p, tp_val, dense_val, truth_val, sent
-):
+    s: Sides, opts: Optimizers, step, stage, label, name, p, truth_p, tp_val, dense_val, truth_val,
+    sent,
+):  # fmt: skip
     """One parameter's value on this rank against the dense one (and, after an adaptive step, what
     the allowance leaves of the difference: `raw` keeps the whole of it)."""
     plan, group = s.plan, s.group
@@ -105,7 +116,7 @@ def _compare_one(
     raw = tp_val
     owner = plan.params[name].applied_on
     placement = ALONE if owner is not None and stage != "weights" else plan.params[name]
-    if stage == "optimizer" and opts.slack is not None:
+    if label == "param" and opts.slack is not None:
         tp_val, truth_val = opts.slack.apply(
             name,
             plan.params[name],
@@ -117,14 +128,14 @@ def _compare_one(
             tp_val,
             truth_val,
         )
-    if sent is None and truth_val is not None and (extra := _update_floor(s, opts, stage, p)):
+    extra = _update_floor(s, opts, stage, p) if label == "param" else None
+    if sent is None and truth_val is not None and extra:
         sent = tolerance.plus_floor(
             s.cmp.calibrated(dense_val.detach(), truth_val, dense_val.dtype),
             extra,
             f"lr x {tolerance.floor_ulps(p.numel())} {s.settings.dtype} ulp(s) of the gradient's "
             "scale",
         )
-    label = "grad" if stage == "grads" else "param"
     s.cmp.compare(
         stage,
         step,
@@ -218,6 +229,38 @@ def compare_replay(s: Sides, opts: Optimizers, step: int) -> None:
             "bitwise: the dense update rule replayed on this rank's TP weights and grads",
             weights=replay.params[tp_name].detach(),
         )
+
+
+def replay_control(s: Sides, opts: Optimizers, step: int) -> None:
+    """At step 1 (every optimizer from no state), the control of the replay itself: the rule
+    replayed on a planted gradient (`Replay.planted`) must make an update the bitwise check tells
+    from the TP side's. A replay that hands back anything but the rule's own arithmetic on its
+    inputs (the TP side's update, a copy of it) leaves it unflagged: verdict "error"."""
+    if step != 1 or not opts.tp_master.update_observable():
+        return
+    for name, _ in reversed(list(s.dense.named_parameters())):
+        tp_name, placement = s.plan.tp_name(name), s.plan.params[name]
+        if not placement.held_on(s.group.rank, s.group.world_size):
+            continue
+        planted = opts.replay.planted(tp_name)
+        if planted is None:
+            continue
+        control, i = planted
+        mine = opts.tp_master.params[tp_name].detach() - opts.replay.before[tp_name]
+        ref = control.update(tp_name)
+        check = s.cmp.compare_local(
+            "optimizer",
+            step,
+            CheckId("update", name, control=True),
+            mine,
+            ref,
+            placement,
+            "bitwise: the dense update rule replayed on a planted gradient (the replay's control)",
+        )
+        lo = max(0, i - 4)  # its evidence: the elements around the planted one
+        near = ref.reshape(-1)[lo : i + 4]
+        s.cmp.evidence.keep(check, mine.reshape(-1)[lo : i + 4], near, near)
+        return
 
 
 def _compare_state(

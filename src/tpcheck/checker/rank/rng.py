@@ -178,7 +178,7 @@ class RandomDraws:
         the gap of its flips, bound: the rounding margin); the flips within the margin (the dense
         decision substituted) and the decisions not replayed are kept for the report's notes."""
         for j in book.judged:
-            self.cmp.record_routing(step, j.label, j.seq, j.gap, j.margin, j.rows, j.of_rows)
+            self.cmp.record_routing(step, j)
             if j.substituted:
                 seen = self.flips.setdefault(j.label, [0, 0, 0.0, j.margin])
                 seen[0], seen[1] = seen[0] + 1, seen[1] + j.rows

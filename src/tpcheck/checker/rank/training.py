@@ -21,7 +21,10 @@ Clipping. With `RunSettings(clip_grad_norm=...)` the dense side (and the float64
 `torch.nn.utils.clip_grad_norm_`; the TP side with the case's `tp_clip_grad_norm` or `clip_tp`
 below. The two total norms are compared (`clip:grad_norm`, stage optimizer), and the numbers the
 diagnosis needs to name a norm of the local shards only, or replicated parameters counted once per
-rank, are kept with its evidence.
+rank, are kept with its evidence. The norm alone is not the yardstick: every clipped gradient is
+then compared with the dense side's clipped by the dense rule (optimizer_stage.py's `clip`), each
+with the factor the TP clipping scaled it by, so that a clipping that scales the sharded gradients
+and leaves the replicated ones (a norm weight, a row-parallel bias) is named.
 """
 
 from __future__ import annotations
@@ -353,13 +356,12 @@ def _grads_by_dense_name(module: nn.Module, plan: Plan) -> dict[str, torch.Tenso
     }
 
 
-def clip_grads(s: Sides, step: int) -> None:
+def clip_grads(s: Sides, step: int) -> float:
     """The step's gradient clipping on every side, and the check of the two total norms
     (`clip:grad_norm`), with the numbers that name a TP norm of local shards only or of replicated
-    parameters counted once per rank (`clip_diagnosis` in checker/verdict/diagnose.py)."""
+    parameters counted once per rank (`clip_diagnosis` in checker/verdict/diagnose.py). Returns
+    the dense side's clip coefficient (torch's: max_norm / (norm + 1e-6), at most 1)."""
     max_norm = s.settings.clip_grad_norm
-    if max_norm is None:
-        return
     parts = _norm_parts(s)
     dense_norm = torch.nn.utils.clip_grad_norm_(
         [p for p in s.dense.parameters() if p.grad is not None], max_norm
@@ -393,6 +395,36 @@ def clip_grads(s: Sides, step: int) -> None:
         "clip",
         {**parts, "world": s.group.world_size},
     )
+    return min(1.0, max_norm / (float(dense_norm) + 1e-6))
+
+
+def tp_grads(s: Sides) -> dict[str, torch.Tensor]:
+    """A copy of every TP gradient on this rank, by dense name (before the clipping scales them)."""
+    return {n: g.detach().clone() for n, g in _grads_by_dense_name(s.tp, s.plan).items()}
+
+
+def keep_clip_scales(s: Sides, step: int, before: dict[str, torch.Tensor], coef: float) -> None:
+    """Beside each `clipped:` check's evidence: the factor the TP clipping scaled each of this
+    rank's gradients by (`<after, before> / <before, before>`), the dense coefficient `coef`, and
+    the parameters whose gradient it left unscaled while `coef` is below 1 (the diagnosis names
+    them: checker/verdict/clipping.py)."""
+    after = _grads_by_dense_name(s.tp, s.plan)
+    scales = {}
+    for name, g in before.items():
+        if name not in after:
+            continue
+        b, a = g.double().reshape(-1), after[name].detach().double().reshape(-1)
+        norm = float(b @ b)
+        if norm > 0 and math.isfinite(norm):
+            scales[name] = float(a @ b) / norm
+    tol = max(1e-3, 2 * float(torch.finfo(s.dtype).eps))
+    unscaled = (
+        sorted(n for n, k in scales.items() if abs(k - 1.0) <= tol) if coef < 1 - 4 * tol else []
+    )
+    info = {"coef": coef, "scales": scales, "unscaled": unscaled, "tol": tol}
+    for name in before:
+        key = evidence_key("optimizer", step, CheckId("clipped", name))
+        s.cmp.evidence.annotate(key, "clip_scales", info)
 
 
 def _as_norm(value) -> torch.Tensor:

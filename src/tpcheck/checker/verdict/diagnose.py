@@ -35,6 +35,8 @@ execution order. Each signature is a test on numbers, not on the fault's name:
   clip_local_norm   (a clip:grad_norm check) the TP total gradient norm squared equals the sum over
                     this rank's shards and the replicated parameters: the squared norms were not
                     summed over the ranks
+  clip_partial      (a clipped:<parameter> check) the TP clipping scaled some gradients by the
+                    clip coefficient and left others unscaled (verdict/clipping.py)
   clip_replicated_counted  (a clip:grad_norm check) the TP norm squared equals the sharded
                     parameters' plus world x the replicated ones': replicated parameters summed over
                     the ranks like shards
@@ -45,6 +47,8 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     picked other indices than the dense side's where the competing values are
                     further apart than rounding explains (a flip at a near-tie is replayed,
                     never a failure: checker/rank/decisions.py)
+  decision_bias     (a routing check) the TP side's decision input offset on one index beyond what
+                    rounding averages to: a systematic selection bias (mechanisms.py)
   grad_accumulation_reduced  (a gradient check, several micro-batches) TP = W^(n-1)·G_1 + ... +
                     G_n within the bound, the plain sum not: the accumulated .grad all-reduced
                     after every backward (mechanisms.py)
@@ -64,7 +68,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpcheck.checker.payload import evidence_key
-from tpcheck.checker.verdict import mechanisms
+from tpcheck.checker.verdict import clipping, mechanisms
 from tpcheck.checker.verdict.divergence import Diagnosis, FirstDivergence
 
 # How close "equal up to rounding" must be for a signature, relative to the tensor scale: 1e-3, or
@@ -155,6 +159,7 @@ CAUSES = {
         "hidden state)"
     ),
     **mechanisms.CAUSES,
+    **clipping.CAUSES,
     "mismatch": "a numerical mismatch with no recognised collective signature",
 }
 # a buffer (checker/rank/buffers.py) laid out as no placement of the dense one
@@ -186,17 +191,14 @@ def diagnose(
         return _rng_diagnosis(first, ev)
     if any("held_on" in ev[r] for r in first.ranks if r in ev):
         return _held_off_rank(first, ev)
-    if first.id.kind == "clip" and (sig := _clip_signature(ev)):
-        signature, details = sig
-        return _diagnosis(first, signature, details)
+    if first.id.kind in ("clip", "clipped") and (found := _clip_diagnosis(first, ev)):
+        return found
     if first.kind == "layout":
         return _layout_diagnosis(first)
-    if first.kind == "routing":
-        location = first.id.location
-        sentence = (
-            f"the decision {location} (step {first.step}) diverges first: " + CAUSES["routing"]
-        )
-        return _diagnosis(first, "routing", {"flips": first.reason}, sentence=sentence)
+    if first.kind in ("routing", mechanisms.DECISION_BIAS):
+        location, said = first.id.location, CAUSES[first.kind]
+        sentence = f"the decision {location} (step {first.step}) diverges first: {said}"
+        return _diagnosis(first, first.kind, {"flips": first.reason}, sentence=sentence)
     signature, details = ("replicas_differ", {}) if first.stage == "replicas" else ("mismatch", {})
     c = Classifier(
         rel=max(REL_MIN, 16 * max((e.get("eps", 0.0) for e in ev.values()), default=0.0)),
@@ -262,6 +264,17 @@ def structural(
         return diagnosis
     details = {**diagnosis.evidence, "float64_run": theirs}
     return _diagnosis(first, signature, details, cause=f"{cause} ({said})")
+
+
+def _clip_diagnosis(first: FirstDivergence, ev: dict[int, dict]) -> Diagnosis | None:
+    """A clip check's diagnosis (its total norm), or a clipped gradient's (verdict/clipping.py)."""
+    if first.id.kind == "clip":
+        sig = _clip_signature(ev)
+        return sig and _diagnosis(first, *sig)
+    if not (sig := clipping.clipped_signature(ev)):
+        return None
+    left = ", ".join(sig[1]["left_unscaled"])
+    return _diagnosis(first, sig[0], sig[1], cause=f"{CAUSES[sig[0]]} (left unscaled: {left})")
 
 
 def _clip_signature(ev: dict[int, dict]) -> tuple[str, dict] | None:

@@ -23,6 +23,15 @@ One mechanism of a wrong activation, named from what the ranks noted of the forw
                     plan shards, and computes there something other than its part of the dense
                     result.
 
+One mechanism of a wrong discrete decision, named by the rank that judged it
+(checker/rank/decisions.py):
+
+  decision_bias     (a routing check) the TP side's input to a top-k, argmax or sort is offset on
+                    one index (an expert) from the others, averaged over the rows, by more than the
+                    dense side's own rounding averages to: a constant added to some scores before
+                    the decision (a router-logit bias, a load-balancing correction applied on one
+                    side), which sends tokens to that index at near-ties that are not rounding.
+
 Each is a test on numbers, on the plan's keys or on shapes, never on a model or a parameter's name.
 """
 
@@ -36,6 +45,7 @@ from tpcheck.checker.verdict.divergence import FirstDivergence
 GRAD_ACCUMULATION_REDUCED = "grad_accumulation_reduced"
 NO_PLAN_RULE = "no_plan_rule"
 OP_ON_SHARD = "op_on_shard"
+DECISION_BIAS = "decision_bias"
 
 CAUSES = {
     GRAD_ACCUMULATION_REDUCED: (
@@ -51,6 +61,13 @@ CAUSES = {
     OP_ON_SHARD: (
         "an operation that reads a whole dimension (a reduction such as mean, std, softmax or "
         "top-k; a split such as chunk) runs on each rank's shard of a dimension the plan shards"
+    ),
+    DECISION_BIAS: (
+        "a systematic bias before a discrete decision: the TP side's scores for one index (an "
+        "expert) are offset from the others' on every row, beyond what rounding averages to, so "
+        "its top-k/argmax/sort leans towards (or away from) that index: the flips it makes are "
+        "no near-ties. Look for a constant added to the router logits (or a bias, a "
+        "load-balancing correction) on the TP side only, or applied twice"
     ),
 }
 

@@ -74,6 +74,7 @@ class CaseResult:
         return "equivalent" if self.spec.expected_verdict == "equivalent" else "not equivalent"
 
     def to_json(self) -> dict:
+        held_to_float64_run(self)
         out = {
             "name": self.name,
             "spec": spec_json(self.spec, self.run),
@@ -155,6 +156,24 @@ class CaseResult:
         )
 
 
+def held_to_float64_run(result: CaseResult) -> CaseResult:
+    """A case held, where every front end reads it (`to_json`), to the float64 run its settings
+    want, apart from the merge that brings it in (float64_run.py): "equivalent" only with that run
+    recorded and passed, or skipped with why; else the case ends in "error" (`control_failed`)."""
+    wanted = result.verdict == "equivalent" and result.run.wants_float64_run
+    if not wanted or result.self_test is None:
+        return result
+    record = result.float64_run
+    if record is not None and ("skipped" in record or record.get("verdict") == "equivalent"):
+        return result
+    said = "none was recorded" if record is None else f"it ended in {record.get('verdict')!r}"
+    result.self_test.failures.append(
+        f"the case reads equivalent but the float64 run its {result.run.dtype} settings want did "
+        f"not pass: {said}"
+    )
+    return control_failed(result)
+
+
 def _frozen(value):
     """A JSON value as the CaseSpec held it: lists back to tuples (a spec is hashable)."""
     return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
@@ -233,8 +252,8 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     for c in every:
         c.passed = judge(c)
     checks = [c for c in every if not c.control]
-    flagged = failing(every)  # the one list the verdict and the self-test both read
-    failed = [c for c in flagged if not c.control]
+    reading = read_failures(failing(every))  # the verdict's, and the self-test's: one reading
+    failed = reading.failed
     entries = [asdict(e) for p in payloads for e in p.ledger]
     evidence = [p.evidence for p in payloads]
     forward_only = payloads[0].forward_only
@@ -246,7 +265,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     result = CaseResult(
         spec=spec,
         run=run,
-        verdict="not equivalent" if failed else "equivalent",
+        verdict=reading.verdict,
         as_expected=False,
         summary="",
         seconds=seconds,
@@ -256,7 +275,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
             checks,
             [c for c in every if c.control],
             evidence,
-            flagged,
+            reading,
             [(p.rank, p.manifest) for p in payloads],
         ),
         inferred_plan=payloads[0].inferred_plan,
@@ -267,12 +286,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
     result.self_test.failures += missing_warmup(payloads, run.warmup)
     result.as_expected = result.verdict == result.expected
     if result.self_test.failures:
-        result.verdict, result.as_expected = "error", False
-        result.summary = (
-            f"the checker failed its control: {result.self_test.failures[0]}; no verdict can be "
-            "trusted (a bug in tpcheck: please report it with this case)"
-        )
-        return result
+        return control_failed(result)
     if failed:
         result.first_divergence = first_divergence(failed, checks)
         micro = 1 if forward_only is not None else run.micro_batches  # forward only: one pass
@@ -321,43 +335,106 @@ def _worst_bin(check: Check) -> None:
         check.magnitude = magnitude
         check.reason = (
             f"{tolerance.MAX_FACTOR:g} x the dense error vs float64 ({ref_error:.3g}) over the "
-            f"rows "
-            f"whose largest |dense| is at most {magnitude:.3g} + {tolerance.FLOOR_ULPS} ulp(s) of "
-            f"it: judged by magnitude, the tensor's largest row being wider ({check.reason})"
+            f"rows whose largest |dense| is at most {magnitude:.3g} + {tolerance.FLOOR_ULPS} "
+            f"ulp(s) of it: judged by magnitude, the tensor's largest row being wider "
+            f"({check.reason})"
         )
     check.bin_errors = check.bins = None
 
 
+def control_failed(result: CaseResult) -> CaseResult:
+    """`result` ends in "error": the checker failed its control (`self_test.failures`)."""
+    result.verdict, result.as_expected = "error", False
+    result.summary = (
+        f"the checker failed its control: {result.self_test.failures[0]}; no verdict can be "
+        "trusted (a bug in tpcheck: please report it with this case)"
+    )
+    return result
+
+
 def failing(checks: list[Check]) -> list[Check]:
     """Every judged check that failed, controls included, in execution order (a replica check
-    after the tensor it checks): the verdict reads its real checks, the self-test its controls, so
-    a verdict that misses a failure misses a control's too."""
+    after the tensor it checks): the one list the verdict and the self-test read (`read_failures`),
+    so a verdict that misses a failure misses a control's too."""
     return sorted(
         (c for c in checks if not c.passed), key=lambda c: (c.seq, c.stage == "replicas", c.rank)
     )
+
+
+@dataclass
+class Reading:
+    """The failures as the verdict reads them: `flagged`, the one list (`failing`), split into the
+    real checks that failed (`failed`, the verdict's) and the controls (`caught`, the self-test's).
+    The self-test holds the split to the list: every failure in it once, a control among `caught`,
+    any other among `failed`."""
+
+    flagged: list[Check]
+    failed: list[Check]
+    caught: list[Check]
+
+    @property
+    def verdict(self) -> Verdict:  # from `failed` alone
+        return "not equivalent" if self.failed else "equivalent"
+
+
+def read_failures(flagged: list[Check]) -> Reading:
+    """The one reading of the failures (`failing`'s list) the verdict is computed from."""
+    return Reading(
+        flagged=flagged,
+        failed=[c for c in flagged if not c.control],
+        caught=[c for c in flagged if c.control],
+    )
+
+
+def unread(reading: Reading) -> list[str]:
+    """What of the failures the reading does not account for: failures of `flagged` that neither
+    the verdict (`failed`) nor the self-test (`caught`) read, checks read that are not in
+    `flagged`, failures read on the wrong side or twice. A filter between the one list and the
+    verdict, or the self-test, shows here."""
+    listed = {id(c) for c in reading.flagged}
+    sides = [(c, False) for c in reading.failed] + [(c, True) for c in reading.caught]
+    read = {id(c) for c, _ in sides}
+    out, missed = [], [c for c in reading.flagged if id(c) not in read]
+    for what, found in (
+        (f"of the {len(listed)} failures were not read", missed),
+        ("check(s) read are not among the failures", [c for c, _ in sides if id(c) not in listed]),
+        ("failure(s) were read on the wrong side", [c for c, side in sides if c.control != side]),
+    ):
+        if found:
+            out.append(f"{len(found)} {what} (first: {_where(found[0])})")
+    if len(read) != len(sides):
+        out.append(f"{len(sides) - len(read)} failure(s) were read twice")
+    return out
+
+
+def _where(c: Check) -> str:
+    return f"{c.name} ({c.stage}, step {c.step}, rank {c.rank})"
 
 
 def self_test(
     checks: list[Check],
     controls: list[Check],
     evidence: list[dict],
-    flagged: list[Check] | None = None,
+    reading: Reading | None = None,
     manifests: list[tuple[int, list | None]] | None = None,
 ) -> SelfTest:
-    """The controls must all be in `flagged` (the failures the verdict reads: `failing`), every rank
-    must have one at every stage and step where it has checks, each non-replica control's evidence
-    must show its planted error, and every rank must have made every check of its manifest
-    (`missing_checks`). Any of these missing is a failure: the verdict is then "error".
+    """The controls must all be among the failures the verdict read (`reading.caught`; default:
+    the reading of `failing(controls)`), the reading must account for every failure once
+    (`unread`), every rank must have a control at every stage and step where it has checks, each
+    non-replica control's evidence must show its planted error, and every rank must have made every
+    check of its manifest (`missing_checks`). Any of these missing is a failure: the verdict is then
+    "error".
 
     A calibrated control that was not flagged is skipped (counted, named) only where rank 0
     measured, apart from the bound under test, that the dense model's own error puts the published
-    bound above half the planted error (`Check.blind`, tolerance.blind_spot): an ill-conditioned
-    tensor (an RMSNorm of a near-zero input in 16 bits). Any other unflagged control fails."""
-    flagged = failing(controls) if flagged is None else flagged
-    caught = {id(c) for c in flagged}
-    failures, skipped = [], []
+    bound above half the planted error (`Check.blind`, tolerance.blind_spot, with its own
+    constants): an ill-conditioned tensor (an RMSNorm of a near-zero input in 16 bits). Any other
+    unflagged control fails."""
+    reading = read_failures(failing(controls)) if reading is None else reading
+    caught = {id(c) for c in reading.caught}
+    failures, skipped = unread(reading), []
     for c in controls:
-        where = f"{c.name} ({c.stage}, step {c.step}, rank {c.rank})"
+        where = _where(c)
         if id(c) not in caught:
             if c.blind is not None:
                 skipped.append(f"{where}: {c.blind}")
@@ -402,7 +479,6 @@ def _shown(control: Check, evidence: list[dict]) -> str | None:
         return f"missing instead of {control.error:.3g}"
     shown = float(abs(kept["tp"] - kept["ref"]).max(initial=0.0))
     planted = control.planted if control.planted is not None else control.error
-    # float64 vs maxdiff's dtype
     # diff_vs_dense: the whole tensor's max |TP - dense| (`error` may be a magnitude bin's)
     if planted / 2 <= shown <= max(control.error, control.diff_vs_dense) * (1 + 1e-3):
         return None
