@@ -30,11 +30,12 @@ in the first micro-batch they are held until the placements of the module output
 not name are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
 random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
 step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
-comparisons of the whole step), the replay of the dense optimizer rule on the TP side's inputs, the
-optimizer steps, update and state against the replay, weights, buffers (buffers.py: at step 0 too),
-and (but at the last step) the release of the step's evidence of the checks that passed on every
-rank (evidence.py). At the last step, after its micro-batches, the forward in eval mode
-(buffers.py: `eval_forward`).
+comparisons of the whole step), the clipping and the clipped gradients against the dense side's,
+the replay of the dense optimizer rule on the TP side's inputs, the optimizer steps, update and
+state against the replay, the optimizer moments against the dense optimizer's, weights, buffers
+(buffers.py: at step 0 too), and (but at the last step) the release of the step's evidence of the
+checks that passed on every rank (evidence.py). At the last step, after its micro-batches, the
+forward in eval mode (buffers.py: `eval_forward`).
 
 A case that does not train (`RunSettings(train=False)`, no TP parameter that requires grad, or
 `Case.decode_steps`) builds no optimizer and, after the weights, runs forward_only.py's loop instead

@@ -12,8 +12,11 @@ grads, the float64 truth restarted from the dense side's weights and state, the 
 steps, the masters written back, then the update and state against the replay, what each optimizer
 stepped against the dense side's, and the user's copy back into the module.
 
-Around every step: the gradients zeroed (`zero_grads`) and, after the first, the TP side and the
-truth restarted from the dense side's weights (`restart_tp`, `restart_truth`).
+Around every step: the gradients zeroed (`zero_grads`) and, after the first, the TP side (its
+weights, masters and optimizer state) and the truth restarted from the dense side's (`restart_tp`,
+`restart_truth`). Beside the replay, the stage is held to the dense side: every clipped gradient
+(`clip`), every optimizer state entry (moments.py), every stepped parameter (params.py); and at step
+1 the replay itself is put to a control (params.py's `replay_control`).
 """
 
 from __future__ import annotations
@@ -126,9 +129,9 @@ def restart_tp(s: Sides, opts: Optimizers) -> None:
     checked from the same weights, so its forward, grads and update are held to the rounding of
     that step's own arithmetic. Nothing is lost: the previous step's update was compared with
     the dense rule element by element (the replay) and the weights with the dense ones. The TP
-    optimizer's state and anything the TP module keeps besides its parameters (caches derived
-    from the weights, buffers) are not touched: stale as in training, where nothing rebuilds
-    them."""
+    optimizer's state (and the replay's) restarts from the dense optimizer's (moments.py's
+    `restart_state`). Anything the TP module keeps besides its parameters (caches derived from
+    the weights, buffers) is not touched: stale as in training, where nothing rebuilds it."""
     restart_in_place(s.tp, s.dense, s.plan, s.group)
     if opts.tp_master.masters:
         source = opts.dense_master if opts.dense_master.masters else s.dense
