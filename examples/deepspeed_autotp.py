@@ -12,6 +12,17 @@ all-reduce in the forward); norms and the embedding stay whole. Each step is Dee
 the engine's `step()` (its optimizer, DeepSpeed's gradient handling); tpcheck runs the forward and
 backward. The plan below is that layout, as DeepSpeed documents it.
 
+Clipping: DeepSpeed clips every step by default (`gradient_clipping` 1.0, in `engine.step()`), so
+the dense side must clip too. The case says so (`RunSettings(clip_grad_norm=1.0)`), and the TP
+clipping is the function the engine's step calls, `deepspeed.runtime.utils.clip_grad_norm_` with the
+engine's model-parallel groups, run where the engine would run it (after the backward, before the
+optimizer); the engine's own call is off so that it does not clip twice. tpcheck then checks
+DeepSpeed's total norm (`clip:grad_norm`) and every clipped gradient (`clipped:<param>`). Left to
+the engine alone (`engine_clips_alone`), the dense side does not clip: the TP optimizer's moments
+are the dense ones scaled by the clip coefficient, and the case is "not equivalent" at `moment:` at
+step 1 (before the optimizer stage was held to the dense side, AdamW's near scale invariance let it
+pass).
+
 On the CPU DeepSpeed needs `DS_ACCELERATOR=cpu` (set here when no GPU is visible) and compiles its
 shared-memory all-reduce op once (a C++ compiler; cached under ~/.cache/torch_extensions).
 
@@ -44,6 +55,7 @@ except ImportError as e:  # pragma: no cover - the tests skip first
     ) from e
 
 DIM, HEADS, KV_HEADS, FFN, LAYERS, VOCAB, SEQ, BATCH, LR = 32, 4, 2, 64, 2, 64, 8, 2, 1e-3
+CLIP = 1.0  # DeepSpeed's default gradient_clipping
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 
@@ -118,10 +130,13 @@ def setup(group) -> None:
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
-def build_tp(group, dtype: torch.dtype) -> nn.Module:
+def build_tp(group, dtype: torch.dtype, engine_clips: bool = False) -> nn.Module:
+    """The engine; its own clipping off unless `engine_clips` (tpcheck runs DeepSpeed's clipping at
+    the step's clipping: `clip`)."""
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP if engine_clips else 0.0,
         "tensor_parallel": {"autotp_size": group.world_size},
         "zero_optimization": {"stage": 0},
         "optimizer": {
@@ -138,6 +153,15 @@ def build_tp(group, dtype: torch.dtype) -> nn.Module:
     return module
 
 
+def clip(module: nn.Module, max_norm: float, group) -> torch.Tensor:
+    """DeepSpeed's clipping as `engine.step()` runs it (`clip_fp32_gradients`): the total norm over
+    the model-parallel group (sharded gradients on every rank, replicated ones on rank 0 only)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    engine = module.engine
+    return clip_grad_norm_(engine.module.parameters(), max_norm, mpu=engine.mpu)
+
+
 def make_batch(g, dtype):
     return (
         {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)},
@@ -149,11 +173,11 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def _case(name: str, inject: Injection = Injection()) -> Case:
+def _case(name: str, inject: Injection = Injection(), engine_clips: bool = False) -> Case:
     return Case(
         name=name,
         build_dense=lambda dtype: CausalLM(llama(dtype)),
-        build_tp=build_tp,
+        build_tp=lambda group, dtype: build_tp(group, dtype, engine_clips),
         plan=plan(),
         make_batch=make_batch,
         loss=lm_loss,
@@ -161,8 +185,9 @@ def _case(name: str, inject: Injection = Injection()) -> Case:
             [p for _, p in named], lr=LR, weight_decay=0.0
         ),
         tp_optimizer=lambda module, group: EngineStep(module.engine),
+        tp_clip_grad_norm=None if engine_clips else clip,
         setup=setup,
-        run=RunSettings(steps=2, micro_batches=1),
+        run=RunSettings(steps=2, micro_batches=1, clip_grad_norm=None if engine_clips else CLIP),
         inject=inject,
     )
 
@@ -177,3 +202,9 @@ def _drop_group(module: nn.Module, group) -> None:
 
 def case_buggy(spec):
     return _case("deepspeed_autotp_llama_ungrouped_down_proj", Injection(tamper=_drop_group))
+
+
+def case_engine_clips_alone(spec):
+    """The engine's default clipping left inside `engine.step()`, the dense side told nothing:
+    not equivalent (the moments are the dense ones scaled by the clip coefficient)."""
+    return _case("deepspeed_autotp_llama_engine_clips_alone", engine_clips=True)

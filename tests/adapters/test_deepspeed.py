@@ -53,13 +53,23 @@ def shm_op_built(tmp_path_factory):
 
 @pytest.mark.slow
 def test_autotp_llama_equivalent_and_ungrouped_row_layer_caught(shm_op_built):
-    """Equivalent: forward (every projection's output), loss, every gradient and DeepSpeed's AdamW
-    state over 2 steps. Layer 0's down_proj without its group: its output is a partial sum, caught
-    there in the forward of step 1."""
-    r = {x["name"]: x for x in check([file_spec(f"{EX}:{n}", 2) for n in ("autotp", "buggy")])}
+    """Equivalent: forward (every projection's output), loss, every gradient, DeepSpeed's clipping
+    (its total norm and every clipped gradient) and DeepSpeed's AdamW state over 2 steps. Layer 0's
+    down_proj without its group: its output is a partial sum, caught there in the forward of step
+    1. The engine's default clipping with a dense side that does not clip: caught at step 1 in the
+    optimizer's moments, scaled by the clip coefficient, and said so."""
+    names = ("autotp", "buggy", "engine_clips_alone")
+    r = {x["name"]: x for x in check([file_spec(f"{EX}:{n}", 2) for n in names])}
     ok = r["deepspeed_autotp_llama/tp2/float32"]
     assert ok["verdict"] == "equivalent", ok["summary"]
     names = {c["name"] for c in ok["checks"]}
+    assert "clip:grad_norm" in names and "clipped:lm.model.norm.weight" in names
+    alone = r["deepspeed_autotp_llama_engine_clips_alone/tp2/float32"]
+    assert alone["verdict"] == "not equivalent", alone["summary"]
+    f, d = alone["first_divergence"], alone["diagnosis"]
+    assert (f["stage"], f["step"], f["name"].split(":")[0]) == ("optimizer", 1, "moment"), f
+    assert d["signature"] == "scaled" and 0 < d["evidence"]["factor"] < 1, d
+    assert "gradient clipping" in d["cause"], d["cause"]
     assert {("loss", 2), ("grads", 2), ("optimizer", 2)} <= {
         (c["stage"], c["step"]) for c in ok["checks"]
     }

@@ -16,6 +16,7 @@ The rendered forms (the report's `name` of a check, docs/report-schema.md):
 | `state` | a parameter and its state entry (against the replay) | `state:fc1.weight.exp_avg` |
 | `moment` | a parameter's state entry (against the dense side's) | `moment:fc1.weight.exp_avg` |
 | `clipped` | a parameter's gradient after the step's clipping | `clipped:fc1.bias` |
+| `replay` | a parameter (a control only: the rule on a planted grad) | `control:replay:fc1.bias` |
 | `buffer` | a buffer | `buffer:rope.cos` |
 | `rng`, `routing` | where the draw or decision was made | `rng:layers.0.mlp: dropout #1` |
 | `clip` | what was clipped | `clip:grad_norm` |
@@ -40,6 +41,7 @@ Kind = Literal[
     "state",
     "moment",
     "clipped",
+    "replay",
     "buffer",
     "rng",
     "routing",

@@ -234,6 +234,25 @@ def test_the_real_checker_catches_the_lr_bug_only_the_replay_sees():
     assert failed == {"update"}, failed
 
 
+def test_the_replays_control_and_the_updates_are_two_controls_with_their_own_evidence():
+    """A block with one parameter and SGD (no state): the control planted on its `update:` check and
+    the control of the replay are both about that parameter at step 1. Each has its own identity
+    and its own evidence; under one name, one's evidence replaced the other's and the self-test
+    failed on a correct case."""
+    spec = CaseSpec(
+        block="embedding",
+        preset="tiny",
+        world_size=1,
+        overrides=(("vocab", 16), ("hidden", 8), ("seq", 3), ("batch", 2), ("layers", 1)),
+    ).with_run(dtype="float32", optimizer="sgd", steps=2, float64_run="off")
+    (r,) = check([spec])
+    assert r["verdict"] == "equivalent", r["summary"]
+    st = r["self_test"]
+    assert st["failures"] == [] and st["controls"] == st["flagged"], st
+    optimizer = {c["name"] for c in r["checks"] if c["stage"] == "optimizer"}
+    assert optimizer == {"update:weight", "param:weight"}
+
+
 def _check(name="act:a", **kw) -> Check:
     """A check named as the report names it (`control:` before a control's name)."""
     base = dict(stage="forward", step=1, rank=0, error=0.0, diff_vs_dense=0.0)

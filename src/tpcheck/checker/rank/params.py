@@ -251,7 +251,7 @@ def replay_control(s: Sides, opts: Optimizers, step: int) -> None:
         check = s.cmp.compare_local(
             "optimizer",
             step,
-            CheckId("update", name, control=True),
+            CheckId("replay", name, control=True),
             mine,
             ref,
             placement,

@@ -226,7 +226,22 @@ def diagnose(
         signature, details = c.classify_local(ev[off], world)
     if signature == "mismatch" and (found := mechanisms.op_on_shard(first, shard_ops or [])):
         return _diagnosis(first, found[0], {**details, **found[1]}, cause=found[2])
-    return _diagnosis(first, signature, details)
+    return _diagnosis(first, signature, details, cause=_state_cause(first, signature, details))
+
+
+def _state_cause(first: FirstDivergence, signature: str, details: dict) -> str | None:
+    """An optimizer state entry held to the dense optimizer's (`moment:`) and scaled by a constant
+    factor: the TP optimizer stepped on gradients scaled after they were checked (None: the
+    signature's own cause)."""
+    if first.id.kind != "moment" or signature != "scaled":
+        return None
+    return (
+        f"the TP optimizer's {first.id.entry} is the dense optimizer's times "
+        f"{details.get('factor', float('nan')):.3g}, while the gradients checked before the step "
+        "agree: they were scaled between the check and the step (a gradient clipping or a loss "
+        "scale on the TP side only, such as an engine's default gradient clipping; clip both "
+        "sides with RunSettings(clip_grad_norm=...) and the TP clipping as tp_clip_grad_norm)"
+    )
 
 
 def structural(
