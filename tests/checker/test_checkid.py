@@ -34,6 +34,7 @@ NAMED = [
     (CheckId("state", "fc1.weight", entry="exp_avg_sq"), "state:fc1.weight.exp_avg_sq"),
     (CheckId("moment", "fc1.weight", entry="exp_avg"), "moment:fc1.weight.exp_avg"),
     (CheckId("clipped", "norm.bias"), "clipped:norm.bias"),
+    (CheckId("replay", "fc1.bias"), "replay:fc1.bias"),
     (CheckId("buffer", "rope.cos"), "buffer:rope.cos"),
     (CheckId("rng", "layers.0.mlp: dropout #1"), "rng:layers.0.mlp: dropout #1"),
     (CheckId("routing", "layers.1.gate.topk#1"), "routing:layers.1.gate.topk#1"),
