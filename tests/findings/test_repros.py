@@ -25,6 +25,7 @@ REPROS = {
     "repro_hf_neomme_heads.py": "transformers",
     "repro_hf_glm5_next_o_proj.py": "transformers",
     "repro_dtensor_sp_dropout.py": "torch",
+    "repro_torch_fused_adamw_strided.py": "torch",
     "repro_megatron_label_smoothing.py": "megatron.core",
 }
 

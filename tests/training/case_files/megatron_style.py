@@ -304,6 +304,29 @@ flat_buffer_grads_misplaced = _case(
     tp_optimizer=lambda m, g: FlatAdamW(m, grads_reversed=True),
     dense_optimizer=adamw,
 )
+
+
+# a trainer's own torch AdamW over the TP module, in the implementation it picked (fused kernels,
+# foreach), stepping the module's weights directly (16-bit ones too); the dense rule (`adamw`) is
+# the plain one. Its shards are copied into the module's contiguous parameters (`load_copy`)
+def _own_adamw(name, weight_decay=0.01, load=load_copy, **kw):
+    return _case(
+        name,
+        tp_optimizer=lambda m, g: torch.optim.AdamW(
+            m.parameters(), lr=LR, weight_decay=weight_decay, **kw
+        ),
+        dense_optimizer=adamw,
+        load_tp=lambda tp, sd, group: load(tp, sd, group),
+    )
+
+
+fused_adamw = _own_adamw("fused_adamw", fused=True)
+foreach_adamw = _own_adamw("foreach_adamw", foreach=True)
+fused_adamw_wrong_decay = _own_adamw("fused_adamw_wrong_decay", weight_decay=0.1, fused=True)
+# the shards assigned as views of the dense weights (`load_assign`): fc2's column shard is not
+# contiguous, and torch 2.13's fused CPU AdamW steps a non-contiguous parameter (or gradient)
+# wrongly (docs/findings/torch-fused-adamw-noncontiguous.md)
+fused_adamw_strided_shards = _own_adamw("fused_adamw_strided_shards", load=load_assign, fused=True)
 hand_written_sgd = _case(
     "hand_written_sgd",
     tp_optimizer=lambda m, g: HandWrittenSGD(m),

@@ -142,7 +142,10 @@ class Engine:
             evidence=kept.sent(evidence.needed_evidence(checks, kept, s.rendezvous)),
             expected_collectives=training.expected_collectives(s.case),
             inferred_plan=s.discovery.as_code(),
-            notes=training.notes(unobserved) + s.draws.notes() + self.buffers.notes,
+            notes=(opts.notes if opts is not None else [])
+            + training.notes(unobserved)
+            + s.draws.notes()
+            + self.buffers.notes,
             forward_only=self.forward_only.as_json() if self.forward_only else None,
             warmed_up=self.warmed_up,
             activations=s.discovery.record(),

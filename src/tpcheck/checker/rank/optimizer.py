@@ -243,6 +243,7 @@ class Optimizers:
     slack: AdaptiveSlack | None
     # what a user's optimizer keeps out of sight: "state"/"update" -> parameter names
     unobserved: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # how the dense side follows the user's
 
     def all(self) -> list:
         return [o for o in (self.opt_dense, self.opt_tp, self.opt_truth) if o is not None]

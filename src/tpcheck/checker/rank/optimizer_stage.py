@@ -37,17 +37,31 @@ if TYPE_CHECKING:
 
 def build(s: Sides) -> Optimizers:
     """The optimizers over the case's rule: the dense side's over its masters, the TP side's (the
-    user's `tp_optimizer`, a fault's, or the rule), the truth's, the replay and the allowance."""
+    user's `tp_optimizer`, a fault's, or the rule), the truth's, the replay and the allowance. A
+    user's torch optimizer is followed where the rule leaves a choice to the implementation: the
+    16-bit weights stepped directly (no masters on the dense side either) and the kernels it picked
+    (`fused`, `foreach`: the rule, its replay and the truth run them too), each said in a note."""
     case, group, settings = s.case, s.group, s.settings
-
-    def rule(named_params) -> torch.optim.Optimizer:
-        return case.make_rule(settings, named_params)
-
-    dense_master = Masters.of(s.dense, settings)
-    opt_dense = rule(dense_master.named_parameters())
+    notes: list[str] = []
+    opt_tp = tp_master = None
+    uses_masters = settings.uses_masters
     if case.tp_optimizer is not None:
         opt_tp = case.tp_optimizer(s.tp, group)
         tp_master = training.UserOptimizer(s.tp, opt_tp)
+        if uses_masters and tp_master.steps_module_weights():
+            uses_masters = False  # the dense side steps its 16-bit weights as the TP side does
+            notes.append(training.no_masters_note(opt_tp, settings.dtype))
+    dense_master = Masters(s.dense, uses_masters)
+    opt_dense = case.make_rule(settings, dense_master.named_parameters())
+    picked = training.implementation(tp_master.inner if tp_master else [], opt_dense)
+    if picked:
+        notes.append(training.implementation_note(opt_dense, picked))
+
+    def rule(named_params) -> torch.optim.Optimizer:
+        return training.follow(case.make_rule(settings, named_params), picked)
+
+    training.follow(opt_dense, picked)
+    if tp_master is not None:
         training.check_masters(tp_master, dense_master, settings)
     else:
         tp_master = Masters.of(s.tp, settings)
@@ -59,6 +73,7 @@ def build(s: Sides) -> Optimizers:
     opt_truth = rule(s.truth.named_parameters()) if s.has_truth else None
     replay = Replay(tp_master.params, rule)
     adaptive = "betas" in opt_dense.defaults
+    s.cmp.masters = uses_masters
     return Optimizers(
         dense_master=dense_master,
         opt_dense=opt_dense,
@@ -67,6 +82,7 @@ def build(s: Sides) -> Optimizers:
         opt_truth=opt_truth,
         replay=replay,
         slack=AdaptiveSlack(opt_dense, replay, opt_truth) if adaptive else None,
+        notes=notes,
     )
 
 

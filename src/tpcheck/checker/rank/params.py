@@ -158,7 +158,7 @@ def _update_floor(s: Sides, opts: Optimizers, stage: str, p) -> float | None:
     working dtype (one gradient element dominated by an outlier, measured: a 56-element norm
     weight one bfloat16 ulp off at tp 7). Adaptive steps have the allowance instead; an update
     bug is the replay's (bitwise), a gradient bug the grads stage's."""
-    if stage != "optimizer" or opts.slack is not None or not s.settings.uses_masters:
+    if stage != "optimizer" or opts.slack is not None or not opts.dense_master.masters:
         return None
     if p.grad is None:
         return None

@@ -163,7 +163,7 @@ class UserOptimizer:
     def __init__(self, module: nn.Module, optimizer) -> None:
         self.module, self.optimizer = module, optimizer
         self._own = dict(module.named_parameters())
-        inner = find_optimizers(optimizer)
+        self.inner = inner = find_optimizers(optimizer)
         self.found = map_stepped(module, inner)
         _check_found(self.found, self._own)
         self.masters = any(s.tensor is not self._own[n] for n, s in self.found.items())
@@ -176,6 +176,11 @@ class UserOptimizer:
 
     def named_parameters(self):
         return iter((n, self.found[n].value) for n in self.found)
+
+    def steps_module_weights(self) -> bool:
+        """Whether a torch optimizer found inside steps the module's own parameters, every one it
+        steps (no master copies kept apart)."""
+        return bool(self.found) and not self.masters
 
     def _take(self, *_args) -> None:
         """The inner optimizer is about to step: the tensors it steps and their grads, copied."""
@@ -252,6 +257,56 @@ def check_masters(tp_side: UserOptimizer, dense_side, settings) -> None:
             f"of the module's {settings.dtype} weights, but the run has master_weights=False (the "
             "dense side steps pure 16-bit parameters): run with master_weights=True (the default)"
         )
+
+
+def no_masters_note(optimizer, dtype: str) -> str:
+    """The report's note (after "not checked: ") when the dense side follows a user's optimizer
+    without masters."""
+    return (
+        f"float32 master weights: your tp_optimizer ({type(optimizer).__name__}) steps the "
+        f"module's {dtype} weights directly, and so does the dense side here (as with "
+        "master_weights=False)"
+    )
+
+
+# the choices of a torch optimizer that change its rounding, not its rule
+IMPLEMENTATION = ("fused", "foreach")
+
+
+def implementation(inner: list, rule: torch.optim.Optimizer) -> dict:
+    """The implementation flags (`fused`, `foreach`) the user's torch optimizers picked where they
+    differ from the rule's: only when every one is of the rule's own class and all agree (its
+    kernels round differently, so the rule and its bitwise replay must run the same ones); {}
+    otherwise (another class: the replay holds it to the rule's arithmetic)."""
+    if not inner or any(type(o) is not type(rule) for o in inner):
+        return {}
+    picked = {}
+    for key in IMPLEMENTATION:
+        if key not in rule.defaults:
+            continue
+        values = {bool(g.get(key)) for o in inner for g in o.param_groups}
+        if len(values) == 1 and (v := values.pop()) != bool(rule.defaults.get(key)):
+            picked[key] = v
+    return picked
+
+
+def implementation_note(rule: torch.optim.Optimizer, picked: dict) -> str:
+    """The report's note (after "not checked: ") when the rule runs the user's kernels."""
+    said = ", ".join(f"{k}={v}" for k, v in sorted(picked.items()))
+    return (
+        f"the rule's default kernels: your tp_optimizer's {type(rule).__name__} runs {said}, "
+        "and so do the dense rule, its replay and the float64 truth (kernels round differently; "
+        "the rule is the same)"
+    )
+
+
+def follow(opt: torch.optim.Optimizer, picked: dict) -> torch.optim.Optimizer:
+    """`opt` running the implementation `picked` (its defaults and every parameter group)."""
+    if picked.get("fused"):
+        picked = {**picked, "foreach": False}  # torch refuses both
+    for target in (opt.defaults, *opt.param_groups):
+        target.update(picked)
+    return opt
 
 
 def restart_masters(masters, source, plan: Plan, group) -> None:
