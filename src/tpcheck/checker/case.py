@@ -25,6 +25,7 @@ from torch import nn
 
 from tpcheck.checker.devices import check_device
 from tpcheck.checker.settings import RunSettings
+from tpcheck.checker.sourcelines import user_frame
 from tpcheck.checker.vocabulary import VERDICTS_EXPECTED, Verdict
 from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
@@ -41,31 +42,76 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
+# the names a module's `reset_parameters` gives its generator, when it does not annotate it
+GENERATOR_NAMES = ("g", "gen", "generator", "rng")
+DEFAULT_INIT = "tpcheck's default init"
+_OWN_INIT = (
+    "give the Case an init of your own, `init=lambda module, generator: ...` drawing the weights "
+    "from the generator (docs/case-files.md)"
+)
+
+
 def seeded_init(module: nn.Module, g: torch.Generator) -> None:
-    """The default `Case.init`: the module's own `reset_parameters(generator)` when it takes one
-    (the built-in blocks), else every parameter drawn from `g` in `named_parameters()` order --
+    """The default `Case.init`: the module's own `reset_parameters(generator)` when its first
+    argument is a generator (annotated `torch.Generator`, or named as in `GENERATOR_NAMES`: the
+    built-in blocks), else every parameter drawn from `g` in `named_parameters()` order --
     matrices N(0, 1/fan_in) (fan_in: the last dim), vectors named `*weight` (norm gains) 1 + N(0,
     0.1^2), other vectors (biases) N(0, 0.1^2). Random, not torch's zeros and ones, so that a bias
-    added twice or a gain applied on one rank shows."""
+    added twice or a gain applied on one rank shows. A `reset_parameters` that takes no generator
+    (`reset_parameters(self)`, `reset_parameters(self, init_std=None)`) is not called: it would
+    draw from the global RNG or take the generator for something else. A failure is a UsageError
+    naming tpcheck's default init, the module's class and the fix."""
     reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
+    if callable(reset) and takes_generator(reset):
         try:
-            takes_generator = len(inspect.signature(reset).parameters) >= 1
-        except (TypeError, ValueError):
-            takes_generator = False
-        if takes_generator:
             reset(g)
-            return
+        except Exception as e:  # noqa: BLE001 - the module's code, reported at its line
+            raise UsageError(
+                f"{DEFAULT_INIT} called {type(module).__name__}.reset_parameters(generator) "
+                f"({user_frame(e, None)}), which raised {type(e).__name__}: {e}; fix it, or "
+                f"{_OWN_INIT}"
+            ) from None
+        return
     with torch.no_grad():
         for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if p.dim() >= 2:
-                value = noise / math.sqrt(max(p.shape[-1], 1))
-            elif name.rsplit(".", 1)[-1] == "weight":
-                value = 1 + 0.1 * noise
-            else:
-                value = 0.1 * noise
-            p.copy_(value.to(p.dtype))
+            try:
+                p.copy_(_seeded_value(name, p, g))
+            except Exception as e:  # noqa: BLE001 - a parameter tpcheck cannot write
+                raise UsageError(
+                    f"{DEFAULT_INIT} could not draw {type(module).__name__}'s parameter {name!r} "
+                    f"({type(p).__name__} {list(p.shape)} {p.dtype} on {p.device}): "
+                    f"{type(e).__name__}: {e}; {_OWN_INIT}"
+                ) from None
+
+
+def takes_generator(reset: Callable) -> bool:
+    """Whether `reset` (a module's bound `reset_parameters`) takes a generator as its first
+    argument: annotated `torch.Generator` (or an Optional of it), or unannotated and named as in
+    `GENERATOR_NAMES`."""
+    try:
+        params = list(inspect.signature(reset).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or params[0].kind not in positional:
+        return False
+    annotation = params[0].annotation
+    if annotation is inspect.Parameter.empty:
+        return params[0].name in GENERATOR_NAMES
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return "Generator" in text
+
+
+def _seeded_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """The default init's value of parameter `name` (see `seeded_init`), in `p`'s dtype."""
+    noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+    if p.dim() >= 2:
+        value = noise / math.sqrt(max(p.shape[-1], 1))
+    elif name.rsplit(".", 1)[-1] == "weight":
+        value = 1 + 0.1 * noise
+    else:
+        value = 0.1 * noise
+    return value.to(p.dtype)
 
 
 # the names of a forward input holding the position of the first token a call feeds (Meta's
@@ -127,8 +173,8 @@ class Case:
     """What is checked: one dense module and its TP twin, how to feed them and how they relate.
 
     build_dense(dtype) -> dense module; its parameters are initialised by `init(module, generator)`
-        (default `seeded_init`: the module's `reset_parameters(generator)`, else
-        seeded random values).
+        (default `seeded_init`: the module's `reset_parameters(generator)` when it takes a
+        generator, else seeded random values).
     plan: how each dense parameter lives on the ranks; None with `load_tp`:
     inferred from what it loads
         (checker/rank/plan_inference.py).

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from tpcheck.checker.case import Case
+from tpcheck.checker.case import DEFAULT_INIT, Case, seeded_init
 from tpcheck.checker.pool.spawn import interrupt_is_a_signal
 from tpcheck.checker.sourcelines import _defined_in, defined_at, user_frame
 from tpcheck.errors import UsageError
@@ -86,8 +86,11 @@ def _guard(fn: Callable, what: str, path: str | None) -> Callable:
     if getattr(fn, "_tpcheck_guarded", False):
         return fn
 
+    # the default init is tpcheck's own code, running the module's reset_parameters
+    who = DEFAULT_INIT if fn is seeded_init else f"your {what}"
+
     def guarded(*args):
-        out = call_user(fn, *args, who=f"your {what}", path=path or _defined_in(fn))
+        out = call_user(fn, *args, who=who, path=path or _defined_in(fn))
         problem = _RETURNS[what](out, *args) if what in _RETURNS else None
         if problem:
             raise UsageError(

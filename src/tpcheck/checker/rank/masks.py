@@ -72,9 +72,10 @@ class TPDraw:
 
 
 def _hash(t: torch.Tensor) -> str:
-    return hashlib.blake2b(
-        t.detach().contiguous().cpu().numpy().tobytes(), digest_size=8
-    ).hexdigest()
+    """A short hash of `t`'s bytes, whatever its dtype (bfloat16 and the float8 types have no numpy
+    dtype: their bytes are read as uint8)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _local(t):
