@@ -181,6 +181,33 @@ class LocalShards(nn.Module):
         # an open counting mode from a step's first forward to the end of its backward
         self.comm = None
 
+    def as_held(self) -> nn.Module:
+        """The parallelized module as the framework holds it, for the user's own clipping
+        (`Case(tp_clip_grad_norm=...)`): each DTensor parameter a DTensor over this rank's
+        local shard, its gradient a DTensor over the shard's gradient (no copy: the same
+        storage), every other parameter the shard itself. A norm over its gradients is the
+        global one, as in the real run (torch's `clip_grad_norm_` reduces DTensor norms over
+        the mesh), and scaling them in place scales the shards' gradients."""
+        from torch.distributed.tensor import DTensor
+
+        for name, local in self.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            module = self.parallel.get_submodule(owner)
+            if name not in self.specs:
+                module._parameters[leaf] = local
+                continue
+            placements, shape, stride = self.specs[name]
+
+            def held(t, placements=placements, shape=shape, stride=stride):
+                return DTensor.from_local(
+                    t, self.mesh, placements, run_check=False, shape=shape, stride=stride
+                )
+
+            p = nn.Parameter(held(local.detach()), requires_grad=local.requires_grad)
+            p.grad = None if local.grad is None else held(local.grad)
+            module._parameters[leaf] = p
+        return self.parallel
+
     def capture_modules(self):
         """The parallelized module's submodules, under
         the dense names: their outputs are checked."""

@@ -433,8 +433,9 @@ def clip_grads(s: Sides, step: int) -> float:
         if clip is None:
             shapes = {n: tuple(p.shape) for n, p in s.dense.named_parameters()}
             tp_norm = clip_tp(s.tp, max_norm, s.group, s.plan, shapes)
-        else:
-            tp_norm = clip(s.tp, max_norm, s.group)
+        else:  # the module as the framework holds it (DTensor parameters stay DTensors)
+            held = s.tp.as_held() if hasattr(s.tp, "as_held") else s.tp
+            tp_norm = clip(held, max_norm, s.group)
     tp_norm = _as_norm(tp_norm)
     check = s.cmp.compare(
         "optimizer",
@@ -483,6 +484,8 @@ def keep_clip_scales(s: Sides, step: int, before: dict[str, torch.Tensor], coef:
 
 
 def _as_norm(value) -> torch.Tensor:
+    if hasattr(value, "full_tensor"):  # a DTensor norm (replicated after its reduction)
+        value = value.full_tensor()
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
         return value.detach().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

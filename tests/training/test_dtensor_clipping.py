@@ -1,0 +1,58 @@
+"""A DTensor trainer's own clipping sees the module as the framework holds it: DTensor parameters
+with DTensor gradients over the ranks' shards (`LocalShards.as_held`), so torch's
+`clip_grad_norm_(model.parameters(), ...)` and the torchtitan way (`get_total_norm`,
+`full_tensor()`, `clip_grads_with_norm_`) take the global norm, as in the real run: equivalent.
+Through the plain local shards tpcheck steps, the same clipping took each rank's own norm and was
+reported `clip_local_norm`. A trainer that clips the local gradients by their own norm is still
+caught, `clip_local_norm` at `clip:grad_norm`."""
+
+import pytest
+
+from tpcheck import check, exit_code
+from tpcheck.adapters import dtensor
+from tpcheck.checker.casefile import file_spec
+
+from paths import REPO
+
+FILE = REPO / "tests" / "training" / "case_files" / "dtensor_trainer.py"
+CORRECT = ("torch_clip", "titan_clip")
+
+
+def spec(name, world=2, dtype="float32"):
+    return file_spec(f"{FILE}:{name}", world, dtype=dtype)
+
+
+def _assert_pair(results, names):
+    by = dict(zip(names, results))
+    for name in CORRECT:
+        assert by[name]["verdict"] == "equivalent", (name, by[name]["summary"])
+        assert {"clip:grad_norm", "clipped:layers.0.ffn_norm.weight"} <= {
+            c["name"] for c in by[name]["checks"]
+        }
+    bad = by["local_clip"]
+    assert bad["verdict"] == "not equivalent", bad["summary"]
+    first = bad["first_divergence"]
+    assert (first["stage"], first["step"], first["name"]) == ("optimizer", 1, "clip:grad_norm")
+    assert bad["diagnosis"]["signature"] == "clip_local_norm", bad["diagnosis"]
+    assert exit_code([by[n] for n in CORRECT]) == 0 and exit_code([bad]) == 1
+
+
+NAMES = (*CORRECT, "local_clip")
+
+
+def test_torch_and_torchtitan_clipping_of_dtensors_pass_a_local_norm_is_caught():
+    _assert_pair(check([spec(n) for n in NAMES]), NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,dtype", [(4, "float32"), (2, "bfloat16"), (4, "bfloat16")])
+def test_the_same_at_world_4_and_in_bfloat16(world, dtype):
+    _assert_pair(check([spec(n, world, dtype) for n in NAMES]), NAMES)
+
+
+def test_through_the_local_shards_torchs_clipping_took_the_local_norm(monkeypatch):
+    """The mutant: the user's clipping handed the plain local shards (no `as_held`)."""
+    monkeypatch.delattr(dtensor.LocalShards, "as_held")
+    (r,) = check([spec("torch_clip")])
+    assert r["verdict"] == "not equivalent", r["summary"]
+    assert r["diagnosis"]["signature"] == "clip_local_norm", r["diagnosis"]
