@@ -60,7 +60,9 @@ class DefaultResolver:
 
             return hf_case(spec)
         if spec.target.user:
-            return build_user_case(spec)
+            from tpcheck.adapters.dtensor import with_dtensor_modules
+
+            return with_dtensor_modules(build_user_case(spec))
         spec = self.prepare(spec)
         block = _block(spec.block)
         case = block.case(spec, config_for(spec, block.shards))

@@ -33,6 +33,7 @@ pass. The checker compares the ledgers of all ranks like any other, and reports 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 from collections import Counter
@@ -382,17 +383,25 @@ def dtensor_case(
     tp_plan: dict,
     make_batch: Callable,
     placements: dict[str, Placement] | None = None,
+    prepare: Callable[[nn.Module, TPGroup], nn.Module | None] | None = None,
     **fields,
 ) -> Case:
-    """A Case whose TP side is `parallelize_module(build_dense(dtype), mesh, tp_plan)`. `fields` are
-    any other Case fields (init, loss, tp_loss, input_placements, output_placement, steps, ...)."""
+    """A Case whose TP side is `parallelize_module(build_dense(dtype), mesh, tp_plan)`. `prepare`:
+    the framework's own step before `parallelize_module` (a library's `prepare_*_for_tp` that
+    rewrites head counts for the ranks), called with the fresh copy and the group; it may return
+    the module to parallelize (None: the copy, changed in place). `fields` are any other Case
+    fields (init, loss, tp_loss, input_placements, output_placement, steps, ...)."""
     plan = derive_plan(build_dense(torch.float32), tp_plan, placements)
 
     def build_tp(group: TPGroup, dtype: torch.dtype) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
 
         mesh = device_mesh(group)
-        parallel = parallelize_module(build_dense(dtype), mesh, dict(tp_plan))
+        module = build_dense(dtype)
+        if prepare is not None:
+            prepared = prepare(module, group)
+            module = module if prepared is None else prepared
+        parallel = parallelize_module(module, mesh, dict(tp_plan))
         return LocalShards(parallel, mesh, group, plan)
 
     return Case(
@@ -403,3 +412,39 @@ def dtensor_case(
         make_batch=make_batch,
         **fields,
     )
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return hasattr(p, "to_local") and hasattr(p, "device_mesh")
+
+
+def with_dtensor_modules(case: Case) -> Case:
+    """A case file's `build_tp` may return a module with DTensor parameters (the common
+    `parallelize_module(model, mesh, plan)` result): the engine then sees it through
+    `LocalShards` over the DTensors' 1-D mesh, with the case's plan (checked against the DTensors'
+    placements) or, without one, the plan inferred from the local shards' values. The user's
+    `load_tp` receives the module as built (`LocalShards.as_held`: DTensor parameters over the
+    shards' storage). A module without DTensor parameters is left as it is."""
+    build, load = case.build_tp, case.load_tp
+
+    def build_tp(group: TPGroup, dtype: torch.dtype) -> nn.Module:
+        tp = build(group, dtype)
+        held = [p for p in tp.parameters() if _is_dtensor(p)]
+        if isinstance(tp, LocalShards) or not held:
+            return tp
+        if held[0].device_mesh.ndim != 1:
+            raise UsageError(
+                f"your build_tp returned DTensor parameters on a {held[0].device_mesh.ndim}-D "
+                "mesh; tpcheck checks the TP dimension alone: parallelize over a 1-D mesh of the "
+                "ranks (init_device_mesh(device, (world_size,)))"
+            )
+        shards = LocalShards(tp, held[0].device_mesh, group, case.plan)
+        shards.built_by_user = True
+        return shards
+
+    def load_tp(tp: nn.Module, state: dict, group: TPGroup) -> None:
+        return load(tp.as_held() if getattr(tp, "built_by_user", False) else tp, state, group)
+
+    load_tp.__wrapped__ = load  # the user's file:line in messages
+    build_tp.__wrapped__ = build
+    return dataclasses.replace(case, build_tp=build_tp, load_tp=None if load is None else load_tp)
