@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.payload import Check
-from tpcheck.checker.rank import tolerance
+from tpcheck.checker.rank import tolerance, torch_collectives
 from tpcheck.checker.rank.decisions import DECISION_BIAS, Judged
 from tpcheck.checker.rank.evidence import Evidence
 from tpcheck.checker.rank.ledger import CollectiveTap
@@ -487,7 +487,7 @@ class Comparator:
                 n.masked_fill_(h == -math.inf, -math.inf)
         self.tap.performing(
             ("all_reduce", "checker:replicas", "optimizer"),
-            dist.all_reduce,
+            torch_collectives.all_reduce,
             both,
             op=dist.ReduceOp.MAX,
             group=self.group.pg,

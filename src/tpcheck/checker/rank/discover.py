@@ -24,11 +24,10 @@ import dataclasses
 import json
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tpcheck.checker.case import Case
-from tpcheck.checker.rank import activations, capture, names
+from tpcheck.checker.rank import activations, capture, names, torch_collectives
 from tpcheck.checker.rank.ledger import CollectiveTap
 from tpcheck.checker.rank.plan_inference import infer_plan, placement_code, plan_as_code
 from tpcheck.checker.sync import Rendezvous
@@ -154,7 +153,7 @@ class Discovery:
         both = torch.cat([first[n].double().reshape(-1).cpu() for n in names])
         self.group.tap.performing(
             ("all_reduce", "checker:activations", "forward"),
-            dist.all_reduce,
+            torch_collectives.all_reduce,
             both,
             group=self.group.pg,
         )

@@ -48,7 +48,7 @@ import time
 
 from tpcheck.checker.case import Case
 from tpcheck.checker.payload import Check, RankPayload
-from tpcheck.checker.rank import evidence, optimizer_stage, passes, training
+from tpcheck.checker.rank import evidence, optimizer_stage, passes, torch_collectives, training
 from tpcheck.checker.rank.buffers import BufferChecks, eval_forward
 from tpcheck.checker.rank.forward_only import ForwardOnly
 from tpcheck.checker.rank.grad_evidence import GradEvidence
@@ -145,7 +145,8 @@ class Engine:
             notes=(opts.notes if opts is not None else [])
             + training.notes(unobserved)
             + s.draws.notes()
-            + self.buffers.notes,
+            + self.buffers.notes
+            + torch_collectives.replaced(),
             forward_only=self.forward_only.as_json() if self.forward_only else None,
             warmed_up=self.warmed_up,
             activations=s.discovery.record(),
@@ -163,7 +164,9 @@ def run_case_on_rank(
     `wait_threads`: the intra-op threads rank 0 may use for its float64 passes while the other
     ranks wait for it."""
     t0 = time.perf_counter()
-    with keep_float64(case.run.dtype == "float64"):  # a float64 run's own casts stay float64
+    # a float64 run's own casts stay float64; torch.distributed's collectives as the case found
+    # them afterwards (a replacement made by its setup or build_tp does not outlive it)
+    with keep_float64(case.run.dtype == "float64"), torch_collectives.kept():
         engine = Engine(build_sides(case, group, rendezvous, wait_threads))
         checks = engine.run()
-    return engine.payload(checks, time.perf_counter() - t0)
+        return engine.payload(checks, time.perf_counter() - t0)
