@@ -211,6 +211,11 @@ class Fused(Placement):
                 f"{sum(self.sizes())} ({self.sizes()})"
             )
         for n in self.units:
+            if n <= 0:
+                raise UsageError(
+                    f"{what}: a fused part has {n} units; every part of a fused layout holds at "
+                    "least one unit"
+                )
             if n % world and world % n:
                 raise UsageError(
                     f"{what}: a fused part has {n} units, which neither divides by nor divides "

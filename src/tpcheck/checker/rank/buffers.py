@@ -17,8 +17,15 @@ stage, stage "buffers", check `buffer:<dense name>`:
 - a floating buffer is bounded by the float64 truth's own buffer (its running statistics come from
   its own forwards, its caches from its own constructor), any other (`num_batches_tracked`, a bool
   mask) compared exactly;
+- a buffer whose shape changes during the run (a rotary cache grown in the forward when a longer
+  sequence comes) is compared at its current shapes: after every step the ranks exchange their
+  buffers' shapes, and one whose dense or TP shape changed on some rank is placed again, as at
+  step 0, at its new shapes (a written placement is kept, and applied to them);
 - a buffer whose TP shape is no placement of the dense one fails as a layout check; one that only
-  one side has (or some ranks only) is not compared and the report's notes say so.
+  one side has (or some ranks only) is not compared and the report's notes say so; one empty on
+  both sides (a cache not filled yet) is not compared there (nothing to compare, and a check of no
+  element carries no control), nor one empty on one side only where no placement fits (a cache one
+  side filled and the other not yet), the notes naming the steps and shapes (`skip_reason`).
 
 The eval-mode forward (`eval_forward`): at the last step, after its training forwards (the running
 statistics are those training left), every side in `.eval()` and without autograd, as the forward
@@ -34,6 +41,7 @@ import contextlib
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,8 +98,8 @@ def propose(
 ) -> dict:
     """This rank's view: {"buffers": {dense name: None (no TP buffer here) or [TP name, the
     candidate placements (indices) whose shard has the TP buffer's shape, those whose values match
-    too]}, "left": TP buffers that stand for no dense one}. A written placement is the one
-    candidate."""
+    too, [the dense buffer's shape, the TP buffer's]]}, "left": TP buffers that stand for no dense
+    one}. A written placement is the one candidate."""
     out: dict[str, list | None] = {}
     claimed = set()
     for d, buf in dense.items():
@@ -108,7 +116,7 @@ def propose(
             for i in fits
             if torch.equal(tried[i].shard(buf.detach(), rank, world).to(local.dtype), local)
         ]
-        out[d] = [t, fits, same]
+        out[d] = [t, fits, same, [list(buf.shape), list(local.shape)]]
     return {"buffers": out, "left": sorted(set(tp) - claimed)}
 
 
@@ -144,12 +152,62 @@ def decide(
     return watched, notes
 
 
+@dataclass
+class Watched:
+    """One compared buffer: its dense and TP names, its placement at `shapes` (None: none fits on
+    some rank), `shapes` every rank's [dense shape, TP shape] it was placed at (None: the module no
+    longer holds it), and `skip`: why it is not compared at those shapes, None when it is."""
+
+    dense: str
+    tp: str
+    placement: Placement | None
+    shapes: list
+    skip: str | None = None
+
+
+def _shape(t: torch.Tensor | None) -> list[int] | None:
+    return None if t is None else list(_local(t).shape)
+
+
+def skip_reason(placement: Placement | None, shapes: list) -> str | None:
+    """Why a buffer at `shapes` (every rank's [dense shape, TP shape]) is not compared, None when it
+    is. Empty on both sides (no element on any rank: a cache not filled yet): nothing to compare,
+    and a check of no element could carry no control. Empty on one side only, on some rank, where
+    no placement fits (one side filled a cache the other has not): not compared either, the notes
+    say where. Held by one module only (a buffer set to None since). Any other shape no placement
+    fits is compared, as a layout failure."""
+    if any(d is None or t is None for d, t in shapes):
+        gone = [r for r, (d, t) in enumerate(shapes) if d is None or t is None]
+        return f"held by one module only, or by neither (rank(s) {gone})"
+    dense = shapes[0][0]
+    empty = [r for r, (_, t) in enumerate(shapes) if math.prod(t) == 0]
+    if math.prod(dense) == 0 and len(empty) == len(shapes):
+        return f"empty on both sides (dense {dense})"
+    if placement is not None or (math.prod(dense) and not empty):
+        return None
+    held: dict[str, list[int]] = {}
+    for r, (_, t) in enumerate(shapes):
+        held.setdefault(str(t), []).append(r)
+    tp = ", ".join(f"{t} on rank(s) {ranks}" for t, ranks in held.items())
+    return f"empty on one side only (dense {dense}, TP {tp})"
+
+
 class BufferChecks:
     """The buffers compared on this rank: which TP buffer is which dense one and where it lives,
-    decided once at step 0 (`start`), then compared at every step (`compare`)."""
+    decided at step 0 (`start`) and again whenever a buffer's shape changes on some rank (`compare`:
+    a cache grown in the forward is compared at its current shapes)."""
 
-    def __init__(self, s: Sides, watched: list, notes: list[str]) -> None:
-        self.s, self.watched, self.notes = s, watched, notes
+    def __init__(self, s: Sides, watched: list[Watched], notes: list[str]) -> None:
+        self.s, self.watched, self.matching_notes = s, watched, notes
+        self.skipped: dict[tuple[str, str], list[int]] = {}  # (dense name, why) -> steps
+
+    @property
+    def notes(self) -> list[str]:
+        """The notes on the buffers not matched, then on those not compared at some step."""
+        return self.matching_notes + [
+            f"buffer {d!r}: {why} at step(s) {steps} (not compared there)"
+            for (d, why), steps in self.skipped.items()
+        ]
 
     @classmethod
     def start(cls, s: Sides) -> BufferChecks:
@@ -161,40 +219,71 @@ class BufferChecks:
         # a case with no plan written may name a buffer in its tp_names dict
         given = s.case.tp_names if isinstance(s.case.tp_names, dict) else {}
         renames = {**given, **plan.tp_names}
-        mine = propose(dense, tp, renames, plan.buffers, group.rank, group.world_size)
-        said = [
-            json.loads(text)
-            for text in s.rendezvous.exchange(
-                "buffers", json.dumps(mine), label="matching the buffers"
-            )
-        ]
-        checks = cls(s, *decide(said, dense, plan.buffers, group.world_size))
+        said = _agree(s, propose(dense, tp, renames, plan.buffers, group.rank, group.world_size))
+        placed, notes = decide(said, dense, plan.buffers, group.world_size)
+        watched = []
+        for d, t, placement in placed:
+            shapes = [v["buffers"][d][3] for v in said]
+            watched.append(Watched(d, t, placement, shapes, skip_reason(placement, shapes)))
+        checks = cls(s, watched, notes)
         checks.compare(0)
         return checks
 
+    def replace_resized(self) -> None:
+        """Every rank's current shapes of the matched buffers (one exchange through the store);
+        those whose shapes changed on some rank since they were placed are placed again at their
+        current shapes, as at step 0 (a second exchange), the written placement kept. No exchange
+        without a matched buffer (every rank matched the same ones)."""
+        if not self.watched:
+            return
+        s = self.s
+        dense, tp = dict(s.dense.named_buffers()), dict(s.tp.named_buffers())
+        mine = {w.dense: [_shape(dense.get(w.dense)), _shape(tp.get(w.tp))] for w in self.watched}
+        text = s.rendezvous.exchange("buffer-shapes", json.dumps(mine), label="the buffers' shapes")
+        every = [json.loads(t) for t in text]
+        resized = []
+        for w in self.watched:
+            if (shapes := [v[w.dense] for v in every]) != w.shapes:
+                w.shapes, w.placement = shapes, None
+                w.skip = skip_reason(None, shapes)
+                if all(d is not None and t is not None for d, t in shapes):
+                    resized.append(w)
+        if not resized:
+            return
+        names = {w.dense: w.tp for w in resized}
+        group, written = s.group, s.plan.buffers
+        shown = {d: dense[d] for d in names}
+        said = _agree(s, propose(shown, tp, names, written, group.rank, group.world_size))
+        placed = {d: p for d, _, p in decide(said, shown, written, group.world_size)[0]}
+        for w in resized:
+            w.placement = placed.get(w.dense)
+            w.skip = skip_reason(w.placement, w.shapes)
+
     def compare(self, step: int) -> None:
-        """Every matched buffer on this rank against the dense module's, through its placement."""
+        """Every matched buffer on this rank against the dense module's, through its placement at
+        the buffers' current shapes (placed again where they changed)."""
+        if step > 0:
+            self.replace_resized()
         s = self.s
         rank, world = s.group.rank, s.group.world_size
         dense, tp = dict(s.dense.named_buffers()), dict(s.tp.named_buffers())
         truth = dict(s.truth.named_buffers()) if s.truth is not None else {}
-        for d, t, placement in self.watched:
-            local, ref = _local(tp[t]).detach(), dense[d].detach()
-            check_id = CheckId("buffer", d)
-            if placement is None:
+        for w in self.watched:
+            if w.skip is not None:
+                self.skipped.setdefault((w.dense, w.skip), []).append(step)
+                continue
+            local, ref = _local(tp[w.tp]).detach(), dense[w.dense].detach()
+            check_id = CheckId("buffer", w.dense)
+            if w.placement is None:
                 s.cmp.record_layout(
                     step,
                     check_id,
                     s.cmp.next_seq(),
-                    f"TP buffer {t!r} {list(local.shape)} (rank {rank}) is no placement of the "
+                    f"TP buffer {w.tp!r} {list(local.shape)} (rank {rank}) is no placement of the "
                     f"dense buffer {list(ref.shape)} at {world} rank(s)",
                     stage="buffers",
                 )
                 continue
-            shape = _shard_shape(placement, ref, rank, world)
-            if shape != tuple(local.shape):  # resized since step 0: never equal, on this rank
-                like = ref.dtype if ref.is_floating_point() else torch.float64
-                local = torch.full(shape or ref.shape, math.nan, dtype=like, device=ref.device)
             floating = ref.is_floating_point()
             s.cmp.compare(
                 "buffers",
@@ -202,11 +291,17 @@ class BufferChecks:
                 check_id,
                 local,
                 ref,
-                truth[d].detach() if floating and d in truth else None,
-                placement,
+                truth[w.dense].detach() if floating and w.dense in truth else None,
+                w.placement,
                 exact=not floating,
                 dtype=ref.dtype if floating else None,
             )
+
+
+def _agree(s: Sides, mine: dict) -> list[dict]:
+    """Every rank's `propose`, through the store."""
+    text = s.rendezvous.exchange("buffers", json.dumps(mine), label="matching the buffers")
+    return [json.loads(t) for t in text]
 
 
 @contextlib.contextmanager

@@ -398,8 +398,8 @@ class Comparator:
         planted = tp_local.detach().clone().reshape(-1)
         near = ref.detach().reshape(-1)
         if planted.is_floating_point() and not bool(torch.isfinite(planted).all()):
-            # a TP tensor with NaN/Inf (a buffer resized since step 0 is compared as NaN): its
-            # control is planted on the reference's values there, so it shows the planted error
+            # a TP tensor with NaN/Inf: its control is planted on the reference's values
+            # there, so it shows the planted error
             planted = torch.where(torch.isfinite(planted), planted, near.to(planted.dtype))
         i = int(near.abs().argmax())
         scale = absmax(dense)

@@ -28,14 +28,15 @@ from tpcheck.plan import Fused, OnRank, Placement, Plan, Replicate, Shard
 
 
 def candidates(shape: tuple[int, ...], world: int) -> list[Placement]:
-    """The placements tried for a dense tensor of
-    `shape` at `world` ranks, in order of preference."""
+    """The placements tried for a dense tensor of `shape` at `world` ranks, in order of preference
+    (a dim of size 0 is sharded, never fused)."""
     out: list[Placement] = [Replicate()]
     out += [Shard(d) for d in range(len(shape)) if shape[d] % world == 0 and world > 1]
     for parts in (2, 3):
         for d in range(len(shape)):
             n = shape[d]
-            if world > 1 and n % parts == 0 and (n // parts) % world == 0:
+            # an empty dim (a cache not filled yet) has no fused parts: parts of no units
+            if world > 1 and n > 0 and n % parts == 0 and (n // parts) % world == 0:
                 out.append(Fused(d, (n // parts,) * parts))
     # fewer units than ranks along a dim, each held by world / n consecutive ranks (GQA's KV heads
     # replicated over ranks: a KV cache [seq, batch, kv_heads, head_dim] at kv_heads < world)
