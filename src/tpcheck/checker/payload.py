@@ -124,6 +124,9 @@ class RankPayload:
     # the operations that read a whole dimension and found it smaller on the TP side, in step 1's
     # first training forward (checker/rank/shard_ops.py): the diagnosis of a mismatch names them
     shard_ops: list = field(default_factory=list)
+    # threads the case started that still ran at its end (checker/rank/case_threads.py): the pool
+    # is then replaced before the next case
+    threads_left: int = 0
 
     def problem_json(self) -> dict:
         return {

@@ -98,6 +98,8 @@ class RankPool:
         payloads = [got[r] for r in range(self.world)]
         if any(p.status != "ok" for p in payloads):
             self.healthy = False  # the group may be out of step: never reuse it
+        if any(p.threads_left for p in payloads):
+            self.healthy = False  # a thread the case started still runs there
         return payloads
 
     def _collect(self, watch: Watch) -> dict[int, RankPayload]:

@@ -48,7 +48,14 @@ import time
 
 from tpcheck.checker.case import Case
 from tpcheck.checker.payload import Check, RankPayload
-from tpcheck.checker.rank import evidence, optimizer_stage, passes, torch_collectives, training
+from tpcheck.checker.rank import (
+    case_threads,
+    evidence,
+    optimizer_stage,
+    passes,
+    torch_collectives,
+    training,
+)
 from tpcheck.checker.rank.buffers import BufferChecks, eval_forward
 from tpcheck.checker.rank.forward_only import ForwardOnly
 from tpcheck.checker.rank.grad_evidence import GradEvidence
@@ -166,7 +173,15 @@ def run_case_on_rank(
     t0 = time.perf_counter()
     # a float64 run's own casts stay float64; torch.distributed's collectives as the case found
     # them afterwards (a replacement made by its setup or build_tp does not outlive it)
-    with keep_float64(case.run.dtype == "float64"), torch_collectives.kept():
+    with (
+        keep_float64(case.run.dtype == "float64"),
+        torch_collectives.kept(),
+        case_threads.watched(),
+    ):
         engine = Engine(build_sides(case, group, rendezvous, wait_threads))
         checks = engine.run()
-        return engine.payload(checks, time.perf_counter() - t0)
+        payload = engine.payload(checks, time.perf_counter() - t0)
+        if left := case_threads.running():  # never into the next case: the pool is replaced
+            payload.notes.append(case_threads.note(left))
+            payload.threads_left = len(left)
+        return payload

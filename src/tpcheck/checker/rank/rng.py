@@ -20,7 +20,7 @@ from torch import nn
 
 from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.devices import rng_states, seed_rng
-from tpcheck.checker.rank import decisions
+from tpcheck.checker.rank import case_threads, decisions
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.masks import DIFFER, REASONS, MaskBook, TPDraw, violations
 from tpcheck.checker.sync import Rendezvous
@@ -111,6 +111,14 @@ class RandomDraws:
         before = rng_states(self.device)
         yield
         if not all(map(torch.equal, before, rng_states(self.device))):
+            if threads := case_threads.running():
+                raise UsageError(
+                    "the global RNG moved during the dense pass while thread(s) your code started "
+                    f"ran beside it: {case_threads.describe(threads)}. A thread that draws from "
+                    "torch's default generator (a loader's shuffle, an augmentation) makes every "
+                    "draw of the step depend on its timing: give it a torch.Generator of its own "
+                    "(torch.rand(..., generator=g)), or start it after the check"
+                )
             raise UsageError(NONDETERMINISTIC)
         if self.draws_random is None:
             self.draws_random = bool(book.draws)
