@@ -441,3 +441,48 @@ complex_module_output = Case(
     load_tp=lambda tp, sd, group: load_copy(tp, sd, group),
     make_batch=make_batch,
 )
+
+
+class FrozenWeightsTP(TPBlock):
+    """Inference-style TP layers: the sliced weights built frozen (`requires_grad=False`), the norm
+    and the biases trained (a partly frozen fine-tune)."""
+
+    def __init__(self, group, dtype=None):
+        super().__init__(group, dtype)
+        self.fc1.weight.requires_grad_(False)
+        self.fc2.weight.requires_grad_(False)
+
+
+frozen_weights = _case(
+    "frozen_weights",
+    build_tp=lambda group, dtype: FrozenWeightsTP(group, dtype),
+    load_tp=lambda tp, sd, group: load_copy(tp, sd, group),
+)
+
+
+class FrozenWeightsBiasTwiceTP(FrozenWeightsTP):
+    """The same, with fc2's bias added on every rank before the all-reduce (counted world times)."""
+
+    def forward(self, x):
+        h = CopyToTP.apply(self.norm(x), self.pg)
+        h = F.gelu(F.linear(h, self.fc1.weight, self.fc1.bias))
+        return x + ReduceFromTP.apply(F.linear(h, self.fc2.weight, self.fc2.bias), self.pg)
+
+
+class FrozenBiasOnRank0TP(TPBlock):
+    """fc1's bias frozen on rank 0 only (a freezing loop that ran on one rank)."""
+
+    def __init__(self, group, dtype=None):
+        super().__init__(group, dtype)
+        if group.rank == 0:
+            self.fc1.bias.requires_grad_(False)
+
+
+frozen_weights_bias_twice = _case(
+    "frozen_weights_bias_twice",
+    build_tp=lambda group, dtype: FrozenWeightsBiasTwiceTP(group, dtype),
+    load_tp=lambda tp, sd, group: load_copy(tp, sd, group),
+)
+frozen_on_rank0 = _case(
+    "frozen_on_rank0", build_tp=lambda group, dtype: FrozenBiasOnRank0TP(group, dtype)
+)

@@ -51,6 +51,7 @@ from tpcheck.checker.payload import Check, RankPayload
 from tpcheck.checker.rank import (
     case_threads,
     evidence,
+    frozen,
     optimizer_stage,
     passes,
     torch_collectives,
@@ -77,6 +78,8 @@ class Engine:
         self.sides = sides
         self.forward_only = ForwardOnly.of(sides.case, sides.tp)  # no optimizer: forward_only.py
         self.grad_evidence = GradEvidence()  # per-micro-batch grads, plan rules: grad_evidence.py
+        # parameters the TP side keeps frozen are frozen on the dense side too (frozen.py)
+        self.frozen = frozen.follow_tp(sides) if self.forward_only is None else []
         self.opts = optimizer_stage.build(sides) if self.forward_only is None else None
         self.warmed_up = 0
         self.buffers: BufferChecks | None = None
@@ -149,7 +152,8 @@ class Engine:
             evidence=kept.sent(evidence.needed_evidence(checks, kept, s.rendezvous)),
             expected_collectives=training.expected_collectives(s.case),
             inferred_plan=s.discovery.as_code(),
-            notes=(opts.notes if opts is not None else [])
+            notes=self.frozen
+            + (opts.notes if opts is not None else [])
             + training.notes(unobserved)
             + s.draws.notes()
             + self.buffers.notes

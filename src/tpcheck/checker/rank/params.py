@@ -173,12 +173,15 @@ def _refuse_one_sided_grad(s: Sides, name: str, missing_on_tp: bool) -> None:
     side_params = dict((s.tp if missing_on_tp else s.dense).named_parameters())
     pname = s.plan.tp_name(name) if missing_on_tp else name
     if pname in side_params and not side_params[pname].requires_grad:
-        side = f"rank {s.group.rank} of the TP side" if missing_on_tp else "the dense side"
-        other = "the dense side" if missing_on_tp else "the TP side"
+        if missing_on_tp:  # frozen on every TP rank is followed (frozen.py): not on this one
+            raise UsageError(
+                f"parameter {pname!r} has requires_grad=False on rank {s.group.rank} of the TP "
+                "side (frozen), while other ranks train it: freeze it on every rank or on none"
+            )
         raise UsageError(
-            f"parameter {pname!r} has requires_grad=False on {side} (frozen), while {other} "
-            "trains it: freeze it on both sides or on neither; for inference-only TP code, "
-            "check the forward alone (RunSettings(train=False), --forward-only)"
+            f"parameter {pname!r} has requires_grad=False on the dense side (frozen), while the "
+            "TP side trains it: freeze it on both sides or on neither; for inference-only TP "
+            "code, check the forward alone (RunSettings(train=False), --forward-only)"
         )
     if missing_on_tp:
         hint = (
