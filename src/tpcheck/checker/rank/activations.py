@@ -13,10 +13,13 @@ equivalent", and a guess from the values would hide the bug the check is there t
 - it has the dense shape but differs across ranks: the ranks' outputs are summed (one checker
   all-reduce for all of them). If the sum is the dense output (within `PARTIAL_RELATIVE` of its
   scale: the rounding of a sum, never a bug's O(1) difference), it is a partial sum before its
-  all-reduce (a row-parallel linear whose reduction comes later): not checked. Otherwise it is a
-  tensor every rank should hold whole and does not -- `Replicate()`, so its check fails and names
-  the module (a missing all-reduce is then named one module up, where the partial sum is used
-  as if it were whole);
+  all-reduce (a row-parallel linear whose reduction comes later): not checked. If instead every
+  element is the dense one on some rank (the least distance over the ranks, in the same
+  all-reduce), it is a selection: a lookup whose rows outside the rank's shard are masked later
+  (a vocab-parallel embedding's `nn.Embedding` submodule, the mask applied by its parent): not
+  checked, its parent is. Otherwise it is a tensor every rank should hold whole and does not --
+  `Replicate()`, so its check fails and names the module (a missing all-reduce is then named one
+  module up, where the partial sum is used as if it were whole);
 - the module's own 2-D `weight` is split along its output rows -- `Shard(0)` (a column-parallel
   linear, an LM head) or `Fused(0, ...)` (a fused gate/up or QKV linear) -- and its output has the
   shape that layout gives the last dim: the same layout on the last dim
@@ -111,6 +114,14 @@ def is_partial_sum(summed: torch.Tensor, dense: torch.Tensor) -> bool:
     )
 
 
+def is_selection(nearest: torch.Tensor, dense: torch.Tensor) -> bool:
+    """Whether every element of the dense output is held by some rank (`nearest`: each element's
+    least |TP - dense| over the ranks), up to the partial-sum test's rounding."""
+    if not dense.numel():
+        return False
+    return float(nearest.max()) <= PARTIAL_RELATIVE * max(absmax(dense), 1e-30)
+
+
 def row_split_linears(dense: nn.Module, plan: Plan) -> dict[str, Shard | Fused]:
     """The modules whose own 2-D `weight` is split along
     its rows (Shard(0) or Fused(0, ...)), by name."""
@@ -159,6 +170,7 @@ def decide(
     partial: set[str] = frozenset(),
     row_split: dict[str, Shard | Fused] | None = None,
     dense_structures: dict[str, str] | None = None,
+    selected: set[str] = frozenset(),
 ) -> Decision:
     """The placements of the outputs in `dense_shapes`, from every rank's `seen`, the outputs found
     to be partial sums, the linears split along their rows (`row_split_linears`) and what each
@@ -178,7 +190,7 @@ def decide(
             kinds = {v[2] if len(v) > 2 else capture.TENSOR for v in views}
             kinds.add((dense_structures or {}).get(name, capture.TENSOR))
             verdict, what = _placement(
-                name, dense, shapes.pop(), plan, world, partial, row_split or {}
+                name, dense, shapes.pop(), plan, world, partial, row_split or {}, selected
             )
             if verdict == "failed" and len(kinds) > 1:
                 verdict, what = "skipped", _not_comparable(name, views, dense_structures)
@@ -200,6 +212,7 @@ def _placement(
     world: int,
     partial: set[str],
     row_split: dict[str, Shard | Fused],
+    selected: set[str] = frozenset(),
 ) -> tuple[str, Placement | str]:
     """("placed", placement), ("skipped", why) or ("failed", why) for one output, the same
     `local` shape on every rank, against the `dense` shape."""
@@ -207,6 +220,11 @@ def _placement(
         if name in partial:
             return "skipped", (
                 "a partial sum: the ranks' outputs add up to the dense one (reduced later)"
+            )
+        if name in selected:
+            return "skipped", (
+                "a selection: each element is the dense one on some rank and something else on "
+                "the others (a lookup whose rows outside the rank's shard are masked later)"
             )
         return "placed", Replicate()
     if (

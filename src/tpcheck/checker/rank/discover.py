@@ -24,6 +24,7 @@ import dataclasses
 import json
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpcheck.checker.case import Case
@@ -122,10 +123,10 @@ class Discovery:
             if stage == "forward" and q and name in self.candidates
         }
         dense_shapes = {name: tuple(t.shape) for name, t in dense.items()}
-        partial = set()
-        # summed over the ranks: partial sums?
+        partial, selected = set(), set()
+        # summed over the ranks: partial sums? each element on some rank: selections?
         if differ := activations.differing(dense_shapes, said):
-            partial = self._partial_sums(differ, dense, held)
+            partial, selected = self._partial_sums(differ, dense, held)
         decided = activations.decide(
             dense_shapes,
             said,
@@ -134,6 +135,7 @@ class Discovery:
             partial,
             activations.row_split_linears(self.dense, self._plan),
             dense_recorder.structures,
+            selected,
         )
         self._plan = dataclasses.replace(self._plan, activations={**self.written, **decided.placed})
         self.skipped, self.failed = decided.skipped, decided.failed
@@ -141,28 +143,38 @@ class Discovery:
 
     def _partial_sums(
         self, names: list[str], dense: dict[str, torch.Tensor], held: list
-    ) -> set[str]:
+    ) -> tuple[set[str], set[str]]:
         """Of the outputs in `names` (the dense shape on every rank, not the same on every rank),
-        those whose sum over the ranks is the dense output: one checker
-        all-reduce for all of them."""
+        those whose sum over the ranks is the dense output (partial sums), and of the others those
+        whose every element is the dense one on some rank (selections: a lookup whose rows outside
+        the rank's shard are masked later): one checker all-reduce for all of them (the sum, and
+        the least distance to the dense output as the negated max)."""
         first = {}
         for stage, name, t, _ in held:
             if stage == "forward":
                 first.setdefault(name, t)
-        # gloo: a checker collective
-        both = torch.cat([first[n].double().reshape(-1).cpu() for n in names])
-        self.group.tap.performing(
-            ("all_reduce", "checker:activations", "forward"),
-            torch_collectives.all_reduce,
-            both,
-            group=self.group.pg,
+        mine = [first[n].double().reshape(-1).cpu() for n in names]
+        sums = torch.cat(mine)
+        near = torch.cat(
+            [-(t - dense[n].double().reshape(-1).cpu()).abs() for n, t in zip(names, mine)]
         )
-        sums = both.split([dense[n].numel() for n in names])
-        return {
-            n
-            for n, summed in zip(names, sums)
-            if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu())
-        }
+        # gloo: a checker collective, in two: a sum and a max
+        for op, both in ((dist.ReduceOp.SUM, sums), (dist.ReduceOp.MAX, near)):
+            self.group.tap.performing(
+                ("all_reduce", "checker:activations", "forward"),
+                torch_collectives.all_reduce,
+                both,
+                op=op,
+                group=self.group.pg,
+            )
+        sizes = [dense[n].numel() for n in names]
+        partial, selected = set(), set()
+        for n, summed, gap in zip(names, sums.split(sizes), near.split(sizes)):
+            if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu()):
+                partial.add(n)
+            elif activations.is_selection(-gap, dense[n].reshape(-1).cpu()):
+                selected.add(n)
+        return partial, selected
 
     def infer_applied_on(self, tp: nn.Module) -> None:
         """After the first step's gradients, with an inferred plan: a parameter inferred Replicate()
