@@ -325,7 +325,7 @@ foreach_adamw = _own_adamw("foreach_adamw", foreach=True)
 fused_adamw_wrong_decay = _own_adamw("fused_adamw_wrong_decay", weight_decay=0.1, fused=True)
 # the shards assigned as views of the dense weights (`load_assign`): fc2's column shard is not
 # contiguous, and torch 2.13's fused CPU AdamW steps a non-contiguous parameter (or gradient)
-# wrongly (docs/findings/torch-fused-adamw-noncontiguous.md)
+# wrongly (docs/findings/torch-fused-adamw-strided.md)
 fused_adamw_strided_shards = _own_adamw("fused_adamw_strided_shards", load=load_assign, fused=True)
 hand_written_sgd = _case(
     "hand_written_sgd",
