@@ -233,6 +233,9 @@ class Case:
     tp_clip_grad_norm(tp_module, max_norm, group) -> total norm: your TP gradient clipping, run
         before the TP optimizer steps when `run.clip_grad_norm` is set; None: tpcheck's TP-aware
         clipping (each sharded element counted once over the ranks, each replicated one once).
+    grad_of: where the TP side's gradients are (the framework's accumulator its optimizer steps
+        on): "main_grad" (any attribute name) or a function (parameter) -> its gradient or None;
+        None: `.grad`, or `main_grad` where found (checker/rank/grad_source.py).
     setup(group): run on every rank before the TP module is built (state your TP code keeps in
         module globals or environment variables: a parallel-state initializer, say). tpcheck
         builds, on every rank, the dense model (float32, then a copy in the working dtype), the
@@ -276,6 +279,7 @@ class Case:
     dense_optimizer: Callable[[list], torch.optim.Optimizer] | None = None
     tp_optimizer: Callable[[nn.Module, TPGroup], object] | None = None
     tp_clip_grad_norm: Callable[[nn.Module, float, TPGroup], object] | None = None
+    grad_of: str | Callable[[nn.Parameter], torch.Tensor | None] | None = None
     setup: Callable[[TPGroup], None] | None = None
     decode_steps: int = 0
     decode_inputs: Callable[[dict, torch.Tensor, int], dict] | None = None
@@ -296,6 +300,7 @@ class Case:
             )
         self._check_tp_names()
         self._check_plan_rules()
+        self._check_grad_of()
         if not isinstance(self.dropout, dict):
             raise UsageError(
                 f"Case {self.name!r}: dropout must be a dict {{draw label: placement}}, not "
@@ -368,6 +373,16 @@ class Case:
             raise UsageError(
                 f"Case {self.name!r}: tp_names must be a dict {{dense name: TP name}} (str to "
                 f"str) or a function of the dense name, not {bad}"
+            )
+
+    def _check_grad_of(self) -> None:
+        """`grad_of`: None, an attribute name or a function."""
+        g = self.grad_of
+        if g is not None and not callable(g) and not (isinstance(g, str) and g.isidentifier()):
+            raise UsageError(
+                f"Case {self.name!r}: grad_of must name the attribute holding each parameter's "
+                f"gradient ('main_grad') or be a function (parameter) -> its gradient, not "
+                f"{type(g).__name__} {g!r}"
             )
 
     def _check_plan_rules(self) -> None:

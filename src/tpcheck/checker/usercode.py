@@ -76,6 +76,8 @@ def guard_user_case(case: Case, path: str | None) -> Case:
     }
     if callable(case.tp_names):  # a function of the dense name (a dict is data)
         wrapped["tp_names"] = _guard(case.tp_names, "tp_names", path)
+    if callable(case.grad_of):  # an attribute's name is data
+        wrapped["grad_of"] = _guard(case.grad_of, "grad_of", path)
     if case.inject.tamper is not None:
         inject = dataclasses.replace(case.inject, tamper=_guard(case.inject.tamper, "tamper", path))
         wrapped["inject"] = inject

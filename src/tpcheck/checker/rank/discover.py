@@ -176,19 +176,19 @@ class Discovery:
                 selected.add(n)
         return partial, selected
 
-    def infer_applied_on(self, tp: nn.Module) -> None:
+    def infer_applied_on(self, tp: nn.Module, grad_of=lambda p: p.grad) -> None:
         """After the first step's gradients, with an inferred plan: a parameter inferred Replicate()
         that gets a gradient on one rank only is applied on that rank, AppliedOnRank(r) (a
         row-parallel bias added before the all-reduce). The values cannot tell the two apart, the
         first step's gradients can; the ranks agree through the store. A gradient that is zero
         rather than absent on the other ranks is not inferred (the grads stage then compares
-        it as a replica)."""
+        it as a replica). `grad_of`: where the TP gradients are read (grad_source.py)."""
         plan = self._plan
         if not self.inferred or self.group.world_size == 1:
             return
         tp_params = dict(tp.named_parameters())
         names = [n for n, p in plan.params.items() if isinstance(p, Replicate)]
-        mine = [n for n in names if tp_params[plan.tp_name(n)].grad is not None]
+        mine = [n for n in names if grad_of(tp_params[plan.tp_name(n)]) is not None]
         said = [
             set(json.loads(t))
             for t in self.rendezvous.exchange(

@@ -28,8 +28,9 @@ the activations named in `plan.activations`), then the TP forward/backward, whos
 are compared as they are produced (local comparisons only, no collective inside the model's forward;
 in the first micro-batch they are held until the placements of the module outputs the case does
 not name are inferred), then a ledger sync and the RNG placement checks of the micro-batch's
-random draws (rng.py), then the input gradients; then finalize_grads, (with an inferred plan, after
-step 1: the parameters applied on one rank), grads, the checker's own collective (the replica
+random draws (rng.py), then the input gradients; then finalize_grads, (after step 1: where the TP
+side's gradients are read, `.grad` or the framework's accumulator, grad_source.py; with an inferred
+plan, the parameters applied on one rank), grads, the checker's own collective (the replica
 comparisons of the whole step), the clipping and the clipped gradients against the dense side's,
 the replay of the dense optimizer rule on the TP side's inputs, the optimizer steps, update and
 state against the replay, the optimizer moments against the dense optimizer's, weights, buffers
@@ -120,9 +121,10 @@ class Engine:
                 finalize_grads(s.tp, s.group)
         s.sync(f"finalize_grads of step {step}")
         if step == 1:
-            s.discovery.infer_applied_on(s.tp)
+            s.grad_of.settle(s.tp)
+            s.discovery.infer_applied_on(s.tp, s.grad_of)
         dense, tp = dict(s.dense.named_parameters()), dict(s.tp.named_parameters())
-        compare_params(s, opts, step, "grads", dense, tp, lambda p: p.grad)
+        compare_params(s, opts, step, "grads", dense, tp, lambda p: p.grad, tp_get=s.grad_of)
         self.grad_evidence.annotate(s, step)
         s.cmp.flush_replicas()
         optimizer_stage.stage(s, opts, step)
@@ -155,6 +157,7 @@ class Engine:
             notes=self.frozen
             + (opts.notes if opts is not None else [])
             + training.notes(unobserved)
+            + s.grad_of.notes()
             + s.draws.notes()
             + self.buffers.notes
             + torch_collectives.replaced(),

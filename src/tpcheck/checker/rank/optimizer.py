@@ -49,8 +49,9 @@ class Masters:
 
     replay_after_step = False  # the replay's inputs are these parameters as they are before it
 
-    def __init__(self, module: nn.Module, masters: bool) -> None:
+    def __init__(self, module: nn.Module, masters: bool, grad_of=None) -> None:
         self.module, self.masters = module, masters
+        self.grad_of = grad_of  # the TP side's: where its framework keeps the gradients
         own = dict(module.named_parameters())
         self.params = (
             {n: nn.Parameter(p.detach().float().clone()) for n, p in own.items()}
@@ -60,8 +61,8 @@ class Masters:
         self._own = own
 
     @classmethod
-    def of(cls, module: nn.Module, settings) -> Masters:
-        return cls(module, settings.uses_masters)
+    def of(cls, module: nn.Module, settings, grad_of=None) -> Masters:
+        return cls(module, settings.uses_masters, grad_of)
 
     @property
     def owner(self):
@@ -76,11 +77,18 @@ class Masters:
         return iter(self.params.values())
 
     def take_grads(self) -> None:
-        """Masters: the module's accumulated grads, upcast to float32 (None stays None)."""
+        """Masters: the module's accumulated grads, upcast to float32 (None stays None). With
+        `grad_of` (gradients the TP framework keeps elsewhere than `.grad`: grad_source.py), those,
+        handed to the masters, or to the module's own parameters as their `.grad` (in their dtype)
+        when they are what is stepped."""
         if self.masters:
             for n, m in self.params.items():
-                g = self._own[n].grad
+                g = self._own[n].grad if self.grad_of is None else self.grad_of(self._own[n])
                 m.grad = None if g is None else g.detach().float()
+        elif self.grad_of is not None and self.grad_of.elsewhere:
+            for p in self.params.values():
+                g = self.grad_of(p)
+                p.grad = None if g is None else g.detach().to(p.dtype, copy=True)
 
     def write_back(self) -> None:
         """Masters: the stepped float32 values, rounded into the module's parameters."""

@@ -12,7 +12,8 @@ grads, the float64 truth restarted from the dense side's weights and state, the 
 steps, the masters written back, then the update and state against the replay, what each optimizer
 stepped against the dense side's, and the user's copy back into the module.
 
-Around every step: the gradients zeroed (`zero_grads`) and, after the first, the TP side (its
+Around every step: the gradients zeroed (`zero_grads`: the TP framework's accumulators too, by the
+user's code or, under tpcheck's own TP optimizer, by tpcheck) and, after the first, the TP side (its
 weights, masters and optimizer state) and the truth restarted from the dense side's (`restart_tp`,
 `restart_truth`). Beside the replay, the stage is held to the dense side: every clipped gradient
 (`clip`), every optimizer state entry (moments.py), every stepped parameter (params.py); and at step
@@ -47,7 +48,7 @@ def build(s: Sides) -> Optimizers:
     uses_masters = settings.uses_masters
     if case.tp_optimizer is not None:
         opt_tp = case.tp_optimizer(s.tp, group)
-        tp_master = training.UserOptimizer(s.tp, opt_tp)
+        tp_master = training.UserOptimizer(s.tp, opt_tp, s.grad_of)
         if uses_masters and tp_master.steps_module_weights():
             uses_masters = False  # the dense side steps its 16-bit weights as the TP side does
             notes.append(training.no_masters_note(opt_tp, settings.dtype))
@@ -64,7 +65,7 @@ def build(s: Sides) -> Optimizers:
     if tp_master is not None:
         training.check_masters(tp_master, dense_master, settings)
     else:
-        tp_master = Masters.of(s.tp, settings)
+        tp_master = Masters.of(s.tp, settings, s.grad_of)
         opt_tp = (
             case.inject.tp_optimizer(tp_master.owner, group, settings.make_optimizer)
             if case.inject.tp_optimizer is not None
@@ -124,18 +125,30 @@ def clip(s: Sides, opts: Optimizers, step: int) -> None:
     before = training.tp_grads(s)
     coef = training.clip_grads(s, step)
     dense, tp = dict(s.dense.named_parameters()), dict(s.tp.named_parameters())
-    compare_params(s, opts, step, "optimizer", dense, tp, lambda p: p.grad, label="clipped")
+    compare_params(
+        s, opts, step, "optimizer", dense, tp, lambda p: p.grad, label="clipped", tp_get=s.grad_of
+    )
     if coef is not None:  # the diagnosis's numbers (a stand-in clipping may return none)
         training.keep_clip_scales(s, step, before, coef)
 
 
 def zero_grads(s: Sides, opts: Optimizers) -> None:
+    """Before every step, as a training loop zeroes: each optimizer's `zero_grad()` (the user's
+    own on the TP side), each module's, and the TP module's `zero_grad_buffer()` where it has one
+    (Megatron's DistributedDataParallel: the buffer its `main_grad`s live in). Gradients the TP
+    framework keeps elsewhere than `.grad` (grad_source.py) are zeroed by tpcheck only under its
+    own TP optimizer; under the user's, an accumulator nothing zeroes is the user's bug."""
     for opt in opts.all():
         training.zero_grad(opt)
     # under master weights the optimizers hold the masters
     for model in (s.dense, s.tp, s.truth):
         if model is not None:
             model.zero_grad(set_to_none=True)
+    zero_buffer = getattr(s.tp, "zero_grad_buffer", None)
+    if callable(zero_buffer):
+        zero_buffer()
+    if not isinstance(opts.tp_master, training.UserOptimizer):
+        s.grad_of.zero(s.tp)
 
 
 def restart_tp(s: Sides, opts: Optimizers) -> None:

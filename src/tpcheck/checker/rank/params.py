@@ -62,19 +62,22 @@ def compare_params(
     tp_params: dict,
     get,
     label: str | None = None,
+    tp_get=None,
 ) -> None:
     """Every parameter's `get(p)` (its grad, or itself after the step) on the TP side against
     the dense side's; after the step these are what the optimizers stepped (float32 masters
     under master weights, compared with float32's bound). `label`: the checks' kind, by default
     `grad` at the grads stage and `param` after the step (`clipped`: the grads after the step's
-    clipping, each side's own, against the dense side's clipped by the dense rule)."""
+    clipping, each side's own, against the dense side's clipped by the dense rule). `tp_get`: the
+    TP side's own `get` where it differs (its gradients where its framework keeps them)."""
+    tp_get = tp_get or get
     label = label or ("grad" if stage == "grads" else "param")
     slack = opts.slack if label == "param" else None
     plan, rank, world = s.plan, s.group.rank, s.group.world_size
     truth_params = dict(s.truth.named_parameters()) if s.truth is not None else {}
     for name, p in dense_params.items():
         tp_p = tp_params.get(plan.tp_name(name))
-        tp_val, dense_val = get(tp_p) if tp_p is not None else None, get(p)
+        tp_val, dense_val = tp_get(tp_p) if tp_p is not None else None, get(p)
         truth_p = truth_params.get(name)
         truth_val = get(truth_p) if truth_params else None
         owner = plan.params[name].applied_on
@@ -190,9 +193,16 @@ def _refuse_one_sided_grad(s: Sides, name: str, missing_on_tp: bool) -> None:
             if s.plan.params[name].replicated
             else "; is it used in the TP forward?"
         )
+        where = (
+            "; if a hook moves `.grad` elsewhere for your optimizer (an accumulator such as "
+            "Megatron's main_grad), tell tpcheck where: Case(grad_of=...)"
+            if s.case.grad_of is None
+            else ""
+        )
+        read = f" (read from {s.grad_of.described()})" if s.grad_of.elsewhere else ""
         raise UsageError(
-            f"parameter {name!r} got no gradient on rank {s.group.rank} of the TP side, "
-            f"but does on the dense side{hint}"
+            f"parameter {name!r} got no gradient on rank {s.group.rank} of the TP side{read}, "
+            f"but does on the dense side{hint}{where}"
         )
     raise UsageError(
         f"parameter {name!r} got a gradient on rank {s.group.rank} of the TP side but none "

@@ -3,7 +3,8 @@
 `Sides` is a frozen record of the three models (the dense one in the working dtype, the float64
 truth -- on rank 0 only, the dense model itself in a float64 run -- and the TP one), the comparator
 every check goes through, the discovery of the plan, the random draws, the collective tap, the
-group and the rendezvous, and the run settings. A stage module (params.py, passes.py,
+group and the rendezvous, where the TP side's gradients are read (grad_source.py), and the run
+settings. A stage module (params.py, passes.py,
 optimizer_stage.py, buffers.py, warmup.py, forward_only.py, manifest.py, grad_evidence.py) is a
 function of a `Sides` (and, for the optimizer stages, of the `Optimizers` built over it): none
 imports the engine, so each can be run on a fake `Sides` in a test. The engine (engine.py) is the
@@ -28,6 +29,7 @@ from torch import nn
 from tpcheck.checker.case import Case
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
+from tpcheck.checker.rank.grad_source import GradSource
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
 from tpcheck.checker.rank.loading import cast, check_names, leaf, load_from_dense, map_tensors
 from tpcheck.checker.rank.rng import RandomDraws
@@ -57,6 +59,8 @@ class Sides:
     gen: torch.Generator  # the batches' generator, on the CPU
     first_batch: tuple  # (inputs, target), drawn before the weights, as the seed
     shard_ops: ShardOps  # the reductions and splits of step 1 (shard_ops.py)
+    # where the TP side's gradients are read: `.grad`, or the framework's (grad_source.py)
+    grad_of: GradSource = field(default_factory=GradSource)
     wait_threads: int = 1  # threads for rank 0's float64 passes while the others wait
     # (step, module): the dense side's outputs captured (the manifest's count: manifest.py)
     produced: collections.Counter = field(default_factory=collections.Counter)
@@ -144,6 +148,7 @@ def build_sides(case: Case, group: TPGroup, rendezvous: Rendezvous, wait_threads
         rendezvous=rendezvous,
         discovery=discovery,
         shard_ops=ShardOps(case.run.capture),
+        grad_of=GradSource(case.grad_of),
         wait_threads=wait_threads,
         **built,
     )

@@ -19,7 +19,8 @@ after each step are then what is checked, against the dense ones.
 
 Clipping. With `RunSettings(clip_grad_norm=...)` the dense side (and the float64 truth) clip with
 `torch.nn.utils.clip_grad_norm_`; the TP side with the case's `tp_clip_grad_norm` or `clip_tp`
-below. The two total norms are compared (`clip:grad_norm`, stage optimizer), and the numbers the
+below, on the TP gradients where its framework keeps them (`.grad`, or `main_grad`: grad_source.py).
+The two total norms are compared (`clip:grad_norm`, stage optimizer), and the numbers the
 diagnosis needs to name a norm of the local shards only, or replicated parameters counted once per
 rank, are kept with its evidence. The norm alone is not the yardstick: every clipped gradient is
 then compared with the dense side's clipped by the dense rule (optimizer_stage.py's `clip`), each
@@ -160,8 +161,9 @@ class UserOptimizer:
 
     replay_after_step = True
 
-    def __init__(self, module: nn.Module, optimizer) -> None:
+    def __init__(self, module: nn.Module, optimizer, grad_of=None) -> None:
         self.module, self.optimizer = module, optimizer
+        self.grad_of = grad_of or (lambda p: p.grad)  # where the module's gradients are read
         self._own = dict(module.named_parameters())
         self.inner = inner = find_optimizers(optimizer)
         self.found = map_stepped(module, inner)
@@ -191,16 +193,14 @@ class UserOptimizer:
         self._taken = (values, grads)
 
     def take_grads(self) -> None:
-        """Before the TP step: the module's weights and grads, for an optimizer with nothing found
-        (the replay then runs on those)."""
+        """Before the TP step: the module's weights and grads (read where its framework keeps
+        them: `grad_of`), for an optimizer with nothing found (the replay then runs on those)."""
         self._taken = None
         if not self.found:
+            grads = {n: self.grad_of(p) for n, p in self._own.items()}
             self._taken = (
                 {n: p.detach().clone() for n, p in self._own.items()},
-                {
-                    n: None if p.grad is None else p.grad.detach().clone()
-                    for n, p in self._own.items()
-                },
+                {n: None if g is None else g.detach().clone() for n, g in grads.items()},
             )
 
     def write_back(self) -> None:
@@ -364,14 +364,20 @@ def zero_grad(opt) -> None:
 
 
 def clip_tp(
-    module: nn.Module, max_norm: float, group, plan: Plan, shapes: dict[str, tuple[int, ...]]
+    module: nn.Module,
+    max_norm: float,
+    group,
+    plan: Plan,
+    shapes: dict[str, tuple[int, ...]],
+    grad_of=None,
 ) -> torch.Tensor:
     """tpcheck's TP-aware `clip_grad_norm_`: the squared norm of every element counted once over
     the ranks (a sharded parameter's shard on each rank, summed by one all-reduce, an element
     several ranks hold -- GQA's KV heads replicated over ranks -- divided among them; a replicated
     one once; one held or applied on one rank where its gradient is), then every gradient scaled
-    by `max_norm / (norm + 1e-6)` where that is below 1, as torch's. `shapes`: the dense ones."""
-    grads = _grads_by_dense_name(module, plan)
+    by `max_norm / (norm + 1e-6)` where that is below 1, as torch's. `shapes`: the dense ones;
+    `grad_of`: where the gradients are (scaled in place there)."""
+    grads = _grads_by_dense_name(module, plan, grad_of)
     summed = torch.zeros((), dtype=torch.float32, device=group.device)
     replicated = torch.zeros((), dtype=torch.float32, device=group.device)
     for name, g in grads.items():
@@ -402,13 +408,11 @@ def expected_collectives(case) -> tuple | None:
     return (*expected, ("optimizer", "all_reduce", CLIP_SITE))
 
 
-def _grads_by_dense_name(module: nn.Module, plan: Plan) -> dict[str, torch.Tensor]:
+def _grads_by_dense_name(module: nn.Module, plan: Plan, grad_of=None) -> dict[str, torch.Tensor]:
+    """Each TP gradient (`grad_of(p)`, default `.grad`) by dense name, where there is one."""
     tp_names = {plan.tp_name(n): n for n in plan.params}
-    return {
-        tp_names[n]: p.grad
-        for n, p in module.named_parameters()
-        if p.grad is not None and n in tp_names
-    }
+    grads = {n: p.grad if grad_of is None else grad_of(p) for n, p in module.named_parameters()}
+    return {tp_names[n]: g for n, g in grads.items() if g is not None and n in tp_names}
 
 
 def clip_grads(s: Sides, step: int) -> float:
@@ -432,7 +436,7 @@ def clip_grads(s: Sides, step: int) -> float:
     with s.tap.tp_phase("optimizer"):
         if clip is None:
             shapes = {n: tuple(p.shape) for n, p in s.dense.named_parameters()}
-            tp_norm = clip_tp(s.tp, max_norm, s.group, s.plan, shapes)
+            tp_norm = clip_tp(s.tp, max_norm, s.group, s.plan, shapes, s.grad_of)
         else:  # the module as the framework holds it (DTensor parameters stay DTensors)
             held = s.tp.as_held() if hasattr(s.tp, "as_held") else s.tp
             tp_norm = clip(held, max_norm, s.group)
@@ -456,7 +460,8 @@ def clip_grads(s: Sides, step: int) -> float:
 
 def tp_grads(s: Sides) -> dict[str, torch.Tensor]:
     """A copy of every TP gradient on this rank, by dense name (before the clipping scales them)."""
-    return {n: g.detach().clone() for n, g in _grads_by_dense_name(s.tp, s.plan).items()}
+    grads = _grads_by_dense_name(s.tp, s.plan, s.grad_of)
+    return {n: g.detach().clone() for n, g in grads.items()}
 
 
 def keep_clip_scales(s: Sides, step: int, before: dict[str, torch.Tensor], coef: float) -> None:
@@ -464,7 +469,7 @@ def keep_clip_scales(s: Sides, step: int, before: dict[str, torch.Tensor], coef:
     rank's gradients by (`<after, before> / <before, before>`), the dense coefficient `coef`, and
     the parameters whose gradient it left unscaled while `coef` is below 1 (the diagnosis names
     them: checker/verdict/clipping.py)."""
-    after = _grads_by_dense_name(s.tp, s.plan)
+    after = _grads_by_dense_name(s.tp, s.plan, s.grad_of)
     scales = {}
     for name, g in before.items():
         if name not in after:
