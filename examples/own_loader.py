@@ -22,7 +22,10 @@ a hook on rank 1: "not equivalent" at `grad:fc2.bias`, rank 1).
 Planted loader bugs (each is "not equivalent" at the weights stage, step 0, naming `load_tp`):
   - `every_rank_loads_shard_0`: the rank offset is forgotten (signature `rank0_shard`);
   - `bias_broadcast_to_rank0_only`: the replicated bias is loaded on rank 0 only
-    (`replicas_differ`).
+    (`replicas_differ`);
+  - `no_plan_shard0`: the rank offset forgotten with no plan written: each parameter's placement
+    is inferred as the shard it is, and the weights stage fails it as with a written plan
+    (`rank0_shard`; `--print-plan` lists it under "loaded wrong").
 """
 
 import os

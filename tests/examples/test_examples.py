@@ -145,7 +145,9 @@ def test_bias_applied_on_rank1_is_bounded_from_rank0():
 
 def test_own_loader_without_a_plan():
     """No plan written: inferred from what the loader put on each rank, printed as code; a loader
-    that forgot the rank offset is refused, naming the parameter and the shard it holds instead."""
+    that forgot the rank offset is caught at the weights stage as with a written plan (`rank0_shard`
+    at fc1.weight, on every rank but 0), the plan inferred as the shards they are and the
+    misloaded parameters said."""
     r = _run([(f"own_loader.py:{n}", w) for n in ("no_plan", "no_plan_shard0") for w in (2, 4)])
     for w in (2, 4):
         ok = r[f"own_loader_no_plan/tp{w}/float32"]
@@ -159,12 +161,12 @@ def test_own_loader_without_a_plan():
         )
         assert "act:fc1" in {c["name"] for c in ok["checks"]}
         bad = r[f"own_loader_no_plan_shard0/tp{w}/float32"]
-        assert bad["verdict"] == "invalid"
-        assert (
-            "cannot infer a placement for parameter 'fc1.weight' [32, 16]: on rank 1"
-            in bad["summary"]
-        )
-        assert "it holds rank 0's shard(dim=0)" in bad["summary"]
+        assert bad["verdict"] == "not equivalent", bad["summary"]
+        assert _first(bad) == ("weights", 0, "param:fc1.weight")
+        assert bad["first_divergence"]["ranks"] == list(range(1, w))
+        assert bad["diagnosis"]["signature"] == "rank0_shard"
+        assert bad["inferred_plan"].startswith("Plan(params={\n    'fc1.weight': Shard(0),\n")
+        assert "# loaded wrong: fc1.weight: Shard(0), but rank" in bad["inferred_plan"]
 
 
 def test_own_dropout():

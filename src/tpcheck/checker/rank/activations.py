@@ -31,16 +31,21 @@ equivalent", and a guess from the values would hide the bug the check is there t
 
 An output whose shape is no placement of the dense output at all -- another number of dims (a
 flattened `[s*b, h]` for `[s, b, h]`), dims no reordering of the dense ones explains, a dim larger
-than the dense one -- while both modules return the same structure (a tensor each, or tuples of
+than the dense one (an embedding whose ids were taken for a shard of the sequence and gathered,
+`[b, world*s, h]`) -- while both modules return the same structure (a tensor each, or tuples of
 the same length) is a failure at that module (`failed`, a check of kind "layout"): every later
 tensor is computed from something the dense model does not have at this point, and skipping it
-would put the blame on the next module. Not comparable, and only said (not checked, with why): a
-module the TP model does not call, an output that is not a tensor on every rank or has different
-shapes on the ranks, a module whose output has another structure on the two sides (a tuple on one,
-a tensor on the other), an output one dim of which is smaller than the dense one but not `world`
-times smaller (an uneven or padded split, which no placement expresses), and an output whose dims
-are the dense ones (or a shard of them) in another order (Megatron's embedding under sequence
-parallelism returns `[s/tp, b, h]` where its dense twin returns `[b, s, h]`).
+would put the blame on the next module. The same holds of a module output whose placement the case
+names (`unmappable`: its TP shape is no placement of the dense one, not only another placement's)
+and of the model's output (passes.py: the run then stops after that forward).
+
+Not comparable, and only said (not checked, with why): a module the TP model does not call, an
+output that is not a tensor on every rank or has different shapes on the ranks, a module whose
+output has another structure on the two sides (a tuple on one, a tensor on the other), an output one
+dim of which is smaller than the dense one but not `world` times smaller (an uneven or padded split,
+which no placement expresses), and an output whose dims are the dense ones (or a shard of them) in
+another order (Megatron's embedding under sequence parallelism returns `[s/tp, b, h]` where its
+dense twin returns `[b, s, h]`).
 
 The gradient of a module output is checked with the output's placement, as a written plan's is.
 """
@@ -253,6 +258,31 @@ def _placement(
             "(sequence-first on one side, batch-first on the other?): no placement expresses it"
         )
     return "failed", f"its output {list(local)} is no placement of the dense {list(dense)}"
+
+
+def no_placement(local: tuple[int, ...], dense: tuple[int, ...], world: int) -> str | None:
+    """Why a TP output of shape `local` is no placement of a dense output of shape `dense`, as
+    `decide` fails one (another number of dims, a dim larger than the dense one, dims no reordering
+    explains); None when a placement, or a layout said and not checked, may map it."""
+    verdict, what = _placement("", tuple(dense), tuple(local), Plan(params={}), world, set(), {})
+    return what if verdict == "failed" else None
+
+
+def unmappable(
+    tp: torch.Tensor, dense: torch.Tensor, placement: Placement, rank: int, world: int
+) -> str | None:
+    """For an output compared through a placement known before it is produced (a module output the
+    case names, the model's output): why the TP tensor is no placement of the dense one
+    (`no_placement`), when `placement`'s shard has another shape. None otherwise: the shard's own
+    shape, or a shape another placement gives (the comparison refuses it: the written placement is
+    the one to fix)."""
+    try:
+        shard = placement.shard(torch.empty(dense.shape, device="meta"), rank, world)
+    except (UsageError, RuntimeError, NotImplementedError):  # no meta shard: the real one
+        shard = placement.shard(dense, rank, world)
+    if tuple(shard.shape) == tuple(tp.shape):
+        return None
+    return no_placement(tuple(tp.shape), tuple(dense.shape), world)
 
 
 def _reordered(local: tuple[int, ...], dense: tuple[int, ...], world: int) -> bool:

@@ -298,11 +298,13 @@ class Comparator:
     def record_layout(
         self, step: int, check_id: CheckId, seq: int, reason: str, stage: Stage = "forward"
     ) -> Check:
-        """A module output (or, at the buffers stage, a buffer: checker/rank/buffers.py) whose shape
-        is no placement of the dense one (checker/rank/activations.py): a failed check at its place
-        in execution order, `reason` saying the two shapes (error 1: this rank's tensor is not
-        comparable, bound 0). Outside the forward stage, where it may be the stage's only check, it
-        plants the stage's control if none is yet (a flag of 1 against 0 that must fail)."""
+        """A module output, the model's output (or, at the buffers stage, a buffer:
+        checker/rank/buffers.py) whose shape is no placement of the dense one
+        (checker/rank/activations.py): a failed check at its place in execution order, `reason`
+        saying the two shapes (error 1: this rank's tensor is not comparable, bound 0). It plants
+        the stage's layout control if none is yet (a flag of 1 against 0 that must fail): it may be
+        the stage's only check (a forward whose first module output already fails, the run then
+        stopped at the model's output: passes.py)."""
         check = Check(
             stage=stage,
             step=step,
@@ -318,18 +320,17 @@ class Comparator:
             seq=seq,
         )
         self.checks.append(check)
-        if stage != "forward":
-            flag = torch.zeros(1)
-            self._control(
-                check,
-                flag,
-                flag,
-                flag,
-                tolerance.Bound(0.0, "layout", reason),
-                lambda planted: self.compare_local(
-                    stage, step, check_id.as_control(), planted, flag, "no placement", reason
-                ),
-            )  # fmt: skip
+        flag = torch.zeros(1)
+        self._control(
+            check,
+            flag,
+            flag,
+            flag,
+            tolerance.Bound(0.0, "layout", reason),
+            lambda planted: self.compare_local(
+                stage, step, check_id.as_control(), planted, flag, "no placement", reason
+            ),
+        )  # fmt: skip
         return check
 
     def take_control(self, key: tuple[str, int, str]) -> bool:

@@ -6,7 +6,8 @@ reads the plan from here, `Discovery.plan`):
 1. before the first step, which TP parameter is which dense one (the same name, wrapper prefixes
    dropped, `Case.tp_names`, or by values: checker/rank/names.py), then the parameter placements,
    from what the user's loader loaded (checker/rank/plan_inference.py; a parameter one rank alone
-   has is `OnRank(r)`);
+   has is `OnRank(r)`; one that holds another rank's shard on some ranks is placed as the shard it
+   is, `misloaded`, and fails at the weights stage);
 2. in the first micro-batch, the activation placements, from the first micro-batch's output shapes
    and whether each output is the same on every rank (checker/rank/activations.py), for every module
    output the case does not name: a written plan's `Plan.activations` (or, with none written,
@@ -63,6 +64,8 @@ class Discovery:
         self.skipped: dict[str, str] = {}  # module outputs not checked, and why
         self.failed: dict[str, str] = {}  # module outputs no placement of the dense ones, and why
         self.by_values: dict[str, str] = {}  # dense -> TP names matched by values, not by name
+        # parameters holding another rank's shard on some ranks, and what the ranks hold
+        self.misloaded: dict[str, str] = {}
         # TP modules named otherwise than their dense modules (wrappers, renamed layers): their
         # outputs are captured under the dense names
         self.tp_modules: dict[str, str] = {}
@@ -70,7 +73,9 @@ class Discovery:
         if case.plan is None:  # no plan written: inferred from what the user's loader put there
             tp_names, self.by_values = self._names(case, tp)
             self.tp_modules = names.module_names(tp, dense, tp_names)
-            plan = infer_plan(tp, dense, rendezvous, group.rank, group.world_size, tp_names)
+            plan, self.misloaded = infer_plan(
+                tp, dense, rendezvous, group.rank, group.world_size, tp_names
+            )
             plan = dataclasses.replace(plan, activations=dict(case.activations))
             plan.check_against(dense, group.world_size)
             self._plan = plan
@@ -138,7 +143,7 @@ class Discovery:
             selected,
         )
         self._plan = dataclasses.replace(self._plan, activations={**self.written, **decided.placed})
-        self.skipped, self.failed = decided.skipped, decided.failed
+        self.skipped, self.failed = decided.skipped, {**self.failed, **decided.failed}
         self.acts_pending = False
 
     def _partial_sums(
@@ -209,7 +214,7 @@ class Discovery:
         if not self.inferred:
             return None
         return plan_as_code(
-            self._plan, self.skipped, set(self.written), self.failed, self.by_values
+            self._plan, self.skipped, set(self.written), self.failed, self.by_values, self.misloaded
         )
 
     def record(self) -> dict | None:

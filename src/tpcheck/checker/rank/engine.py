@@ -84,6 +84,7 @@ class Engine:
         self.opts = optimizer_stage.build(sides) if self.forward_only is None else None
         self.warmed_up = 0
         self.buffers: BufferChecks | None = None
+        self.stopped: passes.Stopped | None = None  # a TP output no placement maps: passes.py
 
     def run(self) -> list[Check]:
         s = self.sides
@@ -92,12 +93,18 @@ class Engine:
         self.buffers = BufferChecks.start(s)
         s.sync("loading the weights")
         s.cmp.flush_replicas()
-        if self.forward_only is not None:
-            self.warmed_up = self.forward_only.run(s)
-            return s.cmp.checks
-        self.warmed_up = warm_up(s, train=True)  # RunSettings.warmup: not compared
-        for step in range(1, s.settings.steps + 1):
-            self._step(step)
+        try:
+            if self.forward_only is not None:
+                self.warmed_up = self.forward_only.run(s)
+                return s.cmp.checks
+            self.warmed_up = warm_up(s, train=True)  # RunSettings.warmup: not compared
+            for step in range(1, s.settings.steps + 1):
+                self._step(step)
+        except passes.Stopped as stop:  # every rank stops at the same output (passes.py)
+            self.stopped = stop
+            if self.forward_only is not None:
+                self.warmed_up = self.forward_only.warmed_up
+            s.cmp.flush_replicas()
         return s.cmp.checks
 
     def _step(self, step: int) -> None:
@@ -160,12 +167,13 @@ class Engine:
             + s.grad_of.notes()
             + s.draws.notes()
             + self.buffers.notes
-            + torch_collectives.replaced(),
+            + torch_collectives.replaced()
+            + ([self.stopped.note] if self.stopped is not None else []),
             forward_only=self.forward_only.as_json() if self.forward_only else None,
             warmed_up=self.warmed_up,
             activations=s.discovery.record(),
             shard_ops=s.shard_ops.differing(),
-            manifest=manifest(s, self.forward_only, opts),
+            manifest=manifest(s, self.forward_only, opts, self.stopped),
             ledger=list(s.tap.ledger),
             seconds=seconds,
         )

@@ -32,7 +32,13 @@ from tpcheck.checker.case import Case, default_decode_inputs
 from tpcheck.checker.checkid import LOSS, OUTPUT, decode_pass
 from tpcheck.checker.rank import capture
 from tpcheck.checker.rank.loading import cast, map_tensors
-from tpcheck.checker.rank.passes import TPActivations, one_tensor, others_wait
+from tpcheck.checker.rank.passes import (
+    Stopped,
+    TPActivations,
+    compare_output,
+    one_tensor,
+    others_wait,
+)
 from tpcheck.checker.rank.rng import training_rng
 from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.errors import UsageError
@@ -96,6 +102,7 @@ class ForwardOnly:
     def __init__(self, reason: str, decode_steps: int) -> None:
         self.reason, self.decode_steps = reason, decode_steps
         self.notes: list[str] = []
+        self.warmed_up = 0  # the TP module's warm-up forwards (warmup.py), once run
 
     @classmethod
     def of(cls, case: Case, tp: nn.Module) -> ForwardOnly | None:
@@ -111,7 +118,7 @@ class ForwardOnly:
         returns the TP module's warm-up forwards (warmup.py)."""
         kept = [Buffers(m) for m in s.models()]
         # RunSettings.warmup: the buffers are restored as built before each step
-        warmed_up = warm_up(s, train=False)
+        self.warmed_up = warmed_up = warm_up(s, train=False)
         for step in range(1, s.settings.steps + 1):
             inputs, target = s.first_batch if step == 1 else s.batch()
             for buffers in kept:
@@ -148,7 +155,7 @@ class ForwardOnly:
 
     def _pass(self, s: Sides, step: int, k: int, inputs: dict, target=None) -> torch.Tensor:
         """One forward of every side, compared; returns the dense side's output."""
-        case, cmp, pass_ = s.case, s.cmp, decode_pass(k)
+        cmp, pass_ = s.cmp, decode_pass(k)
         book = s.draws.book()
         rec_d = capture.Recorder()
         rec_t = capture.Calibrating(rec_d, s.truth_bound)
@@ -190,15 +197,9 @@ class ForwardOnly:
             ):
                 out_tp = one_tensor(s.tp(**s.tp_inputs(inputs)), s.tp, "TP")
             capture.detach_all(handles)
-            cmp.compare(
-                "forward",
-                step,
-                OUTPUT.in_pass(pass_),
-                out_tp.detach(),
-                out_d,
-                out_t,
-                case.output_placement,
-            )
+            if why := compare_output(s, step, OUTPUT.in_pass(pass_), out_tp, out_d, out_t):
+                acts.release()  # the module outputs held: their checks come before the output's
+                raise Stopped(step, OUTPUT.in_pass(pass_), why)
             if target is not None:
                 self._loss(s, step, out_tp, target, loss_d, loss_t)
         where = f"the forward of step {step}" + (f", decode pass {k}" if k else "")

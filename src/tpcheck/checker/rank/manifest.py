@@ -13,6 +13,8 @@ optimizers step, the total gradient norm where the run clips; the weights as loa
 at stage "replicas" each of these this rank holds a copy of that another rank holds too (compared
 bitwise across ranks).
 Forward only: the output of the prefill and of every decode pass, every step.
+A run that stopped at a TP output no placement maps (passes.py `Stopped`) owes the steps before
+that one, and that output's check.
 """
 
 from __future__ import annotations
@@ -32,20 +34,25 @@ from tpcheck.plan import Placement, copies
 if TYPE_CHECKING:
     from tpcheck.checker.rank.forward_only import ForwardOnly
     from tpcheck.checker.rank.optimizer import Optimizers
+    from tpcheck.checker.rank.passes import Stopped
     from tpcheck.checker.rank.sides import Sides
 
 
-def manifest(s: Sides, forward_only: ForwardOnly | None, opts: Optimizers | None) -> list[list]:
+def manifest(
+    s: Sides, forward_only: ForwardOnly | None, opts: Optimizers | None, stopped: Stopped | None
+) -> list[list]:
     """What this rank must have compared (module docstring), in the payload's form: a case checked
-    `forward_only`, or trained by `opts`."""
+    `forward_only`, or trained by `opts`; `stopped`: where the run stopped, if it did."""
     out = _weights(s)
+    steps = range(1, stopped.step if stopped is not None else s.settings.steps + 1)
     if forward_only is not None:
         names = [OUTPUT.in_pass(decode_pass(k)) for k in range(forward_only.decode_steps + 1)]
-        return out + [
-            ["forward", step, name, 1] for step in range(1, s.settings.steps + 1) for name in names
-        ]
-    for step in range(1, s.settings.steps + 1):
-        out += _forward(s, step) + _params(s, opts, step)
+        out += [["forward", step, name, 1] for step in steps for name in names]
+    else:
+        for step in steps:
+            out += _forward(s, step) + _params(s, opts, step)
+    if stopped is not None:
+        out.append(["forward", stopped.step, stopped.check_id, 1])
     return out
 
 
@@ -87,7 +94,9 @@ def _forward(s: Sides, step: int) -> list[list]:
             if not (count := s.produced[(step, module)]):
                 continue
             out.append(["forward", step, CheckId("act", module), count])
-            if s.group.world_size > 1 and placement.replicated:
+            # an output no placement maps fails at its module, with no copy to compare
+            failed = module in s.discovery.failed
+            if s.group.world_size > 1 and placement.replicated and not failed:
                 out.append(["replicas", step, CheckId("act", module), count])
     return out
 

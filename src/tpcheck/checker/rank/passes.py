@@ -5,6 +5,14 @@ without autograd (`no_grad_forward`, also the eval-mode forward's: buffers.py); 
 with the forward-only check (forward_only.py): a module's one output tensor, rank 0's extra threads
 for its float64 passes, and the sink of the TP side's captured module outputs.
 
+A TP output that is no placement of the dense one (activations.py: another number of dims, a dim
+larger than the dense one) is a failed check where it is produced: a module output at its module,
+and the run goes on; the model's output (`compare_output`) at `output`, and the run stops after that
+forward on every rank (`Stopped`): the loss, the backward
+and the optimizer would compute from a tensor the dense model does not have (a loss against the
+dense-shaped target fails to compute at all), so nothing after it is checked, and the report says
+so.
+
 Each function takes the case's `Sides` (sides.py): nothing here holds state across micro-batches
 but the manifest's count of the dense outputs (`Sides.produced`)."""
 
@@ -17,7 +25,7 @@ import torch
 from torch import nn
 
 from tpcheck.checker.checkid import LOSS, NO_GRAD_OUTPUT, OUTPUT, CheckId
-from tpcheck.checker.rank import capture
+from tpcheck.checker.rank import activations, capture
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.loading import cast, leaf, map_tensors
@@ -72,6 +80,41 @@ class NoGrad:
     """Stands for a float64 input on ranks that hold no float64 model."""
 
     grad = None
+
+
+class Stopped(Exception):
+    """The TP model's output of `step` is no placement of the dense output (`why`): its failed
+    check is recorded (`check_id`), and the run stops after that forward, with the checks made so
+    far (engine.py); `note` says what was not checked."""
+
+    def __init__(self, step: int, check_id: CheckId, why: str) -> None:
+        super().__init__(why)
+        self.step, self.check_id, self.why = step, check_id, why
+        self.note = (
+            f"the loss, the backward and the optimizer of step {step} and every step after it: "
+            f"the run stopped at the TP model's output ({check_id}): {why}"
+        )
+
+
+def compare_output(
+    s: Sides, step: int, check_id: CheckId, out_tp: torch.Tensor, out_d, out_t
+) -> str | None:
+    """The TP model's output against the dense one's through `Case.output_placement`; None, or,
+    when it is no placement of the dense output (`activations.unmappable`), why: its failed check
+    (`no_placement`) is recorded at its place, and the ranks meet at a ledger checkpoint before the
+    caller releases what it holds and raises `Stopped` (the same forward gives every rank the same
+    shape; a rank that went on instead is a hang named at that checkpoint, never a checker
+    collective paired with the model's)."""
+    group, placement = s.group, s.case.output_placement
+    why = activations.unmappable(out_tp, out_d, placement, group.rank, group.world_size)
+    if why is None:
+        s.cmp.compare("forward", step, check_id, out_tp.detach(), out_d, out_t, placement)
+        return None
+    s.cmp.record_layout(step, check_id, s.cmp.next_seq(), why)
+    s.sync(
+        f"the forward of step {step}, whose output ({check_id}) is no placement of the dense one"
+    )
+    return why
 
 
 class TPActivations:
@@ -129,7 +172,7 @@ class TPActivations:
     def _compare(self, stage: str, name: str, t: torch.Tensor, seq: int | None = None) -> None:
         d = self.rec_d.take(stage, name)
         tr = self.rec_t.take(stage, name) if self.rec_t is not self.rec_d else d
-        if d is not None:
+        if d is not None and not self._no_placement(stage, name, t, d, seq):
             label = "act" if stage == "forward" else "actgrad"
             # calibrated as the truth produced it
             given = {"bound": tr} if isinstance(tr, Bound) else {}
@@ -144,6 +187,22 @@ class TPActivations:
                 seq=seq,
                 **given,
             )
+
+    def _no_placement(self, stage: str, name: str, t: torch.Tensor, d, seq: int | None) -> bool:
+        """Whether the output of module `name` (a placement the case names, or one inferred) is
+        no placement of the dense output (`activations.unmappable`): then its forward fails at
+        its module (`Discovery.failed` says why), and its gradient, of the same shape, is not
+        compared (its forward's check names the module)."""
+        group = self.cmp.group
+        placement = self.discovery.plan.activations[name]
+        why = activations.unmappable(t, d, placement, group.rank, group.world_size)
+        if why is None:
+            return False
+        if stage == "forward":
+            self.discovery.failed.setdefault(name, why)
+            at = seq if seq is not None else self.cmp.next_seq()
+            self.cmp.record_layout(self.step, CheckId("act", name, self.pass_), at, why)
+        return True
 
 
 # ------------------------------------------------------------------------ the training forward
@@ -177,7 +236,10 @@ def forward_backward(s: Sides, step: int, micro: int, batch) -> None:
             out_tp = one_tensor(s.tp(**kw_tp), s.tp, "TP")
         # compared before the loss sees it: a loss may work in place on its input (Megatron's
         # vocab-parallel cross-entropy subtracts the max from the logits)
-        cmp.compare("forward", step, OUTPUT, out_tp.detach(), out_d, out_t, case.output_placement)
+        if (why := compare_output(s, step, OUTPUT, out_tp, out_d, out_t)) is not None:
+            capture.detach_all(handles)
+            acts.release()  # the module outputs held: their checks come before the output's
+            raise Stopped(step, OUTPUT, why)
         require_graph(out_tp, "TP", s.tp)
         target_local = map_tensors(
             lambda t: case.target_placement.shard(cast(t, s.dtype), group.rank, group.world_size),
@@ -304,5 +366,6 @@ def no_grad_forward(s: Sides, step: int, inputs: dict, check_id: CheckId = NO_GR
             s.draws.tp_masks(book, s.tp),
         ):
             out_tp = one_tensor(s.tp(**s.tp_inputs(inputs)), s.tp, "TP")
-    s.cmp.compare("forward", step, check_id, out_tp, out_d, out_t, s.case.output_placement)
+    if (why := compare_output(s, step, check_id, out_tp, out_d, out_t)) is not None:
+        raise Stopped(step, check_id, why)
     s.draws.check(step, book, "the forward without autograd")

@@ -7,9 +7,16 @@ dim, a fused weight of 2 or 3 equal parts along each dim; then a fused `[q; k; v
 sharded or replicated, k and v, which rank 0 proposes from its values: `uneven_fused`) and keeps
 those whose shard of the dense tensor equals the TP tensor bitwise. The ranks then agree through the
 rendezvous store: a parameter's placement is the first candidate every rank matched. Random weights
-make an accidental match impossible (a shard is many independent values); a parameter no candidate
-explains on some rank is reported naming it, the shapes and what was tried -- usually a loader bug,
-or a layout to write down.
+make an accidental match impossible (a shard is many independent values).
+
+A parameter that holds, on some ranks, another rank's shard under a placement the other ranks hold
+their own shard of (every rank holds rank 0's: a loader that forgot the rank offset; two ranks'
+shards swapped) is a loader bug, not an unknown layout: its placement is inferred as that one
+(`misloaded`, the placement the most ranks hold their own shard of), so the weights stage fails it
+on the ranks that hold another's (signature `rank0_shard`, or `permuted`), as with a written plan,
+and every later stage is still checked (each step after the first restarts the TP module through
+the plan). A parameter no candidate explains on some rank in any of these ways is reported naming
+it, the shapes and what was tried -- an unknown layout to write down, or values loaded wrong.
 
 The inferred plan is then used like a written one (the weights stage still checks every parameter),
 and is printed as code (`tpcheck verify --print-plan`) to paste into the case file.
@@ -106,16 +113,42 @@ def uneven_fused(dense: torch.Tensor, local: torch.Tensor, world: int) -> list[F
     return out
 
 
-def looks_like(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> str | None:
-    """When no placement explains `local` on `rank`:
-    another rank's shard that it equals, in words."""
-    for placement in candidates(tuple(dense.shape), world):
+def held_elsewhere(
+    dense: torch.Tensor,
+    local: torch.Tensor,
+    rank: int,
+    world: int,
+    tried: list[Placement] | None = None,
+) -> list[tuple[int, int]]:
+    """When no placement explains `local` on `rank`: (index into `tried`, by default `candidates`,
+    other rank) for each placement whose shard for another rank is `local`, bitwise."""
+    found = []
+    for i, placement in enumerate(
+        candidates(tuple(dense.shape), world) if tried is None else tried
+    ):
         for other in range(world):
             if other == rank:
                 continue
-            shard = placement.shard(dense, other, world)
+            try:
+                shard = placement.shard(dense, other, world)
+            except UsageError:  # a proposed layout this shape does not admit
+                continue
             if shard.shape == local.shape and torch.equal(shard.to(local.dtype), local):
-                return f"it holds rank {other}'s {placement}: a loader that forgot the rank offset?"
+                found.append((i, other))
+    return found
+
+
+def looks_like(dense: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> str | None:
+    """When no placement explains `local` on `rank`:
+    another rank's shard that it equals, in words."""
+    tried = candidates(tuple(dense.shape), world)
+    return _in_words(held_elsewhere(dense, local, rank, world, tried), tried)
+
+
+def _in_words(holds: list[tuple[int, int]], tried: list[Placement]) -> str | None:
+    """The first of `held_elsewhere`'s findings, in words (None when there is none)."""
+    for i, other in holds[:1]:
+        return f"it holds rank {other}'s {tried[i]}: a loader that forgot the rank offset?"
     return None
 
 
@@ -126,28 +159,63 @@ def infer_plan(
     rank: int,
     world: int,
     tp_names: dict[str, str] | None = None,
-) -> Plan:
+) -> tuple[Plan, dict[str, str]]:
     """The plan every rank agrees on, from the loaded TP module and the dense one (same parameter
-    names, or `tp_names`: names.py matches them). A parameter only one rank has is `OnRank(r)` when
-    that rank holds the whole tensor. Raises UsageError naming the first parameter no placement
-    explains."""
+    names, or `tp_names`: names.py matches them), and the parameters loaded wrong ({name: what the
+    ranks hold}, `misloaded`: the weights stage fails them). A parameter only one rank has is
+    `OnRank(r)` when that rank holds the whole tensor. Raises UsageError naming the first parameter
+    no placement explains."""
     tp_names = tp_names or {}
     pairs = _pairs(tp, dense, tp_names)
     tried_all, said = _matches_on_every_rank(pairs, rendezvous, rank, world)
     params: dict[str, Placement] = {}
+    wrong: dict[str, str] = {}
     for name, p in dense.named_parameters():
         holders = [r for r, theirs in enumerate(said) if name in theirs]
         if len(holders) < world:
             params[name] = _on_one_rank(name, p, holders, said, world, tp_names.get(name, name))
             continue
-        tried = tried_all[name]
-        common = set(range(len(tried)))
-        for r, theirs in enumerate(said):
-            common &= set(theirs[name]["matches"])
-            if not common:
-                raise _no_placement(name, p, r, world, tried, theirs[name]["hint"])
-        params[name] = tried[min(common)]
-    return Plan(params=params, tp_names=dict(tp_names))
+        tried, views = tried_all[name], [theirs[name] for theirs in said]
+        common, apart = set(range(len(tried))), None
+        for r, view in enumerate(views):
+            common &= set(view["matches"])
+            apart = r if apart is None and not common else apart
+        if common:
+            params[name] = tried[min(common)]
+        elif (found := misloaded(views, tried)) is not None:
+            params[name], wrong[name] = found
+        else:
+            raise _no_placement(name, p, apart, world, tried, views[apart]["hint"])
+    return Plan(params=params, tp_names=dict(tp_names)), wrong
+
+
+def misloaded(views: list[dict], tried: list[Placement]) -> tuple[Placement, str] | None:
+    """From every rank's view of one parameter ({"matches": [...], "holds": [[i, other], ...]},
+    indices into `tried`): the placement every rank's values are a shard of -- its own on some
+    ranks, another rank's on the others (a loader that forgot the rank offset, or swapped two
+    ranks' shards) -- the one the most ranks hold their own shard of, first in `tried` on a tie;
+    with what the ranks hold, in words. None when no placement explains every rank so."""
+    best = None
+    for i in range(len(tried)):
+        own = [i in v["matches"] for v in views]
+        other = [{o for j, o in v.get("holds", ()) if j == i} for v in views]
+        if all(own) or not all(o or e for o, e in zip(own, other)):
+            continue
+        if best is None or sum(own) > best[0]:
+            best = (sum(own), i, other)
+    if best is None:
+        return None
+    _, i, other = best
+    by_source: dict[int, list[int]] = {}
+    for r, o in enumerate(other):
+        if i not in views[r]["matches"]:
+            by_source.setdefault(min(o), []).append(r)
+    held = ", ".join(
+        (f"rank {rs[0]} holds" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))} hold")
+        + f" rank {src}'s shard"
+        for src, rs in by_source.items()
+    )
+    return tried[i], f"{placement_code(tried[i])}, but {held}"
 
 
 def _pairs(tp: nn.Module, dense: nn.Module, tp_names: dict[str, str]) -> dict[str, tuple]:
@@ -214,7 +282,8 @@ def _matches_on_every_rank(pairs: dict, rendezvous: Rendezvous, rank: int, world
         ]
         tried_all[name] = base + extra
         hits = found[name] + [len(base) + i for i in matches(d, t, rank, world, extra)]
-        mine[name] = {"matches": hits, "hint": None if hits else looks_like(d, t, rank, world)}
+        holds = [] if hits else held_elsewhere(d, t, rank, world, tried_all[name])
+        mine[name] = {"matches": hits, "holds": holds, "hint": _in_words(holds, tried_all[name])}
     said = [
         json.loads(text)
         for text in rendezvous.exchange("plan", json.dumps(mine), label="inferring the plan")
@@ -261,13 +330,15 @@ def plan_as_code(
     written: set[str] = frozenset(),
     no_placement: dict[str, str] | None = None,
     by_values: dict[str, str] | None = None,
+    misloaded: dict[str, str] | None = None,
 ) -> str:
     """The plan as Python to paste into a case file; `not_checked`: module outputs no activation
     placement was inferred for, and why (as comments); `written`: the activations the case named
     (`Case.activations`): where there are any, each activation says whether it was written or
     inferred; `no_placement`: module outputs whose shape is no placement of the dense one (failed
     at their module), and why; `by_values`: the dense parameters whose TP names were matched by
-    values, not by name (checker/rank/names.py) -- as comments."""
+    values, not by name (checker/rank/names.py); `misloaded`: the parameters that hold another
+    rank's shard on some ranks (`misloaded`), failed at the weights stage -- as comments."""
     lines = [f"    {name!r}: {placement_code(p)}," for name, p in plan.params.items()]
     names = "".join(f"\n    {d!r}: {t!r}," for d, t in plan.tp_names.items())
     names = f", tp_names={{{names}\n}}" if names else ""
@@ -284,6 +355,10 @@ def plan_as_code(
     )
     why += "".join(
         f"\n# failed: {name}: {reason}" for name, reason in sorted((no_placement or {}).items())
+    )
+    why += "".join(
+        f"\n# loaded wrong: {name}: {held} (failed at the weights stage)"
+        for name, held in (misloaded or {}).items()
     )
     if by_values:
         why += "\n# matched by values (no TP parameter has the dense name): check these tp_names"

@@ -41,8 +41,8 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     parameters' plus world x the replicated ones': replicated parameters summed over
                     the ranks like shards
   no_placement      (a layout check) a module output whose shape is no placement of the dense
-                    module's output (flattened, transposed, reshaped): the check's reason says the
-                    two shapes
+                    module's output (flattened, transposed, reshaped, larger along a dim): the
+                    check's reason says the two shapes
   routing           (a routing check) a discrete decision of the TP side (top-k, argmax, sort)
                     picked other indices than the dense side's where the competing values are
                     further apart than rounding explains (a flip at a near-tie is replayed,
@@ -149,7 +149,8 @@ CAUSES = {
     ),
     "no_placement": (
         "this module's output on the TP side is laid out as no part of the dense module's output "
-        "(flattened, transposed or reshaped), so nothing after it computes on what the dense "
+        "(flattened, transposed or reshaped; larger along a dim: gathered or concatenated where "
+        "the dense module has nothing to gather), so nothing after it computes on what the dense "
         "model computes on"
     ),
     "routing": (
