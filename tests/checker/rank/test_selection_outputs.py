@@ -34,16 +34,18 @@ def test_a_lookup_masked_later_is_left_to_its_user_and_a_missing_mask_is_caught(
 
 
 def test_checker_mutant_no_selection_held_replicated_fails_the_correct_model(monkeypatch):
-    monkeypatch.setattr(activations, "is_selection", lambda nearest, dense: False)
+    monkeypatch.setattr(activations, "is_selection", lambda nearest, whole, dense: False)
     (r,) = check([spec("masked")])
     assert r["verdict"] == "not equivalent", r["summary"]
     assert r["first_divergence"]["name"] == "act:emb", r["first_divergence"]
 
 
-def test_a_selection_needs_every_element_on_some_rank():
-    dense = torch.ones(4, 3)
-    assert activations.is_selection(torch.zeros(12), dense)
-    assert not activations.is_selection(torch.tensor([0.0] * 11 + [0.5]), dense)
+def test_a_selection_needs_every_element_on_some_rank_and_no_rank_with_them_all():
+    dense, off = torch.ones(4, 3), torch.tensor(1.0)
+    assert activations.is_selection(torch.zeros(12), off, dense)
+    assert not activations.is_selection(torch.tensor([0.0] * 11 + [0.5]), off, dense)
+    # one rank holds the whole dense output: the others are wrong, not selecting
+    assert not activations.is_selection(torch.zeros(12), torch.tensor(0.0), dense)
     views = [{"m": [[4, 3], "a"]}, {"m": [[4, 3], "b"]}]
     placed, skipped, _ = activations.decide(
         {"m": (4, 3)}, views, Plan(params={}), 2, selected={"m"}

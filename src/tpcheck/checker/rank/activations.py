@@ -14,12 +14,13 @@ equivalent", and a guess from the values would hide the bug the check is there t
   all-reduce for all of them). If the sum is the dense output (within `PARTIAL_RELATIVE` of its
   scale: the rounding of a sum, never a bug's O(1) difference), it is a partial sum before its
   all-reduce (a row-parallel linear whose reduction comes later): not checked. If instead every
-  element is the dense one on some rank (the least distance over the ranks, in the same
-  all-reduce), it is a selection: a lookup whose rows outside the rank's shard are masked later
-  (a vocab-parallel embedding's `nn.Embedding` submodule, the mask applied by its parent): not
-  checked, its parent is. Otherwise it is a tensor every rank should hold whole and does not --
-  `Replicate()`, so its check fails and names the module (a missing all-reduce is then named one
-  module up, where the partial sum is used as if it were whole);
+  element is the dense one on some rank (the least distance over the ranks, in a second checker
+  all-reduce) and no rank holds them all, it is a selection: a lookup whose rows outside the
+  rank's shard are masked later (a vocab-parallel embedding's `nn.Embedding`, the mask applied by
+  its caller): not checked, what uses it is. (One rank holding the whole dense output makes the
+  others' values a bug, checked.) Otherwise it is a tensor every rank should hold whole and does
+  not -- `Replicate()`, so its check fails and names the module (a missing all-reduce is then named
+  one module up, where the partial sum is used as if it were whole);
 - the module's own 2-D `weight` is split along its output rows -- `Shard(0)` (a column-parallel
   linear, an LM head) or `Fused(0, ...)` (a fused gate/up or QKV linear) -- and its output has the
   shape that layout gives the last dim: the same layout on the last dim
@@ -119,12 +120,15 @@ def is_partial_sum(summed: torch.Tensor, dense: torch.Tensor) -> bool:
     )
 
 
-def is_selection(nearest: torch.Tensor, dense: torch.Tensor) -> bool:
+def is_selection(nearest: torch.Tensor, closest_whole: torch.Tensor, dense: torch.Tensor) -> bool:
     """Whether every element of the dense output is held by some rank (`nearest`: each element's
-    least |TP - dense| over the ranks), up to the partial-sum test's rounding."""
+    least |TP - dense| over the ranks) while no rank holds them all (`closest_whole`: the least over
+    the ranks of a rank's largest |TP - dense|), up to the partial-sum test's rounding. A rank that
+    holds the whole dense output makes the others' values a bug there, not a selection."""
     if not dense.numel():
         return False
-    return float(nearest.max()) <= PARTIAL_RELATIVE * max(absmax(dense), 1e-30)
+    tol = PARTIAL_RELATIVE * max(absmax(dense), 1e-30)
+    return float(nearest.max()) <= tol < float(closest_whole)
 
 
 def row_split_linears(dense: nn.Module, plan: Plan) -> dict[str, Shard | Fused]:

@@ -150,20 +150,20 @@ class Discovery:
         self, names: list[str], dense: dict[str, torch.Tensor], held: list
     ) -> tuple[set[str], set[str]]:
         """Of the outputs in `names` (the dense shape on every rank, not the same on every rank),
-        those whose sum over the ranks is the dense output (partial sums), and of the others those
-        whose every element is the dense one on some rank (selections: a lookup whose rows outside
-        the rank's shard are masked later): one checker all-reduce for all of them (the sum, and
-        the least distance to the dense output as the negated max)."""
+        those whose sum over the ranks is the dense output (partial sums), and of the others the
+        selections (`activations.is_selection`: every element the dense one on some rank, no rank
+        holding them all; a lookup whose rows outside the rank's shard are masked later): one
+        checker all-reduce for the sums, one for the least distances to the dense output (as the
+        negated max: each element's over the ranks, and each output's whole-tensor one)."""
         first = {}
         for stage, name, t, _ in held:
             if stage == "forward":
                 first.setdefault(name, t)
         mine = [first[n].double().reshape(-1).cpu() for n in names]
+        gaps = [(t - dense[n].double().reshape(-1).cpu()).abs() for n, t in zip(names, mine)]
         sums = torch.cat(mine)
-        near = torch.cat(
-            [-(t - dense[n].double().reshape(-1).cpu()).abs() for n, t in zip(names, mine)]
-        )
-        # gloo: a checker collective, in two: a sum and a max
+        whole = torch.tensor([float(g.max()) if g.numel() else 0.0 for g in gaps])
+        near = torch.cat([-torch.cat(gaps), -whole.double()])
         for op, both in ((dist.ReduceOp.SUM, sums), (dist.ReduceOp.MAX, near)):
             self.group.tap.performing(
                 ("all_reduce", "checker:activations", "forward"),
@@ -173,11 +173,13 @@ class Discovery:
                 group=self.group.pg,
             )
         sizes = [dense[n].numel() for n in names]
+        nearest = near[: sum(sizes)].split(sizes)
         partial, selected = set(), set()
-        for n, summed, gap in zip(names, sums.split(sizes), near.split(sizes)):
-            if activations.is_partial_sum(summed, dense[n].reshape(-1).cpu()):
+        for k, (n, summed) in enumerate(zip(names, sums.split(sizes))):
+            d = dense[n].reshape(-1).cpu()
+            if activations.is_partial_sum(summed, d):
                 partial.add(n)
-            elif activations.is_selection(-gap, dense[n].reshape(-1).cpu()):
+            elif activations.is_selection(-nearest[k], -near[sum(sizes) + k], d):
                 selected.add(n)
         return partial, selected
 
