@@ -30,6 +30,7 @@ def results():
     return dict(zip(specs, check(specs)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", GRID)
 def test_a_clip_of_the_sharded_gradients_only_is_caught_at_the_step_and_named(
     results, world, dtype
@@ -50,6 +51,7 @@ def test_a_clip_of_the_sharded_gradients_only_is_caught_at_the_step_and_named(
     assert "moment:norm.weight.exp_avg" in failed, sorted(failed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", GRID)
 def test_its_correct_twin_is_equivalent_with_every_clipped_gradient_and_moment_checked(
     results, world, dtype

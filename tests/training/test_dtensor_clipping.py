@@ -40,6 +40,7 @@ def _assert_pair(results, names):
 NAMES = (*CORRECT, "local_clip")
 
 
+@pytest.mark.slow
 def test_torch_and_torchtitan_clipping_of_dtensors_pass_a_local_norm_is_caught():
     _assert_pair(check([spec(n) for n in NAMES]), NAMES)
 

@@ -12,7 +12,12 @@ from tpcheck import CaseSpec, RunSettings, check, exit_code
 from paths import REPO
 
 FILE = REPO / "tests" / "training" / "case_files" / "megatron_style.py"
-GRID = [(world, dtype) for world in (2, 4) for dtype in ("float32", "bfloat16")]
+GRID = [
+    (2, "float32"),
+    pytest.param(2, "bfloat16", marks=pytest.mark.slow),
+    pytest.param(4, "float32", marks=pytest.mark.slow),
+    pytest.param(4, "bfloat16", marks=pytest.mark.slow),
+]
 NOTE = "the TP side keeps frozen (requires_grad=False): fc1.weight, fc2.weight"
 
 

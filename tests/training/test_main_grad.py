@@ -55,6 +55,7 @@ def results():
     return dict(zip(specs, check(specs)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", GRID)
 def test_main_grad_is_found_and_the_case_is_equivalent(results, world, dtype):
     r = results[spec("main_grad", world, dtype)]
@@ -67,6 +68,7 @@ def test_main_grad_is_found_and_the_case_is_equivalent(results, world, dtype):
     assert "not checked: the gradients in `.grad`" in r["summary"]
 
 
+@pytest.mark.slow
 def test_an_accumulator_left_unzeroed_is_caught_at_step_2(results):
     for s in BUGS[:2]:
         r = results[s]
@@ -79,6 +81,7 @@ def test_an_accumulator_left_unzeroed_is_caught_at_step_2(results):
     assert twin["verdict"] == "equivalent", twin["summary"]
 
 
+@pytest.mark.slow
 def test_a_missing_accumulation_hook_is_caught_at_its_parameter(results):
     for s in BUGS[2:]:
         r = results[s]
@@ -95,6 +98,7 @@ def test_a_missing_accumulation_hook_is_caught_at_its_parameter(results):
     assert not any("also kept a `.grad`" in n for n in twin["notes"])
 
 
+@pytest.mark.slow
 def test_a_module_zeroing_its_own_buffer_and_a_named_place(results):
     """Megatron's split (the module's zero_grad_buffer() zeroes the buffer, the optimizer only
     `.grad`) with `grad_of="main_grad"`; segments kept apart from the parameters with a function.
@@ -106,6 +110,7 @@ def test_a_module_zeroing_its_own_buffer_and_a_named_place(results):
         assert "update:fc1.weight" in {c["name"] for c in r["checks"]}
 
 
+@pytest.mark.slow
 def test_tpchecks_own_optimizer_steps_on_main_grad_and_zeroes_it(results):
     for s in OTHERS[2:4]:
         r = results[s]
@@ -119,6 +124,7 @@ def test_tpchecks_own_optimizer_steps_on_main_grad_and_zeroes_it(results):
         assert stepped == set(range(1, s.run.steps + 1))
 
 
+@pytest.mark.slow
 def test_the_clipping_scales_main_grad(results):
     r = results[OTHERS[4]]
     assert r["verdict"] == "equivalent", r["summary"]

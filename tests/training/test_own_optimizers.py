@@ -33,6 +33,7 @@ def results():
     return dict(zip(specs, check(specs)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CORRECT)
 @pytest.mark.parametrize("world,dtype", GRID)
 def test_a_fused_or_foreach_adamw_is_followed_and_said(results, name, world, dtype):
@@ -47,6 +48,7 @@ def test_a_fused_or_foreach_adamw_is_followed_and_said(results, name, world, dty
     assert {"update:fc2.weight", "state:fc2.weight.exp_avg", "moment:norm.bias.exp_avg"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", GRID)
 def test_the_rule_is_never_followed_a_wrong_weight_decay_is_caught(results, world, dtype):
     r = results[spec("fused_adamw_wrong_decay", world, dtype)]
@@ -61,6 +63,7 @@ def test_the_rule_is_never_followed_a_wrong_weight_decay_is_caught(results, worl
         assert r["diagnosis"]["signature"] == "decay", r["diagnosis"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 4))
 def test_a_fused_adamw_over_a_strided_shard_is_caught_at_its_update(results, world):
     r = results[spec("fused_adamw_strided_shards", world, "float32")]

@@ -86,8 +86,8 @@ def test_a_lazily_grown_cache_is_compared_at_its_current_shapes():
 @pytest.mark.parametrize(
     "world, dtype",
     [
-        pytest.param(4, "float32", id="tp4"),
-        pytest.param(2, "bfloat16", id="bf16"),
+        pytest.param(4, "float32", id="tp4", marks=pytest.mark.slow),
+        pytest.param(2, "bfloat16", id="bf16", marks=pytest.mark.slow),
         pytest.param(4, "bfloat16", id="tp4bf16", marks=pytest.mark.slow),
     ],
 )

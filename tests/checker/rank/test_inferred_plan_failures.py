@@ -70,6 +70,7 @@ def _equivalent(r: dict) -> None:
     assert r["self_test"]["failures"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", SETTINGS)
 def test_a_loader_that_forgot_the_rank_offset_is_rank0_shard_at_the_weights(results, world, dtype):
     """plan=None, the loader slices `full[0:k]` on every rank: "not equivalent" (exit 1) at
@@ -107,6 +108,7 @@ def test_a_loader_that_forgot_the_rank_offset_is_rank0_shard_at_the_weights(resu
     assert bad["self_test"]["failures"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_shards_loaded_in_reverse_rank_order_are_permuted_at_the_weights(results, world):
     """Every rank holds another rank's shard (the ranks numbered the other way round): no rank
@@ -127,6 +129,7 @@ def _stopped_at_the_forward(bad: dict, world: int) -> None:
     assert bad["self_test"]["failures"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", SETTINGS)
 @pytest.mark.parametrize(
     "pair,tp_shape",
@@ -167,6 +170,7 @@ def test_an_embedding_output_larger_than_the_dense_one_fails_at_its_module(
     _stopped_at_the_forward(bad, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_forward_only_and_the_forward_without_autograd_stop_at_the_same_bug(results, world):
     """Checked forward only, the gathered embedding fails at its module and stops at the output;
@@ -230,6 +234,7 @@ def test_an_output_no_placement_maps_is_told_from_one_the_written_placement_miss
     assert activations.unmappable(torch.zeros(2, 4, 8), dense, Shard(2), 1, 2) is None
 
 
+@pytest.mark.slow
 def test_the_report_of_each_bug_validates_and_prints_its_plan(results):
     """The JSON report of the caught bugs and their twins validates against the schema; the printed
     plans say which parameters were loaded wrong and which module outputs failed."""

@@ -98,7 +98,7 @@ def test_the_probe_makes_torchs_own_bernoulli_draw_from_the_modules_generator_in
 # ------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_correct_cases_are_equivalent(world, dtype):
     names = ["init_std", "bernoulli"] + (["own_reset", "generator_reset"] if world == 2 else [])

@@ -22,7 +22,14 @@ def spec(name, world=2, dtype="float32"):
     return file_spec(f"{FILE}:{name}", world, dtype=dtype)
 
 
-@pytest.mark.parametrize("world,dtype", [(2, "float32"), (4, "float32"), (2, "bfloat16")])
+@pytest.mark.parametrize(
+    "world,dtype",
+    [
+        (2, "float32"),
+        pytest.param(4, "float32", marks=pytest.mark.slow),
+        pytest.param(2, "bfloat16", marks=pytest.mark.slow),
+    ],
+)
 def test_a_lookup_masked_later_is_left_to_its_user_and_a_missing_mask_is_caught(world, dtype):
     masked, no_mask = check([spec("masked", world, dtype), spec("no_mask", world, dtype)])
     assert masked["verdict"] == "equivalent", masked["summary"]

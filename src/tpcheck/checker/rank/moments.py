@@ -42,7 +42,7 @@ import torch
 
 from tpcheck.checker.checkid import CheckId
 from tpcheck.checker.rank import tolerance
-from tpcheck.checker.rank.measure import absmax
+from tpcheck.checker.rank.measure import absmax, max_abs_diff
 
 if TYPE_CHECKING:
     from tpcheck.checker.rank.optimizer import Optimizers
@@ -148,7 +148,9 @@ def _grad_bound(s: Sides, p, t) -> float:
     truth gradient is held, its floor at the dense gradient's scale."""
     if t is None or t.grad is None or t.grad.shape != p.grad.shape:
         return _grad_floor(s, p)
-    return s.cmp.calibrated(p.grad.detach(), t.grad.detach(), s.dtype).value
+    # the calibrated bound's whole-tensor value (tolerance.calibrated), without its bins
+    err = float(max_abs_diff(p.grad.detach(), t.grad.detach(), torch.float64))
+    return tolerance.factor(s.group.world_size, p.numel()) * err + _grad_floor(s, p)
 
 
 def _hyper(opts: Optimizers, p) -> dict:
