@@ -8,25 +8,43 @@ left to the grads stage, which refuses it naming the rank (params.py)."""
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tpcheck.checker.rank import torch_collectives
 
 if TYPE_CHECKING:
     from tpcheck.checker.rank.sides import Sides
 
 
 def follow_tp(s: Sides) -> list[str]:
-    """Freeze on the dense side (and the truth) what every TP rank froze; the report's notes."""
+    """Freeze on the dense side (and the truth) what every TP rank froze; the report's notes. The
+    ranks agree in one checker all-reduce (the least, over the ranks, of "frozen here")."""
     tp = dict(s.tp.named_parameters())
-    mine = sorted(
-        name
-        for name, p in s.dense.named_parameters()
-        if p.requires_grad
-        and (t := tp.get(s.plan.tp_name(name))) is not None
-        and not t.requires_grad
+    names = [name for name, _ in s.dense.named_parameters()]
+    dense = dict(s.dense.named_parameters())
+    here = torch.tensor(
+        [
+            float(
+                dense[n].requires_grad
+                and (t := tp.get(s.plan.tp_name(n))) is not None
+                and not t.requires_grad
+            )
+            for n in names
+        ],
+        dtype=torch.float64,
     )
-    said = s.rendezvous.exchange("frozen", json.dumps(mine), label="reading frozen parameters")
-    frozen = sorted(set.intersection(*(set(json.loads(text)) for text in said)))
+    if s.group.world_size > 1:
+        s.tap.performing(
+            ("all_reduce", "checker:frozen", "optimizer"),
+            torch_collectives.all_reduce,
+            here,
+            op=dist.ReduceOp.MIN,
+            group=s.group.pg,
+        )
+    frozen = [n for n, flag in zip(names, here.tolist()) if flag]
     for model in (s.dense, s.truth):
         if model is not None:
             params = dict(model.named_parameters())
