@@ -67,3 +67,26 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
         a, b, torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
     )
     return float(d) if not torch.isnan(d) else math.inf
+
+
+def row_max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """max |a - b| of each row (the last dimension) of two tensors of one shape, flattened to one
+    float64 value per row, the difference taken in float64 (NaN in a row that holds one). On the
+    CPU in passes of about `CHUNK` elements through one reused buffer, as `max_abs_diff`."""
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():  # as `Tensor.double` reads them: the real parts
+        a, b = a.double(), b.double()
+    width = a.shape[-1] if a.dim() else 1
+    a, b = a.reshape(-1, width), b.reshape(-1, width)
+    rows = a.shape[0]
+    if a.numel() <= CHUNK or a.device.type != "cpu":
+        # the subtraction promotes a float64 side's partner to float64, exactly
+        return torch.sub(a if b.dtype == torch.float64 else a.double(), b).abs_().amax(-1)
+    out = torch.empty(rows, dtype=torch.float64)
+    step = max(1, CHUNK // max(width, 1))
+    buf = torch.empty(step * width, dtype=torch.float64)
+    for i in range(0, rows, step):
+        n = min(step, rows - i)
+        part = buf[: n * width].view(n, width).copy_(a[i : i + n])
+        torch.amax(part.sub_(b[i : i + n]).abs_(), -1, out=out[i : i + n])
+    return out

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpcheck.checker.rank.measure import absmax, max_abs_diff
+from tpcheck.checker.rank.measure import absmax, max_abs_diff, row_max_abs_diff
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,12 @@ def calibrated(
     if dtype == torch.float64:
         value = FP64_FLOOR_ULPS * eps(dtype) * scale
         return Bound(value, "fp64", f"float64: {FP64_FLOOR_ULPS} ulps of scale {scale:.3g}")
-    err_dense = float(max_abs_diff(dense, truth, torch.float64)) if truth.numel() else 0.0
+    # by row where the bins want it (a tensor's max is its rows' max), else in one measure
+    rows = row_max_abs_diff(dense, truth) if truth.numel() >= SMALL_NUMEL else None
+    if rows is not None:
+        err_dense = float(rows.max())
+    else:
+        err_dense = float(max_abs_diff(dense, truth, torch.float64)) if truth.numel() else 0.0
     f = factor(world_size, truth.numel())
     ulps = floor_ulps(truth.numel())
     floor = ulps * eps(dtype) * scale
@@ -164,7 +169,7 @@ def calibrated(
         f"+ {ulps} ulp(s) of scale {scale:.3g}",
         ref_error=err_dense,
         floor=floor,
-        bins=_by_magnitude(dense, truth, dtype, scale) if truth.numel() >= SMALL_NUMEL else None,
+        bins=_by_magnitude(dense, rows, dtype, scale) if rows is not None else None,
         scale=scale,
     )
 
@@ -191,8 +196,25 @@ def top_exponent(dense: torch.Tensor) -> int:
 def row_magnitude(dense: torch.Tensor) -> torch.Tensor:
     """Each element's magnitude for the bins: the largest |dense| of its row (last dimension), in
     float64, in the dense layout (a rank shards it through its placement, as the reference)."""
-    a = dense.detach().double().abs()
-    return a.amax(-1, keepdim=True).expand_as(a) if a.dim() else a
+    a = dense.detach()
+    if a.is_complex() or not a.dim():
+        a = a.double().abs()
+        return a.amax(-1, keepdim=True).expand_as(a) if a.dim() else a
+    # |x| and max are exact in any floating dtype: the float64 conversion once per row
+    return a.abs().amax(-1, keepdim=True).double().expand(a.shape)
+
+
+def _per_row(magnitude: torch.Tensor) -> torch.Tensor | None:
+    """`magnitude`'s one value per row (last dimension), flattened, where each row holds a single
+    value (`row_magnitude`, or a rank's shard of it); None where a row holds several. Binning then
+    takes one element per row: the bin of every element of a row is its row's."""
+    m = magnitude.detach()
+    if not m.dim() or not m.shape[-1]:
+        return None
+    first = m[..., :1]
+    if m.stride(-1) != 0 and not bool((m == first).all()):
+        return None
+    return first.reshape(-1).double()
 
 
 def magnitude_bin(magnitude: torch.Tensor, top: int) -> torch.Tensor:
@@ -211,13 +233,15 @@ def per_bin_max(diff: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     return out.scatter_reduce_(0, bins, diff, reduce="amax", include_self=True)
 
 
-def _by_magnitude(dense, truth, dtype, scale: float):
-    """Bound.bins: the calibrated bound per bin of magnitude (see the module docstring); None where
-    every bin would get the whole tensor's."""
+def _by_magnitude(dense, err, dtype, scale: float):
+    """Bound.bins: the calibrated bound per bin of magnitude (see the module docstring), `err` the
+    dense error of each row (`row_max_abs_diff`); None where every bin would get the whole
+    tensor's."""
     top = top_exponent(dense)
-    magnitude = row_magnitude(dense).reshape(-1)
+    # one entry per row: its magnitude, its largest error, its bin (every element of a row is in
+    # its row's bin, so a bin's max over rows is its max over elements)
+    magnitude = row_magnitude(dense)[..., 0].reshape(-1)
     bins = magnitude_bin(magnitude, top)
-    err = (dense.detach().reshape(-1).double() - truth.detach().reshape(-1).double()).abs_()
     if not bool(torch.isfinite(err).all()):
         return None
 
@@ -226,7 +250,8 @@ def _by_magnitude(dense, truth, dtype, scale: float):
 
     below = cumulative(per_bin_max(err, bins))
     largest = cumulative(per_bin_max(magnitude, bins))
-    count = torch.bincount(bins, minlength=MAGNITUDE_BINS).flip(0).cumsum(0).flip(0)
+    row = dense.shape[-1]
+    count = (torch.bincount(bins, minlength=MAGNITUDE_BINS) * row).flip(0).cumsum(0).flip(0)
     out, last = [], None
     for k in range(MAGNITUDE_BINS):
         # a bin of its own: enough elements, and rows larger than the tensor's largest rounding
@@ -247,9 +272,13 @@ def bin_errors(
 ) -> tuple:
     """This rank's max |TP - reference| per bin, `magnitude` being the shard of the dense tensor's
     `row_magnitude` that `ref` is of (the bins placed as rank 0 placed them for its bounds)."""
-    diff = (tp_local.detach().reshape(-1).double() - ref.detach().reshape(-1).double()).abs_()
-    diff = torch.nan_to_num(diff, nan=math.inf)
-    return tuple(per_bin_max(diff, magnitude_bin(magnitude, top)).tolist())
+    if (rows := _per_row(magnitude)) is not None:  # a row's largest difference, binned by row
+        diff = row_max_abs_diff(tp_local.reshape(magnitude.shape), ref.reshape(magnitude.shape))
+        bins = magnitude_bin(rows, top)
+    else:
+        diff = (tp_local.detach().reshape(-1).double() - ref.detach().reshape(-1).double()).abs_()
+        bins = magnitude_bin(magnitude, top)
+    return tuple(per_bin_max(torch.nan_to_num(diff, nan=math.inf), bins).tolist())
 
 
 def worst_bin(errors: tuple, bins: tuple) -> int:
@@ -288,7 +317,15 @@ def dense_error(dense: torch.Tensor, truth: torch.Tensor) -> float:
     a bound whose dense error is misread cannot also excuse its controls."""
     if not truth.numel():
         return 0.0
-    return float((dense.detach().double() - truth.detach().double()).abs().max())
+    d, t = dense.detach().reshape(-1), truth.detach().reshape(-1)
+    if t.dtype != torch.float64 or d.is_complex() or t.is_complex():
+        d, t = d.double(), t.double()
+    # in float64 (the subtraction promotes `dense`), in slices of 2**18 elements: no temporary as
+    # large as the tensor
+    worst = [
+        torch.sub(t[i : i + 2**18], d[i : i + 2**18]).abs_().max() for i in range(0, len(t), 2**18)
+    ]
+    return float(torch.stack(worst).max())  # NaN where a difference is
 
 
 # What may excuse a control that was not flagged (`blind_spot`), frozen here apart from the bound's
