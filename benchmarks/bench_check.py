@@ -195,23 +195,81 @@ def inner_arrange(size, world: int) -> None:
     )
 
 
-PROFILED = {
-    "_reference_pass": "dense + float64 forward/backward (with capture)",
-    "compare": "compare() calls",
-    "maxdiff": "  of which maxdiff",
-    "calibrated": "  of which tolerance.calibrated",
-    "isfinite": "  of which isfinite checks",
-    "_build": "sides._build (build, copy, load)",
-    "step": "optimizer steps (3 models)",
-    "flush_replicas": "flush_replicas",
-}
+# Where one rank's time goes, each part timed exclusive of the others (a part called inside another
+# is counted in its own, not twice): (part, what it is).
+PARTS = (
+    ("build", "build, copy and load the three models (sides.build_sides)"),
+    ("dense pass", "the dense model's forward, loss and backward"),
+    ("float64 truth", "the float64 model's forward, loss and backward"),
+    ("TP pass", "the TP model's forward, loss and backward (and the rest of a micro-batch)"),
+    ("capture", "copies of the captured module outputs and gradients"),
+    ("bounds", "the calibrated bounds (tolerance.calibrated, dense_error, bin_errors)"),
+    ("compare", "the comparisons, their evidence and the self-test's controls"),
+    ("eval forward", "the last step's forward in eval mode, every side, compared"),
+    ("optimizer stage", "the optimizer steps of every side and their checks"),
+    ("rest", "everything else (grads and weights compared, exchanges, the payload)"),
+)
+
+
+class Breakdown:
+    """Exclusive seconds per part: each wrapped call's time less the wrapped calls inside it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.stack: list[list] = []
+
+    def wrap(self, owner, attr: str, part) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            name = part(*a, **k) if callable(part) else part
+            self.stack.append([name, 0.0])
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                elapsed = time.perf_counter() - t0
+                name, inner = self.stack.pop()
+                self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - inner
+                if self.stack:
+                    self.stack[-1][1] += elapsed
+
+        setattr(owner, attr, timed)
+
+
+def instrument() -> Breakdown:
+    """Wrap the checker's parts (PARTS) where the engine calls them."""
+    import torch
+
+    from tpcheck.checker.rank import capture, compare, engine, optimizer_stage, passes, tolerance
+
+    b = Breakdown()
+    b.wrap(engine, "build_sides", "build")
+    b.wrap(
+        passes,
+        "_reference_pass",
+        lambda s, model, dtype, *a, **k: (
+            "float64 truth" if dtype == torch.float64 else "dense pass"
+        ),
+    )
+    b.wrap(passes, "forward_backward", "TP pass")
+    for cls in (capture.Recorder, capture.Calibrating):
+        b.wrap(cls, "__call__", "capture")
+    b.wrap(tolerance, "calibrated", "bounds")
+    b.wrap(tolerance, "bin_errors", "bounds")
+    b.wrap(compare.Comparator, "calibrated", "bounds")
+    for method in ("compare", "compare_local"):
+        b.wrap(compare.Comparator, method, "compare")
+    b.wrap(engine, "eval_forward", "eval forward")
+    b.wrap(optimizer_stage, "stage", "optimizer stage")
+    return b
 
 
 def inner_profile(size) -> None:
-    """cProfile of one rank's case at world size 1 (no collectives; the TP model is then full size,
-    so this over-counts the TP share by ~2x vs world 2): where the check's time goes."""
-    import cProfile
-    import pstats
+    """One rank's case at world size 1 (no collectives; the TP model is then full size, so its
+    share is ~2x the world-2 one), on one thread, broken down (PARTS), beside the dense step timed
+    in the same process: where the check's time goes, in dense steps."""
+    import torch
 
     import tpcheck
     from tpcheck.checker.rank.engine import run_case_on_rank
@@ -220,6 +278,7 @@ def inner_profile(size) -> None:
     from tpcheck.parallel.group import TPGroup
     from tpcheck.resolve import RESOLVER
 
+    torch.set_num_threads(1)
     spec = tpcheck.CaseSpec(
         block="mlp",
         preset="seed",
@@ -233,16 +292,14 @@ def inner_profile(size) -> None:
         return run_case_on_rank(RESOLVER.build(spec), group, Rendezvous(None, 0, 1, 60.0))
 
     once()  # warm-up
-    prof = cProfile.Profile()
-    prof.enable()
-    out = once()
-    prof.disable()
-    cum: dict[str, float] = {}
-    for (file, _, fn), (_, _, _, ct, _) in pstats.Stats(prof).stats.items():
-        key = "isfinite" if "isfinite" in fn else fn
-        if key in PROFILED and ("tpcheck" in file or key in ("isfinite", "step")):
-            cum[key] = cum.get(key, 0.0) + ct
-    print(json.dumps({"seconds": out.seconds, "cumulative_s": cum}))
+    floor = median(dense_step_times(size, 2))
+    b = instrument()
+    t0 = time.perf_counter()
+    once()
+    total = time.perf_counter() - t0
+    parts = dict(b.seconds)
+    parts["rest"] = total - sum(parts.values())
+    print(json.dumps({"seconds": total, "dense_step_s": floor, "parts_s": parts}))
 
 
 def child(*args: str, limit_gib: float = 21.0) -> dict:
@@ -367,22 +424,28 @@ def main() -> None:
         )
         return
     prof = child("--inner", "profile", *q)
+    parts, step = prof["parts_s"], prof["dense_step_s"]
     print(
-        f"where one rank's time goes (cProfile, world 1, case {prof['seconds']:.3f} s; cumulative):"
+        f"where one rank's time goes (world 1, one thread, the case {prof['seconds']:.3f} s, the "
+        f"dense step beside it {step:.3f} s; each part exclusive of the others):"
     )
     print(
         table(
-            ["part", "seconds", "share"],
+            ["part", "what", "seconds", "in dense steps", "share"],
             [
-                [PROFILED[k], v, f"{v / prof['seconds']:.0%}"]
-                for k, v in sorted(prof["cumulative_s"].items(), key=lambda kv: -kv[1])
+                [p, what, parts.get(p, 0.0), parts.get(p, 0.0) / step,
+                 f"{parts.get(p, 0.0) / prof['seconds']:.0%}"]
+                for p, what in PARTS
             ],
         )
+    )  # fmt: skip
+    print(
+        "the float64 run: none in this case (float32 runs none; a 16-bit case's is one more check "
+        "in float64, after its working-dtype run: checker/verdict/float64_run.py)"
     )
-    cum = prof["cumulative_s"]
-    # less the dense pass itself
-    truth = max(0.0, cum.get("_reference_pass", 0.0) - floor_s) / floor_s
-    compares = cum.get("compare", 0.0) / floor_s
+    # in dense steps, from the breakdown: the float64 pass, and what the comparisons add
+    truth = parts.get("float64 truth", 0.0) / step
+    compares = (parts.get("compare", 0.0) + parts.get("bounds", 0.0)) / step
     cpus = args.world_size  # the check runs on one CPU per rank
     # a dense pass per rank, float64, TP halves, compares
     work = (args.world_size + truth + 1.0 + compares) / cpus
@@ -391,9 +454,10 @@ def main() -> None:
     print(
         "what bounds it: the work itself, in dense steps: a dense pass on each rank "
         f"({args.world_size} x 1: each compares its own shard), the float64 pass ({truth:.1f}), "
-        f"the TP halves (1 together) and the comparisons ({compares:.1f}): >= {work:.2f}x on "
-        f"{cpus} CPUs spread perfectly; rank 0's path (its dense pass, the float64 pass on all "
-        f"{cpus} CPUs at perfect scaling, its TP half, the comparisons) >= {path:.2f}x"
+        f"the TP halves (1 together) and the bounds and comparisons ({compares:.1f}): "
+        f">= {work:.2f}x on {cpus} CPUs spread perfectly; rank 0's path (its dense pass, the "
+        f"float64 pass on all {cpus} CPUs at perfect scaling, its TP half, the comparisons) "
+        f">= {path:.2f}x"
     )
     arranged = child("--inner", "arrange", *q) if args.world_size == 2 else None
     if arranged:

@@ -80,7 +80,7 @@ def _tensors(seed: int, shape, dtype):
     return truth.to(dtype), truth, (truth + noise).to(dtype)
 
 
-SHAPES = [(64,), (4, 16), (3, 6, 8), (8, 64), (2, 3, 4, 32), (128,), (2, 640, 512)]
+SHAPES = [(64,), (4, 16), (3, 6, 8), (8, 64), (2, 3, 4, 32), (128,), (2, 320, 512)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -138,9 +138,12 @@ def test_row_differences_in_passes_equal_one_piece():
 
 
 @pytest.mark.parametrize(
-    ("block", "dtype"), [("lm", "bfloat16"), ("layer", "float16"), ("lm", "float32")]
+    ("block", "dtype", "binned_activations"),
+    [("lm", "bfloat16", True), ("layer", "float16", False), ("lm", "float32", True)],
 )
-def test_every_bound_of_a_real_case_is_its_definition(monkeypatch, block, dtype):
+def test_every_bound_of_a_real_case_is_its_definition(
+    monkeypatch, block, dtype, binned_activations
+):
     """Every calibrated bound and every bin error a real case computes (in process, world 1), held
     to the per-element definitions as it is computed."""
     import tpcheck
@@ -177,4 +180,5 @@ def test_every_bound_of_a_real_case_is_its_definition(monkeypatch, block, dtype)
     group = TPGroup(rank=0, world_size=1, tap=CollectiveTap(0))
     out = run_case_on_rank(RESOLVER.build(spec), group, Rendezvous(None, 0, 1, 60.0))
     assert out.status == "ok", out
-    assert seen["bounds"] > 100 and seen["bin_errors"] > 50 and seen["binned"] > 0, seen
+    assert seen["bounds"] > 100 and seen["binned"] > 0, seen
+    assert (seen["bin_errors"] > 0) == binned_activations, seen

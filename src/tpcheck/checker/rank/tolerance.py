@@ -190,7 +190,20 @@ def plus_floor(bound: Bound, extra: float, why: str) -> Bound:
 def top_exponent(dense: torch.Tensor) -> int:
     """The binary exponent of the tensor's largest magnitude (frexp's: |x| < 2**e), which every
     rank computes alike from the dense tensor it holds; it places the bins."""
-    return int(torch.frexp(torch.tensor(absmax(dense), dtype=torch.float64)).exponent)
+    return math.frexp(absmax(dense))[1]  # C's frexp, as torch.frexp (0 for 0, inf and NaN)
+
+
+def row_magnitudes(dense: torch.Tensor) -> torch.Tensor:
+    """`row_magnitude` with one value per row (flat, float64): what the bins are made of."""
+    return row_magnitude(dense)[..., 0].reshape(-1) if dense.dim() else row_magnitude(dense)
+
+
+def in_one_bin(magnitudes: torch.Tensor, top: int) -> bool:
+    """Whether every row of `magnitudes` (`row_magnitudes`) falls in the top bin (`magnitude_bin`
+    0: within BIN_OCTAVES octaves of 2**top, none zero): the tensor is then judged whole, its bins
+    all the whole tensor's bound. Every rank decides it alike, from the dense tensor."""
+    smallest = float(magnitudes.min())
+    return smallest > 0 and top - math.frexp(smallest)[1] < BIN_OCTAVES
 
 
 def row_magnitude(dense: torch.Tensor) -> torch.Tensor:
@@ -240,10 +253,10 @@ def _by_magnitude(dense, err, dtype, scale: float):
     top = top_exponent(dense)
     # one entry per row: its magnitude, its largest error, its bin (every element of a row is in
     # its row's bin, so a bin's max over rows is its max over elements)
-    magnitude = row_magnitude(dense)[..., 0].reshape(-1)
+    magnitude = row_magnitudes(dense)
+    if in_one_bin(magnitude, top) or not bool(torch.isfinite(err).all()):
+        return None  # every row in the top bin: every bin's bound is the whole tensor's
     bins = magnitude_bin(magnitude, top)
-    if not bool(torch.isfinite(err).all()):
-        return None
 
     def cumulative(per_bin):  # bin k and every smaller one
         return per_bin.flip(0).cummax(0).values.flip(0)
@@ -322,10 +335,12 @@ def dense_error(dense: torch.Tensor, truth: torch.Tensor) -> float:
         d, t = d.double(), t.double()
     # in float64 (the subtraction promotes `dense`), in slices of 2**18 elements: no temporary as
     # large as the tensor
+    if len(t) <= 2**18:
+        return float(torch.sub(t, d).abs_().max())  # NaN where a difference is
     worst = [
         torch.sub(t[i : i + 2**18], d[i : i + 2**18]).abs_().max() for i in range(0, len(t), 2**18)
     ]
-    return float(torch.stack(worst).max())  # NaN where a difference is
+    return float(torch.stack(worst).max())
 
 
 # What may excuse a control that was not flagged (`blind_spot`), frozen here apart from the bound's
