@@ -137,11 +137,11 @@ class Comparator:
             return
         if bound.value is not None and bound.bins is None:
             return  # rank 0's bound, of one bin: judged whole, the errors per bin are not read
-        top = tolerance.top_exponent(dense)
-        if tolerance.in_one_bin(tolerance.row_magnitudes(dense), top):
+        top, magnitude = tolerance.top_exponent(dense), tolerance.row_magnitude(dense)
+        if tolerance.in_one_bin(magnitude[..., 0] if magnitude.dim() else magnitude, top):
             return  # rank 0's bound will be of one bin (every rank sees it from `dense`)
         rank, world = self.group.rank, self.group.world_size
-        magnitude = placement.shard(tolerance.row_magnitude(dense), rank, world)
+        magnitude = placement.shard(magnitude, rank, world)
         check.bin_errors = tolerance.bin_errors(tp_local, ref, magnitude, top)
         check.bins = bound.bins
 
