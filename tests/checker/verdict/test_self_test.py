@@ -12,6 +12,7 @@ import torch
 
 from mutants import (
     activations_not_compared,
+    bin_errors_zero,
     bound_from_the_tp_side,
     dense_error_times_1000,
     factor_constants_times_50,
@@ -37,8 +38,10 @@ from tpcheck.checker.payload import Check
 from tpcheck.checker.rank import tolerance
 from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.verdict import result as result_module
+from tpcheck.checker.verdict import selftest
 from tpcheck.checker.verdict.divergence import SelfTest
-from tpcheck.checker.verdict.result import CaseResult, Reading, read_failures
+from tpcheck.checker.verdict.result import CaseResult
+from tpcheck.checker.verdict.selftest import Reading, read_failures
 from tpcheck.faults.detectability import Probe
 
 from paths import REPO
@@ -273,6 +276,39 @@ def test_an_unflagged_control_is_excused_only_by_the_dense_error_measured_apart(
     ]
 
 
+def test_a_control_judged_by_less_than_its_planted_error_fails_even_where_excused():
+    """What a control was judged by must show its planted error, flagged or blind: a blind spot
+    excuses a bound wide enough to hide the control, never an error misread. `read` holds the
+    errors `judge` read (over every bin of a tensor judged by magnitude)."""
+    blind = _check(name="control:act:a", error=0.5, planted=0.5, blind="ill-conditioned")
+    read_right = result_module.self_test([_check()], [blind], [{}], read={id(blind): 0.5})
+    assert read_right.failures == [] and read_right.skipped
+    misread = result_module.self_test([_check()], [blind], [{}], read={id(blind): 0.0})
+    assert misread.failures == [
+        "control:act:a (forward, step 1, rank 0) was judged by an error of 0, not its planted 0.5"
+    ]
+
+
+# a case with tensors judged by magnitude (a tiny LM's activations and their gradients), in 16 bits:
+# its controls there are often excused as blind (the dense error is large), so only what they were
+# judged by can show a misread bin
+BINNED = CaseSpec(block="lm", preset="tiny", world_size=2).with_run(dtype="bfloat16", steps=1)
+
+
+def test_errors_per_bin_misread_end_in_error_where_the_controls_are_excused():
+    """Every bin's error read as 0: each tensor judged by magnitude passes whatever its error. The
+    control of the tensors judged by magnitude (planted in the row of smallest magnitude) shows it:
+    "error" naming that control; the real checker flags every control of the same case."""
+    (real,) = check([BINNED])
+    assert real["verdict"] == "equivalent" and real["self_test"]["failures"] == [], real["summary"]
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        bin_errors_zero(m)
+        (r,) = check([BINNED])
+    assert r["verdict"] == "error", r["summary"]
+    assert "was judged by an error of 0, not its planted" in r["summary"], r["summary"]
+
+
 def test_a_control_the_verdict_did_not_read_as_failed_is_not_flagged():
     """The self-test reads the failures the verdict reads (`read_failures`), not a judgement of its
     own: a failed control left out of that list is unflagged."""
@@ -399,11 +435,11 @@ def test_the_manifest_counts_every_micro_batch_on_every_rank():
     checks = [_check(name="output"), _check(name="output"), _check(name="output", rank=1)]
     output, loss = CheckId("output"), CheckId("loss")
     manifests = [(0, [["forward", 1, output, 2]]), (1, [["forward", 1, output, 2]]), (2, None)]
-    assert result_module.missing_checks(checks, manifests) == [
+    assert selftest.missing_checks(checks, manifests) == [
         "1 check(s) of output (forward, step 1) on rank 1 where 2 were due (one per micro-batch)",
         "no manifest from rank 2: what it compared cannot be held to the plan",
     ]
-    assert result_module.missing_checks(checks, [(0, [["loss", 1, loss, 1]])]) == [
+    assert selftest.missing_checks(checks, [(0, [["loss", 1, loss, 1]])]) == [
         "no check of loss (loss, step 1) on rank 0"
     ]
 

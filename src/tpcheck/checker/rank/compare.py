@@ -28,6 +28,9 @@ from tpcheck.errors import UsageError
 from tpcheck.parallel.group import TPGroup
 from tpcheck.plan import Placement, copies
 
+# the kind of control planted on a tensor judged by magnitude (`Comparator._control`)
+BY_MAGNITUDE = "calibrated by magnitude"
+
 
 class Comparator:
     """The checks of one case on one rank, in execution
@@ -50,6 +53,8 @@ class Comparator:
         self.seq = 0
         # (stage, step, bound kind) with a control
         self.controlled: set[tuple[str, int, str]] = set()
+        # (stage, step, check) with a control: one per tensor (its evidence is keyed so)
+        self.planted_on: set[tuple[str, int, CheckId]] = set()
 
     def compare(
         self,
@@ -87,14 +92,13 @@ class Comparator:
             bound = tolerance.EXACT
         elif bound is None:
             bound = self.calibrated(dense, truth, dtype) if truth is not None else tolerance.PENDING
-        # NaN/Inf make the difference or the bound
-        # non-finite; only then look for where they come from
+        # NaN/Inf make the difference or the bound non-finite; only then look for their source
         if not math.isfinite(diff) or (bound.value is not None and not math.isfinite(bound.value)):
             self._check_reference_finite(stage, step, check_id, dense, truth)
         self.seq += 1
         check = self._record(stage, step, check_id, diff, bound, placement)
         self._note(check, ref, reason, loaded_by, seq, raw)
-        self._by_magnitude(check, tp_local, ref, dense, bound, placement)
+        rows = self._by_magnitude(check, tp_local, ref, dense, bound, placement, dtype)
         if check_id.control:  # its evidence, the few elements around the planted one: `_control`'s
             return check
         self._keep_evidence(check, tp_local, ref, dense)
@@ -108,6 +112,7 @@ class Comparator:
                 stage, step, check_id.as_control(), planted, dense, truth, placement, exact, dtype,
                 bound,
             ),
+            rows,
         )  # fmt: skip
         self._hold_replicas(check, tp_local, dense, placement)
         return check
@@ -125,25 +130,37 @@ class Comparator:
         if raw is not None and (raw_error := maxdiff(raw, ref)) != check.error:
             check.raw_error = raw_error
 
-    def _by_magnitude(self, check: Check, tp_local, ref, dense, bound, placement) -> None:
+    def _by_magnitude(
+        self, check: Check, tp_local, ref, dense, bound, placement, dtype=None
+    ) -> torch.Tensor | None:
         """A calibrated check of SMALL_NUMEL elements or more is judged per bin of magnitude
         (tolerance.py): this rank's errors per bin, and the bounds per bin where rank 0 made them
-        here (elsewhere the parent takes them from rank 0's check)."""
+        here (elsewhere the parent takes them from rank 0's check). Returns the magnitudes the
+        bins were made of, this rank's shard (None: the tensor is judged whole)."""
         if check.stage not in tolerance.BY_MAGNITUDE_STAGES or bound.kind != "calibrated":
-            return
+            return None
+        if (dtype or self.dtype) == torch.float64:
+            return None  # rank 0's bound is "fp64", of one measure (ranks > 0 see it from `dtype`)
         if dense.numel() < tolerance.SMALL_NUMEL or not ref.numel():
-            return
+            return None
         if tp_local.shape != ref.shape:
-            return
-        if bound.value is not None and bound.bins is None:
-            return  # rank 0's bound, of one bin: judged whole, the errors per bin are not read
+            return None
+        # rank 0's bound of one bin: judged whole, its errors per bin not read; the magnitudes are
+        # still wanted while a control of the stage is yet to be planted (its kind, by magnitude
+        # or not, is decided alike on every rank: from `in_one_bin`)
+        whole = bound.value is not None and bound.bins is None
+        kinds = {(check.stage, check.step, k) for k in (BY_MAGNITUDE, bound.kind)}
+        if whole and kinds <= self.controlled:
+            return None
         top, magnitude = tolerance.top_exponent(dense), tolerance.row_magnitude(dense)
         if tolerance.in_one_bin(magnitude[..., 0] if magnitude.dim() else magnitude, top):
-            return  # rank 0's bound will be of one bin (every rank sees it from `dense`)
+            return None  # rank 0's bound will be of one bin (every rank sees it from `dense`)
         rank, world = self.group.rank, self.group.world_size
         magnitude = placement.shard(magnitude, rank, world)
-        check.bin_errors = tolerance.bin_errors(tp_local, ref, magnitude, top)
-        check.bins = bound.bins
+        if not whole:
+            check.bin_errors = tolerance.bin_errors(tp_local, ref, magnitude, top)
+            check.bins = bound.bins
+        return magnitude
 
     def _hold_replicas(self, check: Check, tp_local, dense, placement: Placement) -> None:
         """What of `tp_local` other ranks hold too, kept for `flush_replicas` (compared bitwise)."""
@@ -390,6 +407,7 @@ class Comparator:
         dense: torch.Tensor,
         bound: tolerance.Bound,
         again,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """The self-test, once per (stage, step, kind of bound) on this rank: a copy of the real TP
         tensor with one element (where the reference is largest) moved away from the reference by
@@ -397,19 +415,33 @@ class Comparator:
         `again`, the very comparison `real` went through (`compare` or `compare_local`, with
         `real`'s bound). If it is not flagged, the checker cannot see errors of that size here,
         unless the dense model's own error, measured apart from the bound, says the tensor is
-        ill-conditioned (`tolerance.blind_spot`, on rank 0; the parent copies it to the others)."""
-        if ref.numel() == 0 or not self.take_control((real.stage, real.step, real.kind)):
+        ill-conditioned (`tolerance.blind_spot`, on rank 0; the parent copies it to the others).
+
+        A tensor judged by magnitude (`rows`: the magnitudes its bins were made of, this rank's
+        shard) has a control of its own kind, planted in the row of the smallest magnitude (a bin
+        below the top one): its judgement then goes through the errors per bin, as the real
+        tensor's does, and a misread bin is seen."""
+        kind = real.kind if rows is None else BY_MAGNITUDE
+        on = (real.stage, real.step, real.id)  # a name recurs once per micro-batch
+        if ref.numel() == 0 or on in self.planted_on:
             return
+        if not self.take_control((real.stage, real.step, kind)):
+            return
+        self.planted_on.add(on)
         planted = tp_local.detach().clone().reshape(-1)
         near = ref.detach().reshape(-1)
         if planted.is_floating_point() and not bool(torch.isfinite(planted).all()):
             # a TP tensor with NaN/Inf: its control is planted on the reference's values
             # there, so it shows the planted error
             planted = torch.where(torch.isfinite(planted), planted, near.to(planted.dtype))
-        i = int(near.abs().argmax())
+        i = int(near.abs().argmax() if rows is None else rows.reshape(-1).argmin())
         scale = absmax(dense)
-        # the working dtype's claim (masters included)
-        shift = tolerance.control_shift(self.dtype, scale)
+        # the working dtype's claim (masters included), or the tensor's own where it is stored
+        # coarser (a float32 buffer in a float64 run): a shift below its resolution plants nothing
+        claim = self.dtype
+        if planted.is_floating_point() and _coarser(planted.dtype, claim):
+            claim = planted.dtype
+        shift = tolerance.control_shift(claim, scale)
         if not planted.is_floating_point():
             shift = max(1.0, round(shift))
         planted[i] = _away(planted[i], near[i], shift)
@@ -519,6 +551,11 @@ class Comparator:
                 )
             )
         self.pending_replicas.clear()
+
+
+def _coarser(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether floating `dtype` resolves less than `than`."""
+    return torch.finfo(dtype).eps > torch.finfo(than).eps
 
 
 def _away(value: torch.Tensor, ref: torch.Tensor, shift: float) -> torch.Tensor:
