@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tpcheck import CaseSpec, RunSettings, check
-from tpcheck.checker.rank import training
+from tpcheck.checker.rank import stepped, training
 from tpcheck.checker.rank.optimizer import Replay
 
 from paths import REPO
@@ -240,7 +240,7 @@ def test_a_state_finder_pairing_the_wrong_tensors_ends_in_error(monkeypatch):
         for name, p in module.named_parameters():
             t = next((t for t in tensors if t.shape == p.shape), None)
             if t is not None:
-                found[name] = training.Stepped(optimizers[0], t, p.shape)
+                found[name] = stepped.Stepped(optimizers[0], t, p.shape)
         return found
 
     monkeypatch.setattr(training, "map_stepped", by_shape)

@@ -125,19 +125,20 @@ class Replay:
         self.make_rule, self.tp_params = make_rule, tp_params
 
     def planted(self, name: str) -> tuple[Replay, int] | None:
-        """The self-test's control of the replay itself: a replay of parameter `name` alone, from
-        no state (a first step's), on the inputs this replay was handed but with the gradient's
-        largest element negated (its update must then differ from the TP side's there: the rule
-        moves it the other way), and the flat index of that element; None where the gradient is
-        zero."""
+        """The self-test's control of the replay itself: a second replay from no state (a first
+        step's), on the inputs this replay was handed but with the gradient of `name` negated at
+        its largest element (its update must then differ from the TP side's there: the rule moves
+        it the other way), and the flat index of that element; None where the gradient is zero.
+        The rule is made over every parameter, as for the replay: a user's rule may split them in
+        groups (no weight decay on biases and norms) that one parameter alone would leave empty."""
         grad = self.grads.get(name)
         if grad is None or not bool(grad.abs().max() > 0):
             return None
         moved = grad.detach().clone().reshape(-1)
         i = int(moved.abs().argmax())
         moved[i] = -moved[i]
-        control = Replay({name: self.tp_params[name]}, self.make_rule)
-        control.run({name: self.before[name]}, {name: moved.view_as(grad)})
+        control = Replay(self.tp_params, self.make_rule)
+        control.run(self.before, {**self.grads, name: moved.view_as(grad)})
         return control, i
 
     def run(self, values: dict[str, torch.Tensor], grads: dict) -> None:

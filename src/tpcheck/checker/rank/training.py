@@ -38,6 +38,7 @@ from torch import nn
 
 from tpcheck.checker.checkid import CLIP_NORM, CheckId
 from tpcheck.checker.payload import evidence_key
+from tpcheck.checker.rank.stepped import check_found, map_stepped, settle_ties
 from tpcheck.errors import UsageError
 from tpcheck.plan import Plan, Replicate, copies
 
@@ -72,87 +73,6 @@ def find_optimizers(obj, depth: int = 3) -> list[torch.optim.Optimizer]:
     return found
 
 
-class Stepped:
-    """Where one module parameter lives in an inner optimizer: the tensor it steps (`tensor`, the
-    parameter itself, a master copy, or a flat buffer) and the segment of it (`segment`: (offset,
-    numel) in the flat buffer; None: the whole tensor)."""
-
-    def __init__(self, opt, tensor, shape, segment=None) -> None:
-        self.opt, self.tensor, self.shape, self.segment = opt, tensor, shape, segment
-
-    def view(self, t: torch.Tensor) -> torch.Tensor:
-        if self.segment is None:
-            return t
-        offset, n = self.segment
-        return t.reshape(-1)[offset : offset + n].view(self.shape)
-
-    @property
-    def value(self) -> torch.Tensor:
-        return self.view(self.tensor.detach())
-
-    @property
-    def grad(self) -> torch.Tensor | None:
-        g = self.tensor.grad
-        return None if g is None else self.view(g.detach())
-
-    def state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, v in self.opt.state.get(self.tensor, {}).items():
-            if isinstance(v, torch.Tensor):
-                full = v.dim() and v.numel() == self.tensor.numel()
-                out[k] = self.view(v) if full else v
-        return out
-
-
-def _segment_of(flat: torch.Tensor, p: torch.Tensor, start: int) -> int | None:
-    """The offset of `p`'s values (as float) in the 1-D `flat`, searched from `start` first."""
-    want = p.detach().reshape(-1).to(flat.dtype)
-    n = want.numel()
-    if n == 0 or n > flat.numel():
-        return None
-    hits = torch.nonzero(flat == want[0]).reshape(-1).tolist()
-    for offset in sorted(hits, key=lambda o: (o < start, o)):
-        if offset + n <= flat.numel() and torch.equal(flat[offset : offset + n], want):
-            return offset
-    return None
-
-
-def map_stepped(module: nn.Module, optimizers: list) -> dict[str, Stepped]:
-    """Each module parameter's `Stepped`, where one of `optimizers` steps it: by identity, else by
-    shape and values (a master copy), else as a segment of a flat buffer (in order)."""
-    own = dict(module.named_parameters())
-    found: dict[str, Stepped] = {}
-    tensors = [
-        (opt, t) for opt in optimizers for group in opt.param_groups for t in group["params"]
-    ]
-    by_id = {id(t): (opt, t) for opt, t in tensors}
-    for name, p in own.items():
-        if id(p) in by_id:
-            opt, t = by_id[id(p)]
-            found[name] = Stepped(opt, t, p.shape)
-    left = [(opt, t) for opt, t in tensors if not any(s.tensor is t for s in found.values())]
-    for name, p in own.items():
-        if name in found:
-            continue
-        for opt, t in left:
-            if t.shape == p.shape and torch.equal(t.detach(), p.detach().to(t.dtype)):
-                if not any(s.tensor is t for s in found.values()):
-                    found[name] = Stepped(opt, t, p.shape)
-                    break
-    cursor: dict[int, int] = {}
-    for name, p in own.items():
-        if name in found:
-            continue
-        for opt, t in left:
-            if t.dim() == 1 and t.numel() > p.numel():
-                offset = _segment_of(t.detach(), p, cursor.get(id(t), 0))
-                if offset is not None:
-                    found[name] = Stepped(opt, t, p.shape, (offset, p.numel()))
-                    cursor[id(t)] = offset + p.numel()
-                    break
-    return found
-
-
 class UserOptimizer:
     """The user's TP optimizer, seen as tpcheck's `Masters` is (checker/rank/optimizer.py): what it
     steps by parameter name (`params`), whether those are copies of the module's weights
@@ -167,7 +87,7 @@ class UserOptimizer:
         self._own = dict(module.named_parameters())
         self.inner = inner = find_optimizers(optimizer)
         self.found = map_stepped(module, inner)
-        _check_found(self.found, self._own)
+        check_found(self.found, self._own)
         self.masters = any(s.tensor is not self._own[n] for n, s in self.found.items())
         self.params = {
             n: self.found[n].value if n in self.found else p for n, p in self._own.items()
@@ -185,7 +105,11 @@ class UserOptimizer:
         return bool(self.found) and not self.masters
 
     def _take(self, *_args) -> None:
-        """The inner optimizer is about to step: the tensors it steps and their grads, copied."""
+        """The inner optimizer is about to step: the tensors it steps and their grads, copied
+        (copies that tied by value first bound by their gradients: stepped.py)."""
+        if any(s.ties for s in self.found.values()):
+            settle_ties(self.found, {n: self.grad_of(self._own[n]) for n in self.found})
+            self.params.update((n, s.value) for n, s in self.found.items())  # in place: shared
         values = {n: s.value.clone() for n, s in self.found.items()}
         grads = {n: None if s.grad is None else s.grad.clone() for n, s in self.found.items()}
         if self._taken is not None:  # several inner optimizers: one pre-hook each
@@ -334,19 +258,6 @@ def notes(unobserved: dict[str, dict]) -> list[str]:
         why = UNOBSERVABLE if what == "state" else UNREPLAYED
         out.append(f"optimizer {what} of {len(names)} parameter(s) ({listed}): {why}")
     return out
-
-
-def _check_found(found: dict[str, Stepped], own: dict[str, nn.Parameter]) -> None:
-    """What the finder mapped must be what it claims: each stepped tensor (or segment) holds its
-    parameter's values as built. Anything else is a bug in the finder, raised (verdict "error"),
-    never a state compared against the wrong parameter's."""
-    for name, s in found.items():
-        p = own[name]
-        if s.value.shape != p.shape or not torch.equal(s.value, p.detach().to(s.value.dtype)):
-            raise RuntimeError(
-                f"tpcheck's optimizer state finder mapped parameter {name!r} to a tensor that does "
-                "not hold its values (a bug in tpcheck: please report it with this case)"
-            )
 
 
 def zero_grad(opt) -> None:
