@@ -166,6 +166,7 @@ class Engine:
             + training.notes(unobserved)
             + s.grad_of.notes()
             + s.draws.notes()
+            + s.twin.notes
             + self.buffers.notes
             + torch_collectives.replaced()
             + ([self.stopped.note] if self.stopped is not None else []),

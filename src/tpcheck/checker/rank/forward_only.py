@@ -40,6 +40,7 @@ from tpcheck.checker.rank.passes import (
     others_wait,
 )
 from tpcheck.checker.rank.rng import training_rng
+from tpcheck.checker.rank.rounding import consult
 from tpcheck.checker.rank.warmup import warm_up
 from tpcheck.errors import UsageError
 from tpcheck.plan import Replicate
@@ -160,6 +161,7 @@ class ForwardOnly:
         rec_d = capture.Recorder()
         rec_t = capture.Calibrating(rec_d, s.truth_bound)
         names = s.discovery.capture_names() if s.settings.capture else set()
+        twin = s.twin.snapshot(s.dense, s.twin_wanted)
         with torch.no_grad():
             with s.draws.watching(book):
                 out_d, loss_d = _reference(
@@ -188,6 +190,10 @@ class ForwardOnly:
                         names,
                         s.draws.masks(book.replay, s.truth),
                     )
+            output = str(OUTPUT.in_pass(pass_))
+            sides = {output: (out_d, out_t), "loss": (loss_d, loss_t)}
+            run = _twin_run(s, inputs, target, names, (output, "loss"))
+            consult(s, step, twin, book, run, rec_d, rec_t, sides)
             acts = TPActivations(cmp, step, rec_d, rec_t, s.discovery, pass_)
             handles = capture.attach(s.tp, names, acts)
             with (
@@ -216,7 +222,10 @@ class ForwardOnly:
         )
         with s.tap.tp_phase("forward"):
             loss_tp = case.compute_tp_loss(out_tp, target_local, group)
-        s.cmp.compare("loss", step, LOSS, loss_tp.detach(), loss_d, loss_t, Replicate())
+        bound = s.twin.bound_for(loss_d)
+        s.cmp.compare(
+            "loss", step, LOSS, loss_tp.detach(), loss_d, loss_t, Replicate(), bound=bound
+        )
 
 
 def _reference(s: Sides, model, dtype, inputs, target, recorder, names, masks):
@@ -231,3 +240,13 @@ def _reference(s: Sides, model, dtype, inputs, target, recorder, names, masks):
     if target is not None:
         loss = s.case.loss(out, map_tensors(lambda t: cast(t, dtype), target)).detach()
     return produced, loss
+
+
+def _twin_run(s: Sides, inputs, target, names, keys):
+    """The rounding twin's pass of a forward-only step (rounding.py): {output, loss} by name."""
+
+    def run(model, recorder, masks):
+        got = _reference(s, model, s.dtype, inputs, target, recorder, names, masks)
+        return dict(zip(keys, got))
+
+    return run

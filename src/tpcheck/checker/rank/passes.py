@@ -30,6 +30,7 @@ from tpcheck.checker.rank.compare import Comparator
 from tpcheck.checker.rank.discover import Discovery
 from tpcheck.checker.rank.loading import cast, leaf, map_tensors
 from tpcheck.checker.rank.rng import training_rng
+from tpcheck.checker.rank.rounding import consult
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.sourcelines import defined_at
 from tpcheck.checker.usercode import require_graph
@@ -108,7 +109,10 @@ def compare_output(
     group, placement = s.group, s.case.output_placement
     why = activations.unmappable(out_tp, out_d, placement, group.rank, group.world_size)
     if why is None:
-        s.cmp.compare("forward", step, check_id, out_tp.detach(), out_d, out_t, placement)
+        bound = s.twin.bound_for(out_d)
+        s.cmp.compare(
+            "forward", step, check_id, out_tp.detach(), out_d, out_t, placement, bound=bound
+        )
         return None
     s.cmp.record_layout(step, check_id, s.cmp.next_seq(), why)
     s.sync(
@@ -218,7 +222,7 @@ def forward_backward(s: Sides, step: int, micro: int, batch) -> None:
     wanted = case.grad_input_names(inputs)  # the forward inputs whose gradients are checked
     book = s.draws.book()
     rec_d, rec_t, (kw_d, out_d, loss_d), (kw_t, out_t, loss_t) = _reference_passes(
-        s, inputs, target, wanted, book
+        s, inputs, target, wanted, book, step
     )
     s.produced.update(
         (step, n) for (st, n), ts in rec_d.tensors.items() if st == "forward" for _ in ts
@@ -247,7 +251,8 @@ def forward_backward(s: Sides, step: int, micro: int, batch) -> None:
         )
         with s.tap.tp_phase("forward"):
             loss_tp = case.compute_tp_loss(out_tp, target_local, group) / s.settings.micro_batches
-        cmp.compare("loss", step, LOSS, loss_tp.detach(), loss_d, loss_t, Replicate())
+        bound = s.twin.bound_for(loss_d)
+        cmp.compare("loss", step, LOSS, loss_tp.detach(), loss_d, loss_t, Replicate(), bound=bound)
         with s.tap.tp_phase("backward"):
             loss_tp.backward()
     capture.detach_all(handles)
@@ -257,7 +262,7 @@ def forward_backward(s: Sides, step: int, micro: int, batch) -> None:
     _compare_input_grads(s, step, wanted, kw_tp, kw_d, kw_t)
 
 
-def _reference_passes(s: Sides, inputs: dict, target, wanted: tuple, book):
+def _reference_passes(s: Sides, inputs: dict, target, wanted: tuple, book, step: int = 0):
     """The dense pass (drawing the micro-batch's masks into `book`) and the float64 truth's
     (replaying them), each capturing the activations: (dense recorder, truth recorder, (inputs,
     output, loss) of the dense side, the same of the truth). Where the truth is the dense model
@@ -265,6 +270,7 @@ def _reference_passes(s: Sides, inputs: dict, target, wanted: tuple, book):
     and no output or loss."""
     rec_d = capture.Recorder()
     rec_t = capture.Calibrating(rec_d, s.truth_bound)
+    twin = s.twin.snapshot(s.dense, s.twin_wanted)
     with s.draws.watching(book):
         dense = _reference_pass(
             s, s.dense, s.dtype, inputs, target, rec_d, wanted, s.draws.masks(book.draw, s.dense)
@@ -284,6 +290,13 @@ def _reference_passes(s: Sides, inputs: dict, target, wanted: tuple, book):
             wanted,
             s.draws.masks(book.replay, s.truth),
         )
+
+    def run(m, rec, masks):
+        _, out, loss = _reference_pass(s, m, s.dtype, inputs, target, rec, wanted, masks)
+        return {"output": out, "loss": loss}
+
+    sides = {"output": (dense[1], truth[1]), "loss": (dense[2], truth[2])}
+    consult(s, step, twin, book, run, rec_d, rec_t, sides)
     return rec_d, rec_t, dense, truth
 
 

@@ -33,6 +33,7 @@ from tpcheck.checker.rank.grad_source import GradSource
 from tpcheck.checker.rank.ledger import CollectiveTap, sync_ledgers
 from tpcheck.checker.rank.loading import cast, check_names, leaf, load_from_dense, map_tensors
 from tpcheck.checker.rank.rng import RandomDraws
+from tpcheck.checker.rank.rounding import Twin
 from tpcheck.checker.rank.shard_ops import ShardOps
 from tpcheck.checker.rank.tolerance import Bound
 from tpcheck.checker.settings import RunSettings
@@ -64,6 +65,8 @@ class Sides:
     wait_threads: int = 1  # threads for rank 0's float64 passes while the others wait
     # (step, module): the dense side's outputs captured (the manifest's count: manifest.py)
     produced: collections.Counter = field(default_factory=collections.Counter)
+    # the dense model's rounding twin, on rank 0 (rounding.py)
+    twin: Twin = field(default_factory=Twin)
 
     @property
     def settings(self) -> RunSettings:
@@ -81,6 +84,12 @@ class Sides:
     def plan(self) -> Plan:
         """The plan as known so far: written, or inferred as the run reveals it (discover.py)."""
         return self.discovery.plan
+
+    @property
+    def twin_wanted(self) -> bool:
+        """Whether this rank may run the dense model's rounding twin: it holds a float64 truth of
+        its own, in a run of another dtype."""
+        return self.has_truth and self.dtype != torch.float64
 
     @property
     def has_truth(self) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from tpcheck.checker.case import CaseSpec
+from tpcheck.checker.rank import rounding
 from tpcheck.checker.verdict.diagnose import structural
 from tpcheck.checker.verdict.result import CaseResult
 
@@ -75,6 +76,12 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
             f"not equivalent only in the float64 run: a structural bug below {dtype}'s resolution "
             f"(the {dtype} run passed its {len(result.checks)} checks); {f64.summary}"
         )
+    elif working and _off_its_path(result):
+        result.summary += (
+            f"; only in {dtype}, on a path the float64 run does not take (the dense model is not "
+            f"its own float64 twin there: rounding.py): not precision-specific, the float64 run's "
+            f"{len(f64.checks)} passed checks say nothing of it"
+        )
     elif working:
         result.summary += (
             f"; only in {dtype}: precision-specific (the float64 run passed its "
@@ -84,6 +91,13 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
         result.summary += f"; the float64 run too: {len(f64.checks)} checks passed"
     result.as_expected = result.verdict == result.expected
     return result
+
+
+def _off_its_path(result: CaseResult) -> bool:
+    """Whether the dense model is not its own float64 twin somewhere in this case (its notes say
+    from where: checker/rank/rounding.py): the float64 run then takes another path there, and its
+    pass does not make a failure of the working run precision-specific."""
+    return any(n.startswith(rounding.OFF_PATH) for n in result.notes or ())
 
 
 def _failed(result: CaseResult, verdict: str, summary: str, f64: CaseResult | None = None):
