@@ -173,6 +173,9 @@ def _tensor(out, *args) -> str | None:
     return None
 
 
+NO_GRAPH = "module's output has no grad_fn"  # read by the parent to go forward only (session.py)
+
+
 def require_graph(out, side: str, model) -> None:
     """Before the loss, with autograd on: the `side` module's output must carry a graph (a grad_fn);
     else a UsageError saying which side's forward cut it, and how."""
@@ -180,7 +183,7 @@ def require_graph(out, side: str, model) -> None:
 
     if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and not out.requires_grad:
         raise UsageError(
-            f"the {side} module's output has no grad_fn: its forward ({defined_at(model.forward)}) "
+            f"the {side} {NO_GRAPH}: its forward ({defined_at(model.forward)}) "
             "ran without autograd (torch.no_grad() or torch.inference_mode() inside it, every "
             "parameter with requires_grad=False, or an output detached), so no gradient can be "
             "checked; for inference-only code check the forward alone (RunSettings(train=False), "

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from tpcheck.checker.case import CaseSpec
 from tpcheck.checker.pool.launch import MAX_LIVE_RANKS, Launcher, TorchrunLauncher
+from tpcheck.checker.usercode import NO_GRAPH
 from tpcheck.checker.verdict.float64_run import float64_spec, merge_float64
 from tpcheck.checker.verdict.result import CaseResult, merge
 
@@ -93,8 +94,10 @@ def run_case(
     spec = launcher.resolver.prepare(spec)
     payloads = launcher.run(spec)
     result = None if payloads is None else merge(spec, payloads)
-    follow = result and float64_spec(spec, result)
     torchrun = isinstance(launcher, TorchrunLauncher)
+    if not torchrun and spec.settings.train and (why := _untrainable(result)) is not None:
+        return _forward_only(run_case(spec.with_run(train=False), launcher, ran), why)
+    follow = result and float64_spec(spec, result)
     if torchrun:  # every rank runs what rank 0's results decide
         follow = launcher.share(follow)
     if follow is None:
@@ -110,6 +113,29 @@ def run_case(
     if ran is not None:
         ran[key] = (result.name, f64)
     return merge_float64(result, f64)
+
+
+def _untrainable(result: CaseResult | None) -> str | None:
+    """Why the TP side cannot train (its forward's output carries no graph: `torch.no_grad()` or
+    `torch.inference_mode()` inside it, usercode.require_graph), or None."""
+    if result is None or result.verdict != "invalid":
+        return None
+    said = next((p.get("message", "") for p in result.problems or () if p.get("message")), "")
+    return said if said.startswith(f"the TP {NO_GRAPH}") else None
+
+
+def _forward_only(result: CaseResult | None, why: str) -> CaseResult | None:
+    """A case run again forward only because its TP side cannot train: said in its notes and
+    summary, the forward checked alone (nothing of the training step is)."""
+    if result is None:
+        return None
+    note = (
+        "training: " + why.split("; for inference-only code")[0] + "; its forward is checked "
+        "alone, as with --forward-only"
+    )
+    result.notes = [note, *(result.notes or ())]
+    result.summary += f"; not checked: {note}"
+    return result
 
 
 def _run_in_lanes(specs: Sequence[CaseSpec], lanes: Lanes, ran: Float64Runs):
