@@ -17,7 +17,8 @@ true rounding error (the float64 gap is 0.1 to 1.4 times it), also where cancell
 large. A tensor whose float64 gap is more than RATIO times that is on another path: its bound is
 then made from the twin (the same calibrated bound, the twin in the float64 run's place), its reason
 says so, and the case's notes name the first such tensor with both numbers. From then on the twin
-runs on every pass of the case; where nothing is past the gate on the first pass it never runs.
+runs on every pass of the case; where nothing is past the gate on the first pass, or nothing past
+the ratio, it runs no more.
 """
 
 from __future__ import annotations
@@ -192,6 +193,8 @@ def consult(s, step: int, twin, book, run, rec_d, rec_t, sides: dict) -> None:
     s.twin.settle(s.cmp, step, rec_d, rec_t, rec_w)
     for name, (dense, truth) in sides.items():
         s.twin.stand_in(s.cmp, f"{name} (step {step})", dense, truth, got.get(name))
+    if not s.twin.notes:
+        s.twin.on = False  # nothing on another path at the first pass: the twin runs no more
 
 
 def bounds_of(rec_t) -> list:
