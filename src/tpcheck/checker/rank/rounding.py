@@ -80,7 +80,15 @@ class Twin:
         """A copy of the dense model before its pass, where the twin may run on it."""
         if not wanted or self.on is False:
             return None
-        twin = copy.deepcopy(dense)
+        try:
+            twin = copy.deepcopy(dense)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be copied has no twin
+            self.on = False
+            self.notes.append(
+                f"the dense model's rounding twin: the model could not be copied "
+                f"({type(e).__name__}: {e}); the bounds are made from the float64 run alone"
+            )
+            return None
         for p in twin.parameters():
             p.grad = None
         return twin
