@@ -193,6 +193,7 @@ def consult(s, step: int, twin, book, run, rec_d, rec_t, sides: dict) -> None:
     """The twin on one pass, where it runs (`Twin.looks`): its pass (`run(model, recorder, masks)`
     -> {name: tensor}), then each captured bound and each of `sides` ({name: (dense, float64)}:
     the output, the loss) from the twin where the float64 run takes another path."""
+    s.twin.made.clear()  # a bound made for an earlier pass's tensor is never another's
     if twin is None or not s.twin.looks(s.dtype, bounds_of(rec_t), list(sides.values())):
         return
     if (ran := twin_pass(s, twin, book, run)) is None:
