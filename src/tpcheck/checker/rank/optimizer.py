@@ -130,7 +130,8 @@ class Replay:
         its largest element (its update must then differ from the TP side's there: the rule moves
         it the other way), and the flat index of that element; None where the gradient is zero.
         The rule is made over every parameter, as for the replay: a user's rule may split them in
-        groups (no weight decay on biases and norms) that one parameter alone would leave empty."""
+        groups (no weight decay on biases and norms) that one parameter alone would leave empty;
+        only `name` gets a gradient, so only it is stepped."""
         grad = self.grads.get(name)
         if grad is None or not bool(grad.abs().max() > 0):
             return None
@@ -138,7 +139,7 @@ class Replay:
         i = int(moved.abs().argmax())
         moved[i] = -moved[i]
         control = Replay(self.tp_params, self.make_rule)
-        control.run(self.before, {**self.grads, name: moved.view_as(grad)})
+        control.run({name: self.before[name]}, {name: moved.view_as(grad)})
         return control, i
 
     def run(self, values: dict[str, torch.Tensor], grads: dict) -> None:
