@@ -122,8 +122,11 @@ class RankPayload:
     # manifest.py): [stage, step, name, count]; the parent fails the self-test on any it lacks
     manifest: list | None = None
     # the operations that read a whole dimension and found it smaller on the TP side, in step 1's
-    # first training forward (checker/rank/shard_ops.py): the diagnosis of a mismatch names them
+    # first forward (checker/rank/shard_ops.py): the diagnosis of a mismatch names them
     shard_ops: list = field(default_factory=list)
+    # rank 0's lines of the code under test that called a torch operation in that forward, per
+    # side: {"dense" | "tp": [[file, line, operation, module], ...]} (checker/rank/shard_ops.py)
+    code_paths: dict | None = None
     # threads the case started that still ran at its end (checker/rank/case_threads.py): the pool
     # is then replaced before the next case
     threads_left: int = 0

@@ -5,6 +5,7 @@ shortened for messages (`readable_path`, `short_path`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -21,6 +22,7 @@ _INSTALLED = ("site-packages/", "dist-packages/")
 _PYTHON_LIB = re.compile(r"/lib/python3[.\d]*/")
 
 
+@functools.lru_cache(maxsize=4096)
 def frame_kind(path: str) -> str:
     """Whose code a frame's file is: "user" (the code under test: the user's files and the libraries
     they call, transformers or Megatron-Core), "tpcheck", "torch" or "python" (the standard library,

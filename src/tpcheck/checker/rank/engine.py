@@ -174,6 +174,7 @@ class Engine:
             warmed_up=self.warmed_up,
             activations=s.discovery.record(),
             shard_ops=s.shard_ops.differing(),
+            code_paths=s.shard_ops.sites if s.group.rank == 0 else None,
             manifest=manifest(s, self.forward_only, opts, self.stopped),
             ledger=list(s.tap.ledger),
             seconds=seconds,

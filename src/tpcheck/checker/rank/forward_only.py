@@ -200,6 +200,7 @@ class ForwardOnly:
                 training_rng(s.device, s.settings.seed, step, k),
                 s.tap.tp_phase("forward"),
                 s.draws.tp_masks(book, s.tp),
+                s.shard_ops.side("tp", s.tp, s.discovery.tp_modules),
             ):
                 out_tp = one_tensor(s.tp(**s.tp_inputs(inputs)), s.tp, "TP")
             capture.detach_all(handles)
@@ -232,7 +233,7 @@ def _reference(s: Sides, model, dtype, inputs, target, recorder, names, masks):
     """A dense side's forward (the working dtype's or the truth's), capturing the module outputs:
     (its output as produced, its loss or None)."""
     handles = capture.attach(model, names, recorder)
-    with masks:
+    with s.shard_ops.side("dense" if model is s.dense else None, model), masks:
         out = one_tensor(model(**{k: cast(v, dtype) for k, v in inputs.items()}), model, "dense")
     capture.detach_all(handles)
     produced = capture.snapshot(out)  # a loss may work in place on its input

@@ -96,6 +96,8 @@ def compare_params(
                 dense_val,
                 truth_val,
             )
+        if sent is None and stage == "grads" and truth_val is not None:
+            sent = s.twin.grad_bound(s.cmp, step, name, dense_val, truth_val.detach())
         if not plan.params[name].held_on(rank, world):
             continue  # held on another rank only: its absence here was checked with the weights
         if owner is not None and owner != rank:

@@ -16,9 +16,11 @@ from the dense side is what rounding explains there: measured on correct models 
 true rounding error (the float64 gap is 0.1 to 1.4 times it), also where cancellation makes both
 large. A tensor whose float64 gap is more than RATIO times that is on another path: its bound is
 then made from the twin (the same calibrated bound, the twin in the float64 run's place), its reason
-says so, and the case's notes name the first such tensor with both numbers. From then on the twin
-runs on every pass of the case; where nothing is past the gate on the first pass, or nothing past
-the ratio, it runs no more.
+says so, and the case's notes name the first such tensor with both numbers. The parameters'
+gradients likewise, from the twin's own (summed over the step's micro-batches as the dense side's
+are); the optimizer stage keeps the float64 run's bounds. From then on the twin runs on every pass
+of the case; where nothing is past the gate on the first pass, or nothing past the ratio, it runs
+no more.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class Twin:
     on: bool | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
     made: dict = dataclasses.field(default_factory=dict)  # id(dense tensor) -> its bound
+    # the twin's parameter gradients, summed over the passes of step `grads_step`, by name
+    grads: dict = dataclasses.field(default_factory=dict)
+    grads_step: int = 0
 
     def snapshot(self, dense: nn.Module, wanted: bool) -> nn.Module | None:
         """A copy of the dense model before its pass, where the twin may run on it."""
@@ -166,6 +171,25 @@ class Twin:
         """The twin's bound made for `dense` (an output or a loss of this pass), or None."""
         return self.made.pop(id(dense), None)
 
+    def keep_grads(self, step: int, twin: nn.Module) -> None:
+        """The twin's parameter gradients of one pass, added to those of the step's earlier
+        passes (its micro-batches), as the dense side accumulates its own."""
+        if step != self.grads_step:
+            self.grads, self.grads_step = {}, step
+        for name, p in twin.named_parameters():
+            if p.grad is not None:
+                kept = self.grads.get(name)
+                self.grads[name] = p.grad.detach().clone() if kept is None else kept.add_(p.grad)
+
+    def grad_bound(self, cmp, step: int, name: str, dense, truth) -> tolerance.Bound | None:
+        """The twin's bound for parameter `name`'s gradient at `step` where the float64 run takes
+        another path (`judge`), else None; only where the twin ran on every pass of the step."""
+        twin = self.grads.get(name) if self.on and self.grads_step == step else None
+        if twin is None or dense is None or truth is None or twin.shape != dense.shape:
+            return None
+        where = f"grad:{name} (step {step})"
+        return self.judge(cmp, where, dense, cmp.calibrated(dense, truth), twin)
+
 
 def twin_pass(s, twin: nn.Module, book, run):
     """The twin's pass (`run(model, recorder, masks)`, the caller's reference pass) under
@@ -199,6 +223,7 @@ def consult(s, step: int, twin, book, run, rec_d, rec_t, sides: dict) -> None:
     if (ran := twin_pass(s, twin, book, run)) is None:
         return
     rec_w, got = ran
+    s.twin.keep_grads(step, twin)
     s.twin.settle(s.cmp, step, rec_d, rec_t, rec_w)
     for name, (dense, truth) in sides.items():
         s.twin.stand_in(s.cmp, f"{name} (step {step})", dense, truth, got.get(name))

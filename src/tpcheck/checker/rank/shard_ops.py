@@ -6,9 +6,9 @@ elementwise along that dimension. A reduction over it (mean, std, softmax, top-k
 of it (`chunk(2)` of a packed [gate; up]) computes on the shard something other than its part of
 the dense result, silently: the diagnosis names it (verdict/mechanisms.py `op_on_shard`).
 
-During the first training forward of step 1, the dense and the TP forwards each run under a
-`torch.overrides.TorchFunctionMode` (outside the decisions' mode, decisions.py, which must see the
-model's own calls first) that notes, for every such operation with an explicit
+During the first forward of step 1 (training or forward only), the dense and the TP forwards
+each run under a `torch.overrides.TorchFunctionMode` (outside the decisions' mode, decisions.py,
+which must see the model's own calls first) that notes, for every such operation with an explicit
 dimension, where it ran (the module whose code called it, the source file and line) and the size
 of that dimension in its input. Both sides run the same source where the TP code is the dense
 model's own code sharded by a plan (transformers, DTensor plans, torchtitan), so an operation at
@@ -19,6 +19,12 @@ What differs is only a record: the rank sends it (`RankPayload.shard_ops`), and 
 it where the first divergence is a mismatch at a module that holds or calls such an operation.
 Correct TP code runs such operations too (a packed_colwise shard split into its halves, a
 vocab-parallel cross-entropy's local max before its all-reduce): the record alone is no failure.
+
+The same mode notes the code's path (`OpSizes.sites`): every line of the code under test that
+called a torch operation in that forward, with the operation and its module, in call order. Rank 0
+sends both sides' (`RankPayload.code_paths`); a case's float64 run sends its own, and a line that
+ran in the working dtype but not in float64 is code the float64 run never checked (a branch on
+`x.dtype`, a kernel chosen by dtype: checker/verdict/code_path.py).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ DIM_ARG: dict[str, tuple[int, int | None]] = {
 SPLITS = frozenset({"chunk", "split", "tensor_split"})
 MAX_RECORDS = 4096  # per side: a bound on what one forward may note
 MAX_SENT = 32  # differing operations a rank sends
+MAX_SITES = 8192  # per side: the lines of one forward's path noted
 
 
 def _dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
@@ -92,37 +99,37 @@ def _passes_on(frame) -> bool:
 class OpSizes(TorchFunctionMode):
     """Notes (module, file, line, operation, dimension) -> the dimension's size, in call order, for
     the operations of `DIM_ARG` called while it is active on the modules `model` runs (under
-    their `rename` names: a TP module named otherwise than its dense module)."""
+    their `rename` names: a TP module named otherwise than its dense module); and `sites`: (file,
+    line, operation) -> module of every operation the code under test called."""
 
     def __init__(self, model: nn.Module, rename: dict[str, str] | None = None) -> None:
         super().__init__()
         rename = rename or {}
         self.modules = {id(m): rename.get(name, name) for name, m in named_modules(model)}
         self.sizes: dict[tuple, int] = {}
+        self.sites: dict[tuple[str, int, str], str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if (
-            name in DIM_ARG
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and len(self.sizes) < MAX_RECORDS
-        ):
-            with contextlib.suppress(Exception):  # a note is never worth failing the forward
-                self._note(name, args, kwargs)
+        with contextlib.suppress(Exception):  # a note is never worth failing the forward
+            self._note(getattr(func, "__name__", ""), args, kwargs)
         return func(*args, **kwargs)
 
     def _note(self, name: str, args: tuple, kwargs: dict) -> None:
-        dims = _dims(name, args, kwargs)
-        if dims is None:
-            return
         frame = sys._getframe(2)
         while frame is not None and _passes_on(frame):
             frame = frame.f_back
         if frame is None or frame_kind(frame.f_code.co_filename) == "tpcheck":
             return  # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
         at = (frame.f_code.co_filename, frame.f_lineno)
+        site = (*at, name)
+        dims = (
+            _dims(name, args, kwargs)
+            if name in DIM_ARG and args and isinstance(args[0], torch.Tensor)
+            else None
+        )
+        if (site in self.sites or len(self.sites) >= MAX_SITES) and dims is None:
+            return
         module = ""
         while frame is not None:
             owner = frame.f_locals.get("self")
@@ -130,6 +137,10 @@ class OpSizes(TorchFunctionMode):
                 module = self.modules[id(owner)]
                 break
             frame = frame.f_back
+        if len(self.sites) < MAX_SITES:
+            self.sites.setdefault(site, module)
+        if dims is None or len(self.sizes) >= MAX_RECORDS:
+            return
         shape = args[0].shape
         for d in dims:
             self.sizes.setdefault((module, *at, name, d - args[0].dim()), int(shape[d]))
@@ -142,6 +153,7 @@ class ShardOps:
         self.enabled = enabled
         self.dense: dict[tuple, int] | None = None
         self.tp: dict[tuple, int] | None = None
+        self.sites: dict[str, list] = {}  # side -> [[file, line, operation, module], ...]
 
     @contextlib.contextmanager
     def side(self, which: str | None, model: nn.Module, rename: dict[str, str] | None = None):
@@ -154,6 +166,7 @@ class ShardOps:
         with mode:
             yield
         setattr(self, which, mode.sizes)
+        self.sites[which] = [[*site, module] for site, module in mode.sites.items()]
 
     def differing(self) -> list[dict]:
         """The operations that ran at the same place, in the same module, on both sides and found

@@ -29,6 +29,7 @@ import dataclasses
 
 from tpcheck.checker.case import CaseSpec
 from tpcheck.checker.rank import rounding
+from tpcheck.checker.verdict import code_path
 from tpcheck.checker.verdict.diagnose import structural
 from tpcheck.checker.verdict.result import CaseResult
 
@@ -67,6 +68,8 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
         result.hang, result.crash = f64.hang, f64.crash
         return _failed(result, f64.verdict, f"{f64.verdict} in the float64 run: {f64.summary}", f64)
     dtype, working = result.run.dtype, result.verdict == "not equivalent"
+    if away := code_path.only_working(result.code_paths, f64.code_paths):
+        result.notes = [*(result.notes or []), code_path.note(dtype, away)]
     if f64.verdict == "not equivalent" and working:
         _both_failed(result, f64)
     elif f64.verdict == "not equivalent":
@@ -78,9 +81,9 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
         )
     elif working and _off_its_path(result):
         result.summary += (
-            f"; only in {dtype}, on a path the float64 run does not take (the dense model is not "
-            f"its own float64 twin there: rounding.py): not precision-specific, the float64 run's "
-            f"{len(f64.checks)} passed checks say nothing of it"
+            f"; only in {dtype}, on a path the float64 run does not take (the notes say where): "
+            f"not precision-specific, the float64 run's {len(f64.checks)} passed checks say "
+            "nothing of it"
         )
     elif working:
         result.summary += (
@@ -94,10 +97,11 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
 
 
 def _off_its_path(result: CaseResult) -> bool:
-    """Whether the dense model is not its own float64 twin somewhere in this case (its notes say
-    from where: checker/rank/rounding.py): the float64 run then takes another path there, and its
-    pass does not make a failure of the working run precision-specific."""
-    return any(n.startswith(rounding.OFF_PATH) for n in result.notes or ())
+    """Whether the float64 run takes another path than the working run somewhere in this case:
+    the dense model is not its own float64 twin there (checker/rank/rounding.py), or code ran in
+    the working dtype only (code_path.py); the notes say where. Its pass then does not make a
+    failure of the working run precision-specific."""
+    return any(n.startswith((rounding.OFF_PATH, code_path.NOTE)) for n in result.notes or ())
 
 
 def _failed(result: CaseResult, verdict: str, summary: str, f64: CaseResult | None = None):

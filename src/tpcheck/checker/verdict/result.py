@@ -70,6 +70,9 @@ class CaseResult:
     # the case's float64 run, merged into this one (float64_run.py): its verdict, summary, ... or
     # {"skipped": why}; None when none was wanted
     float64_run: dict | None = None
+    # rank 0's lines of code each side's first forward ran (RankPayload.code_paths); not reported:
+    # the float64 run's merge reads them (checker/verdict/code_path.py)
+    code_paths: dict | None = None
 
     @property
     def name(self) -> str:
@@ -291,6 +294,7 @@ def merge(spec: CaseSpec, payloads: list[RankPayload]) -> CaseResult:
         notes=list(dict.fromkeys(n for p in payloads for n in p.notes)) or None,
         forward_only=forward_only,
         activations=payloads[0].activations,
+        code_paths=payloads[0].code_paths,
     )
     result.self_test.failures += missing_warmup(payloads, run.warmup)
     result.as_expected = result.verdict == result.expected
