@@ -1,8 +1,13 @@
 """Parameter gradients bounded by the rounding twin (checker/rank/rounding.py `grad_bound`): a
 fused bias-GeLU kernel with the tanh approximation in float32 and the exact GeLU in float64
-(case_files/fused_gelu.py) makes the dense model not its own float64 twin. A TP gradient kept in
-bfloat16 (1.6e-4 off) is caught at `grad:down.weight` under the twin's bound (2.5e-7); the correct
-twin is equivalent. Checker mutant: gradient bounds from the float64 run alone."""
+(case_files/fused_gelu.py) makes the dense model not its own float64 twin. A TP gradient sent in
+float16 (1.8e-5 off) is caught at `grad:down.weight` under the twin's bound (2.5e-7); the correct
+twin is equivalent. Checker mutant: gradient bounds from the float64 run alone (8 x its 1.5e-5
+gap): the same bug is then called equivalent.
+
+The optimizer stage likewise (`Twin.stand_in_grads`): with gradient clipping, a clip coefficient
+rounded to float16 is caught at the first clipped gradient, `scaled`; with the truth's optimizer
+stage stepping from the float64 run's gradients (mutant), it is equivalent."""
 
 from tpcheck import check
 from tpcheck.checker.casefile import file_spec
@@ -18,8 +23,8 @@ def run(name):
     return r
 
 
-def test_a_gradient_kept_in_bfloat16_is_caught_under_the_twins_bound():
-    correct, buggy = run("fused_gelu"), run("down_grad_in_bfloat16")
+def test_a_gradient_sent_in_float16_is_caught_under_the_twins_bound():
+    correct, buggy = run("fused_gelu"), run("down_grad_in_float16")
     assert correct["verdict"] == "equivalent", correct["summary"]
     assert buggy["verdict"] == "not equivalent", buggy["summary"]
     assert buggy["first_divergence"]["name"] == "grad:down.weight"
@@ -27,8 +32,23 @@ def test_a_gradient_kept_in_bfloat16_is_caught_under_the_twins_bound():
     assert "rounding twin" in failed["reason"], failed
 
 
-def test_without_the_twin_for_gradients_their_bound_is_the_float64_runs(monkeypatch):
+def test_with_gradient_bounds_from_the_float64_run_the_bug_passes(monkeypatch):
     monkeypatch.setattr(rounding.Twin, "grad_bound", lambda self, *args: None)
-    r = run("down_grad_in_bfloat16")
-    checks = [c for c in r["checks"] if c["name"] == "grad:down.weight" and c["stage"] == "grads"]
-    assert checks and not any("rounding twin" in c["reason"] for c in checks)
+    r = run("down_grad_in_float16")
+    assert r["verdict"] == "equivalent", r["summary"]  # missed: the twin is what sees it
+
+
+def test_a_clip_coefficient_in_float16_is_caught_under_the_twins_gradients():
+    correct, buggy = run("clipped"), run("clip_coef_in_float16")
+    assert correct["verdict"] == "equivalent", correct["summary"]
+    assert "steps from the rounding twin's gradients" in correct["summary"]
+    assert buggy["verdict"] == "not equivalent", buggy["summary"]
+    first = buggy["first_divergence"]
+    assert first["name"].startswith("clipped:") and first["step"] == 1, first
+    assert "scaled" in buggy["summary"]
+
+
+def test_with_the_optimizer_stage_on_the_float64_runs_gradients_the_bug_passes(monkeypatch):
+    monkeypatch.setattr(rounding.Twin, "stand_in_grads", lambda self, *args: None)
+    r = run("clip_coef_in_float16")
+    assert r["verdict"] == "equivalent", r["summary"]  # missed: the twin is what sees it

@@ -199,8 +199,8 @@ class ForwardOnly:
             with (
                 training_rng(s.device, s.settings.seed, step, k),
                 s.tap.tp_phase("forward"),
+                s.shard_ops.side("tp", s.tp, s.discovery.tp_modules),  # outside the decisions' mode
                 s.draws.tp_masks(book, s.tp),
-                s.shard_ops.side("tp", s.tp, s.discovery.tp_modules),
             ):
                 out_tp = one_tensor(s.tp(**s.tp_inputs(inputs)), s.tp, "TP")
             capture.detach_all(handles)

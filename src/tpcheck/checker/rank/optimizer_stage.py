@@ -89,6 +89,8 @@ def build(s: Sides) -> Optimizers:
 
 def stage(s: Sides, opts: Optimizers, step: int) -> None:
     """The optimizer stage of `step` (module docstring)."""
+    if s.truth is not None and s.truth is not s.dense:
+        s.twin.stand_in_grads(s.truth, step)  # rounding.py: never a bound from another path
     clip(s, opts, step)
     opts.dense_master.take_grads()
     opts.tp_master.take_grads()

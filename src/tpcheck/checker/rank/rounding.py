@@ -18,7 +18,9 @@ large. A tensor whose float64 gap is more than RATIO times that is on another pa
 then made from the twin (the same calibrated bound, the twin in the float64 run's place), its reason
 says so, and the case's notes name the first such tensor with both numbers. The parameters'
 gradients likewise, from the twin's own (summed over the step's micro-batches as the dense side's
-are); the optimizer stage keeps the float64 run's bounds. From then on the twin runs on every pass
+are); and in the optimizer stage the float64 truth steps from the twin's gradient of every such
+parameter (`stand_in_grads`), so the clipped gradients, the state and the update are held to
+rounding there too. From then on the twin runs on every pass
 of the case; where nothing is past the gate on the first pass, or nothing past the ratio, it runs
 no more.
 """
@@ -80,6 +82,7 @@ class Twin:
     # the twin's parameter gradients, summed over the passes of step `grads_step`, by name
     grads: dict = dataclasses.field(default_factory=dict)
     grads_step: int = 0
+    off_path: list = dataclasses.field(default_factory=list)  # names whose grad bound is the twin's
 
     def snapshot(self, dense: nn.Module, wanted: bool) -> nn.Module | None:
         """A copy of the dense model before its pass, where the twin may run on it."""
@@ -175,7 +178,7 @@ class Twin:
         """The twin's parameter gradients of one pass, added to those of the step's earlier
         passes (its micro-batches), as the dense side accumulates its own."""
         if step != self.grads_step:
-            self.grads, self.grads_step = {}, step
+            self.grads, self.grads_step, self.off_path = {}, step, []
         for name, p in twin.named_parameters():
             if p.grad is not None:
                 kept = self.grads.get(name)
@@ -188,7 +191,30 @@ class Twin:
         if twin is None or dense is None or truth is None or twin.shape != dense.shape:
             return None
         where = f"grad:{name} (step {step})"
-        return self.judge(cmp, where, dense, cmp.calibrated(dense, truth), twin)
+        made = self.judge(cmp, where, dense, cmp.calibrated(dense, truth), twin)
+        if made is not None:
+            self.off_path.append(name)
+        return made
+
+    def stand_in_grads(self, truth: nn.Module, step: int) -> None:
+        """Before the optimizer stage of `step`: the float64 truth's gradient of every parameter
+        whose gradient bound was the twin's (`grad_bound`) replaced by the twin's, so that the
+        clipping, the optimizer state and the update the truth computes from it differ from the
+        dense side's by rounding, not by the float64 run's other path."""
+        if self.grads_step != step or not self.off_path:
+            return
+        params = dict(truth.named_parameters())
+        for name in self.off_path:
+            p = params.get(name)
+            if p is not None and p.grad is not None:
+                with torch.no_grad():
+                    p.grad.copy_(self.grads[name])
+        if self.notes and "optimizer stage" not in self.notes[-1]:
+            self.notes.append(
+                f"the optimizer stage's float64 truth steps from the rounding twin's gradients "
+                f"where the float64 run's are on another path ({len(self.off_path)} parameter(s), "
+                f"first {self.off_path[0]}): its bounds are made from rounding too"
+            )
 
 
 def twin_pass(s, twin: nn.Module, book, run):

@@ -9,9 +9,14 @@ TP as Megatron writes it: column-parallel `up` (its input's gradient all-reduced
 
     tpcheck verify tests/checker/rank/case_files/fused_gelu.py:fused_gelu --world-size 2
 
-Planted bug (`down_grad_in_bfloat16`): the TP side keeps `down.weight`'s gradient in bfloat16 (a
-gradient hook that rounds it), about 4e-3 relative: under a bound made from the float64 run's other
-path, over one made from rounding.
+Planted bug (`down_grad_in_float16`): the TP side sends `down.weight`'s gradient in float16 (a
+gradient hook that rounds it, as a float16 compression hook does), about 5e-4 relative: under a
+bound made from the float64 run's other path (1.2e-4), over one made from rounding (2.5e-7).
+
+With gradient clipping (`clipped`: Megatron's norm, tensor-parallel squares summed over the ranks,
+the replicated bias's once), the planted bug `clip_coef_in_float16` rounds the clip coefficient to
+float16 (up to 5e-4 relative on every clipped gradient; the total norm it returns is right): under
+the clipped gradients' bound from the float64 run's path, over one from rounding.
 """
 
 import torch
@@ -67,7 +72,7 @@ class Mlp(nn.Module):
         self.down = nn.Linear(FFN // world, DIM, bias=False, dtype=dtype)
         self.down_bias = nn.Parameter(torch.zeros(DIM, dtype=dtype))
         if bug:
-            self.down.weight.register_hook(lambda g: g.to(torch.bfloat16).to(g.dtype))
+            self.down.weight.register_hook(lambda g: g.to(torch.float16).to(g.dtype))
 
     def forward(self, x):
         h = x if self.pg is None else _CopyToRanks.apply(x, self.pg)
@@ -92,7 +97,30 @@ PLAN = Plan(
 )
 
 
-def _case(name, bug=False):
+SHARDED = ("up.weight", "up_bias", "down.weight")
+
+
+def clip_megatron(model, max_norm, group, coef_dtype=torch.float32):
+    """The total norm over the ranks (sharded squares summed, the replicated bias's once), every
+    gradient scaled by max_norm / norm (clip coefficient in `coef_dtype`)."""
+    sharded, replicated = torch.zeros(()), torch.zeros(())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            sq = p.grad.float().pow(2).sum()
+            if name in SHARDED:
+                sharded = sharded + sq
+            else:
+                replicated = replicated + sq
+    dist.all_reduce(sharded, group=group.pg)
+    total = (sharded + replicated).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).to(coef_dtype)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def _case(name, bug=False, clip=None):
     return Case(
         name=name,
         build_dense=lambda dtype: Mlp(None, dtype),
@@ -100,9 +128,15 @@ def _case(name, bug=False):
         plan=PLAN,
         make_batch=make_batch,
         loss=lambda out, target: F.mse_loss(out, target),
-        run=RunSettings(steps=2),
+        run=RunSettings(steps=2, clip_grad_norm=None if clip is None else 0.05),
+        tp_clip_grad_norm=clip,
     )
 
 
 fused_gelu = _case("fused_gelu")
-down_grad_in_bfloat16 = _case("fused_gelu_down_grad_in_bfloat16", bug=True)
+down_grad_in_float16 = _case("fused_gelu_down_grad_in_float16", bug=True)
+clipped = _case("fused_gelu_clipped", clip=clip_megatron)
+clip_coef_in_float16 = _case(
+    "fused_gelu_clip_coef_in_float16",
+    clip=lambda model, max_norm, group: clip_megatron(model, max_norm, group, torch.float16),
+)
