@@ -292,10 +292,11 @@ def _reference_passes(s: Sides, inputs: dict, target, wanted: tuple, book, step:
         )
 
     def run(m, rec, masks):
-        _, out, loss = _reference_pass(s, m, s.dtype, inputs, target, rec, wanted, masks)
-        return {"output": out, "loss": loss}
+        kw, out, loss = _reference_pass(s, m, s.dtype, inputs, target, rec, wanted, masks)
+        return {"output": out, "loss": loss, **{f"grad:{k}": kw[k].grad for k in wanted}}
 
     sides = {"output": (dense[1], truth[1]), "loss": (dense[2], truth[2])}
+    sides.update({f"grad:{k}": (dense[0][k].grad, truth[0][k].grad) for k in wanted})
     consult(s, step, twin, book, run, rec_d, rec_t, sides)
     return rec_d, rec_t, dense, truth
 
@@ -349,6 +350,7 @@ def _compare_input_grads(s: Sides, step: int, wanted: tuple, kw_tp: dict, kw_d: 
             kw_d[k].grad,
             kw_t[k].grad,
             case.input_placements.get(k, Replicate()),
+            bound=s.twin.bound_for(kw_d[k].grad),  # rounding.py, where the float64 run strays
         )
 
 

@@ -16,13 +16,13 @@ from the dense side is what rounding explains there: measured on correct models 
 true rounding error (the float64 gap is 0.1 to 1.4 times it), also where cancellation makes both
 large. A tensor whose float64 gap is more than RATIO times that is on another path: its bound is
 then made from the twin (the same calibrated bound, the twin in the float64 run's place), its reason
-says so, and the case's notes name the first such tensor with both numbers. The parameters'
-gradients likewise, from the twin's own (summed over the step's micro-batches as the dense side's
-are); and in the optimizer stage the float64 truth steps from the twin's gradient of every such
-parameter (`stand_in_grads`), so the clipped gradients, the state and the update are held to
-rounding there too. From then on the twin runs on every pass
-of the case; where nothing is past the gate on the first pass, or nothing past the ratio, it runs
-no more.
+says so, and the case's notes name the first such tensor with both numbers. Which tensors: the
+captured module outputs and their gradients, the output, the loss, the inputs' gradients; the
+parameters' gradients from the twin's own (summed over the step's micro-batches as the dense
+side's are); and in the optimizer stage the float64 truth steps from the twin's gradient of every
+such parameter (`stand_in_grads`), so the clipped gradients, the state and the update are held to
+rounding there too. From then on the twin runs on every pass of the case; where nothing is past
+the gate on the first pass, or nothing past the ratio, it runs no more.
 """
 
 from __future__ import annotations

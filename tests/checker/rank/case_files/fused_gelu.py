@@ -12,6 +12,8 @@ TP as Megatron writes it: column-parallel `up` (its input's gradient all-reduced
 Planted bug (`down_grad_in_float16`): the TP side sends `down.weight`'s gradient in float16 (a
 gradient hook that rounds it, as a float16 compression hook does), about 5e-4 relative: under a
 bound made from the float64 run's other path (1.2e-4), over one made from rounding (2.5e-7).
+`input_grad_in_float16`: the input's gradient all-reduced in float16 (`up`'s backward), the same
+at the input's gradient (`grad:x`).
 
 With gradient clipping (`clipped`: Megatron's norm, tensor-parallel squares summed over the ranks,
 the replicated bias's once), the planted bug `clip_coef_in_float16` rounds the clip coefficient to
@@ -39,15 +41,15 @@ def bias_gelu(x, bias):
 
 class _CopyToRanks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
+    def forward(ctx, x, pg, wire=None):
+        ctx.pg, ctx.wire = pg, wire
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.pg)
-        return g, None
+        sent = g.clone() if ctx.wire is None else g.to(ctx.wire)  # `wire`: the all-reduce's dtype
+        dist.all_reduce(sent, group=ctx.pg)
+        return sent.to(g.dtype), None, None
 
 
 class _SumFromRanks(torch.autograd.Function):
@@ -63,7 +65,7 @@ class _SumFromRanks(torch.autograd.Function):
 
 
 class Mlp(nn.Module):
-    def __init__(self, group=None, dtype=None, bug=False):
+    def __init__(self, group=None, dtype=None, bug=None):
         super().__init__()
         world = 1 if group is None else group.world_size
         self.pg = None if group is None else group.pg
@@ -71,11 +73,12 @@ class Mlp(nn.Module):
         self.up_bias = nn.Parameter(torch.zeros(FFN // world, dtype=dtype))
         self.down = nn.Linear(FFN // world, DIM, bias=False, dtype=dtype)
         self.down_bias = nn.Parameter(torch.zeros(DIM, dtype=dtype))
-        if bug:
+        if bug == "down_grad":
             self.down.weight.register_hook(lambda g: g.to(torch.float16).to(g.dtype))
+        self.wire = torch.float16 if bug == "input_grad" else None
 
     def forward(self, x):
-        h = x if self.pg is None else _CopyToRanks.apply(x, self.pg)
+        h = x if self.pg is None else _CopyToRanks.apply(x, self.pg, self.wire)
         y = self.down(bias_gelu(self.up(h), self.up_bias))
         y = y if self.pg is None else _SumFromRanks.apply(y, self.pg)
         return x + y + self.down_bias
@@ -120,7 +123,7 @@ def clip_megatron(model, max_norm, group, coef_dtype=torch.float32):
     return total
 
 
-def _case(name, bug=False, clip=None):
+def _case(name, bug=None, clip=None):
     return Case(
         name=name,
         build_dense=lambda dtype: Mlp(None, dtype),
@@ -134,7 +137,8 @@ def _case(name, bug=False, clip=None):
 
 
 fused_gelu = _case("fused_gelu")
-down_grad_in_float16 = _case("fused_gelu_down_grad_in_float16", bug=True)
+down_grad_in_float16 = _case("fused_gelu_down_grad_in_float16", bug="down_grad")
+input_grad_in_float16 = _case("fused_gelu_input_grad_in_float16", bug="input_grad")
 clipped = _case("fused_gelu_clipped", clip=clip_megatron)
 clip_coef_in_float16 = _case(
     "fused_gelu_clip_coef_in_float16",
