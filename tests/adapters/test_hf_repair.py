@@ -379,6 +379,34 @@ def test_an_op_on_a_shard_puts_its_own_rules_first():
     assert rule_override.shard_op_candidates(own, rules) == []
 
 
+def test_a_packed_weight_sharded_as_one_block_puts_its_modules_packed_style_first():
+    meta, _, _ = meta_model()
+    result = not_equivalent(DOWN, {DOWN: False})
+    weight = {"weight": "model.layers.0.mlp.gate_proj.weight", "suggested": "Fused(0, (4, 4))"}
+    result["diagnosis"] = {"signature": "packed_shard", "evidence": weight}
+    assert rule_override.shard_op_candidates(result, meta.tp_plan) == [{MLP[0]: "packed_colwise"}]
+    weight["weight"] = "model.layers.0.mlp.down_proj.weight"  # rowwise: no packed style for it
+    assert rule_override.shard_op_candidates(result, meta.tp_plan) == []
+
+
+@pytest.mark.slow
+def test_hf_phi3_gate_up_as_one_block_is_named_and_repaired_as_packed():
+    """Phi-3's fused MLP `gate_up_proj`, chunked into gate and up in its forward, given a plain
+    `colwise` rule (its plan's own is `colwise_gather_output` for that reason): `packed_shard` at
+    the weight, with the split's line in transformers' code, and the repair's first candidate,
+    `packed_colwise`, verified equivalent."""
+    key = "model.layers.*.mlp.gate_up_proj"
+    down = "model.layers.*.mlp.down_proj=rowwise"
+    out = tpcheck("hf", "phi3", "--steps", "1", "--rule", f"{key}=colwise", "--rule", down,
+                  "--repair")  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "packed_shard: model.layers.0.mlp.gate_up_proj.weight is sharded as one block" in (
+        out.stdout + out.stderr
+    )
+    assert "transformers/models/phi3/modeling_phi3.py:" in out.stdout + out.stderr
+    assert f"tried {key}=packed_colwise: equivalent" in out.stderr
+
+
 def test_moved_on_means_the_first_divergence_is_fixed():
     before = _on_shard()
     grads = {"name": "grad:q", "stage": "grads", "step": 1}

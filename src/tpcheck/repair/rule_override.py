@@ -24,7 +24,9 @@ For a case that is `not equivalent` or `error`:
    rank's shard of it) puts its own candidates before these: for a reduction, every rule inside the
    module whose code runs it set to `replicate` together (the dimension it reads is then whole on
    every rank); for a split, each `colwise` rule there set to `packed_colwise` (each packed part
-   sharded on its own). The rules are layer-wildcarded, as every key is: transformers looks a
+   sharded on its own). A `packed_shard` diagnosis (a packed weight sharded as one block whose
+   output is split) puts first that weight's module's `colwise` rule set to `packed_colwise`.
+   The rules are layer-wildcarded, as every key is: transformers looks a
    module up by its name with the layer numbers as `*` (`_get_parameter_plan`,
    distributed/parallel_utils.py:59-61), so no rule can name one layer.
 4. **Each candidate checked with the full check**, the run's own settings, one at a time; the
@@ -264,11 +266,15 @@ def candidates(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> 
 
 
 def shard_op_candidates(result: dict, plan: dict[str, str]) -> list[dict]:
-    """The overrides an `op_on_shard` diagnosis points at (step 3 of the module docstring)."""
+    """The overrides an `op_on_shard` or `packed_shard` diagnosis points at (step 3 of the module
+    docstring)."""
     diagnosis = result.get("diagnosis") or {}
+    evidence = diagnosis.get("evidence") or {}
+    if diagnosis.get("signature") == "packed_shard":  # the packed weight's module, colwise
+        key = wildcard(evidence.get("weight", "").rpartition(".")[0])
+        return [{key: "packed_colwise"}] if plan.get(key) == "colwise" else []
     if diagnosis.get("signature") != "op_on_shard":
         return []
-    evidence = diagnosis.get("evidence") or {}
     out: list[dict] = []
     for op in evidence.get("ops") or ():
         owner = op["module"]

@@ -168,15 +168,13 @@ def test_a_packed_weight_split_after_a_contiguous_shard_is_named(results):
     bad = results["packed_contiguous"]
     assert bad["verdict"] == "not equivalent"
     d = bad["diagnosis"]
-    assert d["signature"] == "op_on_shard", d
-    op = d["evidence"]["ops"][0]
-    assert (op["op"], op["kind"], op["tp_size"], op["dense_size"]) == (
-        "chunk",
-        "split",
-        FFN,
-        2 * FFN,
-    )
-    assert op["at"].endswith(f"test_shard_ops.py:{_line('split')}")
+    # the split's input is gate_up's output, its weight sharded as one block: named at the weight
+    # (checker/verdict/mechanisms.py `packed_shard`; test_packed_shard.py for the fused QKV)
+    assert d["signature"] == "packed_shard", d
+    ev = d["evidence"]
+    assert (ev["weight"], ev["placement"], ev["parts"]) == ("gate_up.weight", "Shard(0)", [FFN] * 2)
+    assert ev["suggested"] == f"Fused(0, ({FFN}, {FFN}))"
+    assert ev["split_at"].endswith(f"test_shard_ops.py:{_line('split')}")
     assert "packed_colwise" in d["cause"]
     good = results["packed_per_part"]
     assert good["verdict"] == "equivalent", good["summary"]

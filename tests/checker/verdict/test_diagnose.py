@@ -319,6 +319,7 @@ def test_record_fields():
     assert d["sentence"].startswith("grad:mlp.down (backward, step 3) diverges first: ")
     assert d["sentence"].endswith(CAUSES["scaled_by_world"])
     assert set(CAUSES) == {
+        "packed_shard",
         "partial_sum",
         "scaled_by_world",
         "scaled_by_1/world",

@@ -234,6 +234,33 @@ def clip_sharded_only(model, max_norm, group):
     return total
 
 
+def clip_fp32_buffer(model, max_norm, group, replicated_twice=False):
+    """Correct: Megatron's `get_grad_norm_fp32` as it runs off the GPU: squared norms summed into
+    float32 buffers (its accumulation dtype, whatever the gradients'), the tensor-parallel ones
+    all-reduced, the total read out with `.item()`, the gradients scaled by a Python float.
+    `replicated_twice` (bug): the replicated parameters' buffer all-reduced too, so each counts
+    once per rank."""
+    tp_sq = torch.zeros(1, dtype=torch.float)
+    dup_sq = torch.zeros(1, dtype=torch.float)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = torch.norm(p.grad.float(), 2.0) ** 2
+            if getattr(p, "tensor_model_parallel", False):
+                tp_sq += sq
+            else:
+                dup_sq += sq
+    dist.all_reduce(tp_sq, group=group.pg)
+    if replicated_twice:
+        dist.all_reduce(dup_sq, group=group.pg)
+    total = (tp_sq + dup_sq).item() ** 0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total
+
+
 def _megatron_norm(model, group):
     tp_sq, dup_sq = torch.zeros(()), torch.zeros(())
     for p in model.parameters():
@@ -354,6 +381,11 @@ clip_correct = _clip_case("clip_correct", clip_megatron)
 clip_local = _clip_case("clip_local", clip_local_norm)
 clip_replicated_twice = _clip_case("clip_replicated_twice", clip_all_summed)
 clip_sharded_gradients_only = _clip_case("clip_sharded_gradients_only", clip_sharded_only)
+clip_fp32_norm = _clip_case("clip_fp32_norm", clip_fp32_buffer)
+clip_fp32_norm_replicated_twice = _clip_case(
+    "clip_fp32_norm_replicated_twice",
+    lambda model, max_norm, group: clip_fp32_buffer(model, max_norm, group, True),
+)
 
 assign_loader = _case("assign_loader")
 meta_loader = _case(

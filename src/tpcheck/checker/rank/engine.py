@@ -55,6 +55,7 @@ from tpcheck.checker.rank import (
     frozen,
     optimizer_stage,
     passes,
+    shard_ops,
     torch_collectives,
     training,
 )
@@ -173,7 +174,11 @@ class Engine:
             forward_only=self.forward_only.as_json() if self.forward_only else None,
             warmed_up=self.warmed_up,
             activations=s.discovery.record(),
-            shard_ops=s.shard_ops.differing(),
+            shard_ops=shard_ops.packed(
+                s.shard_ops.differing(),
+                s.plan,
+                {n: tuple(p.shape) for n, p in s.dense.named_parameters()},
+            ),
             code_paths=s.shard_ops.sites if s.group.rank == 0 else None,
             manifest=manifest(s, self.forward_only, opts, self.stopped),
             ledger=list(s.tap.ledger),
@@ -191,11 +196,13 @@ def run_case_on_rank(
     # a float64 run's own casts stay float64; torch.distributed's collectives as the case found
     # them afterwards (a replacement made by its setup or build_tp does not outlive it)
     with (
-        keep_float64(case.run.dtype == "float64"),
+        keep_float64(case.run.dtype == "float64") as float64_mode,
         torch_collectives.kept(),
         case_threads.watched(),
     ):
         engine = Engine(build_sides(case, group, rendezvous, wait_threads))
+        if float64_mode is not None:  # the models built: the code's accumulators keep float64
+            float64_mode.factories = True
         checks = engine.run()
         payload = engine.payload(checks, time.perf_counter() - t0)
         if left := case_threads.running():  # never into the next case: the pool is replaced

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -108,19 +109,57 @@ class OpSizes(TorchFunctionMode):
         self.modules = {id(m): rename.get(name, name) for name, m in named_modules(model)}
         self.sizes: dict[tuple, int] = {}
         self.sites: dict[tuple[str, int, str], str] = {}
+        # a split's key -> {"parts": its sizes, "producer": the module whose output it split}
+        self.splits: dict[tuple, dict] = {}
+        self.outputs: dict[int, tuple[str, weakref.ref]] = {}  # id(module output) -> (module, ref)
+
+    def watch(self, model: nn.Module, rename: dict[str, str] | None = None) -> list:
+        """Forward hooks that note which module produced each output (a split's producer); the
+        handles, for the caller to remove."""
+        rename = rename or {}
+
+        def hook(name):
+            def noted(module, args, out):
+                if isinstance(out, torch.Tensor) and len(self.outputs) < MAX_RECORDS:
+                    self.outputs[id(out)] = (name, weakref.ref(out))
+
+            return noted
+
+        return [
+            m.register_forward_hook(hook(rename.get(name, name)))
+            for name, m in named_modules(model)
+            if name
+        ]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        key = None
         with contextlib.suppress(Exception):  # a note is never worth failing the forward
-            self._note(getattr(func, "__name__", ""), args, kwargs)
-        return func(*args, **kwargs)
+            key = self._note(getattr(func, "__name__", ""), args, kwargs)
+        out = func(*args, **kwargs)
+        if key is not None:
+            with contextlib.suppress(Exception):
+                self._split(key, args[0], out)
+        return out
 
-    def _note(self, name: str, args: tuple, kwargs: dict) -> None:
+    def _split(self, key: tuple, x: torch.Tensor, out) -> None:
+        """A split's parts (their sizes along its dimension) and the module whose output it
+        split."""
+        dim = key[-1]
+        noted = self.outputs.get(id(x))
+        producer = noted[0] if noted is not None and noted[1]() is x else None
+        parts = tuple(int(o.shape[dim]) for o in out)
+        self.splits.setdefault(key, {"parts": parts, "producer": producer})
+
+    def _note(self, name: str, args: tuple, kwargs: dict) -> tuple | None:
+        """Notes the call (module docstring); returns a split's key, for its parts."""
         frame = sys._getframe(2)
         while frame is not None and _passes_on(frame):
             frame = frame.f_back
         if frame is None or frame_kind(frame.f_code.co_filename) == "tpcheck":
-            return  # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
+            return (
+                None  # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
+            )
         at = (frame.f_code.co_filename, frame.f_lineno)
         site = (*at, name)
         dims = (
@@ -129,7 +168,7 @@ class OpSizes(TorchFunctionMode):
             else None
         )
         if (site in self.sites or len(self.sites) >= MAX_SITES) and dims is None:
-            return
+            return None
         module = ""
         while frame is not None:
             owner = frame.f_locals.get("self")
@@ -140,10 +179,11 @@ class OpSizes(TorchFunctionMode):
         if len(self.sites) < MAX_SITES:
             self.sites.setdefault(site, module)
         if dims is None or len(self.sizes) >= MAX_RECORDS:
-            return
+            return None
         shape = args[0].shape
         for d in dims:
             self.sizes.setdefault((module, *at, name, d - args[0].dim()), int(shape[d]))
+        return (module, *at, name, dims[0] - args[0].dim()) if name in SPLITS else None
 
 
 class ShardOps:
@@ -154,6 +194,7 @@ class ShardOps:
         self.dense: dict[tuple, int] | None = None
         self.tp: dict[tuple, int] | None = None
         self.sites: dict[str, list] = {}  # side -> [[file, line, operation, module], ...]
+        self.splits: dict[str, dict] = {}  # side -> OpSizes.splits
 
     @contextlib.contextmanager
     def side(self, which: str | None, model: nn.Module, rename: dict[str, str] | None = None):
@@ -163,10 +204,16 @@ class ShardOps:
             yield
             return
         mode = OpSizes(model, rename)
-        with mode:
-            yield
+        handles = mode.watch(model, rename)
+        try:
+            with mode:
+                yield
+        finally:
+            for h in handles:
+                h.remove()
         setattr(self, which, mode.sizes)
         self.sites[which] = [[*site, module] for site, module in mode.sites.items()]
+        self.splits[which] = mode.splits
 
     def differing(self) -> list[dict]:
         """The operations that ran at the same place, in the same module, on both sides and found
@@ -188,6 +235,46 @@ class ShardOps:
                         "at": f"{path}:{line}",
                         "tp_size": size,
                         "dense_size": dense,
+                        **self._split_of(key),
                     }
                 )
         return out[:MAX_SENT]
+
+    def _split_of(self, key: tuple) -> dict:
+        """A split's dense parts and its input's producer (the TP side's, else the dense side's)."""
+        dense = self.splits.get("dense", {}).get(key)
+        tp = self.splits.get("tp", {}).get(key)
+        if dense is None or tp is None:
+            return {}
+        return {"parts": list(dense["parts"]), "producer": tp["producer"] or dense["producer"]}
+
+
+def packed(ops: list[dict], plan, dense_shapes: dict[str, tuple]) -> list[dict]:
+    """`ops` with, on each split of a module's output into parts whose module holds a weight
+    sharded as one block along the parts' dimension (a plain `Shard` of the dense size the parts
+    add up to) and whose output is not placed `Fused`, that weight: {param, placement, fused} with
+    the `Fused` placement that shards each part on its own (the diagnosis's `packed_shard`)."""
+    from tpcheck.plan import Fused, Shard
+
+    for op in ops:
+        producer, parts = op.get("producer"), op.get("parts")
+        if op["kind"] != "split" or not producer or not parts or len(parts) < 2:
+            continue
+        if isinstance(plan.activations.get(producer), Fused):
+            continue  # split as it was sharded: each rank holds its block of every part
+        weights = []
+        for name, placement in plan.params.items():
+            shape = dense_shapes.get(name)
+            if name.rpartition(".")[0] != producer or type(placement) is not Shard or not shape:
+                continue
+            if shape[placement.dim] == sum(parts):
+                weights.append(
+                    {
+                        "param": name,
+                        "placement": f"Shard({placement.dim})",
+                        "fused": f"Fused({placement.dim}, {tuple(parts)})",
+                    }
+                )
+        if weights:
+            op["packed"] = weights
+    return ops

@@ -405,7 +405,7 @@ def _as_norm(value) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
         return value.detach().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return torch.tensor(float(value))
+        return torch.tensor(float(value), dtype=torch.float64)  # a Python float is a double
     raise UsageError(
         f"your tp_clip_grad_norm returned {type(value).__name__} {value!r}; expected the total "
         "gradient norm (a one-element tensor or a number), as torch.nn.utils.clip_grad_norm_ "

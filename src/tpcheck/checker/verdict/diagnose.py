@@ -54,6 +54,8 @@ execution order. Each signature is a test on numbers, not on the fault's name:
                     after every backward (mechanisms.py)
   no_plan_rule      a partial_sum gradient of a parameter no rule of the TP code's own plan
                     (Case.plan_rules) covers (mechanisms.py)
+  packed_shard      a mismatch (or replicas that differ) at a module output whose code splits
+                    the output of a module whose weight is sharded as one block (mechanisms.py)
   op_on_shard       a mismatch at a module output whose code (its own, a module's in it, or its
                     parent's between its children) runs a reduction or a split on a shard of the
                     dimension it reads: the TP side's dimension smaller at the same source line
@@ -225,6 +227,10 @@ def diagnose(
             signature, details = "mismatch", {"error_over_bound": error / bound}
     elif off in ev and signature == "mismatch":
         signature, details = c.classify_local(ev[off], world)
+    if signature in ("mismatch", "replicas_differ") and (
+        found := mechanisms.packed_shard(first, shard_ops or [])
+    ):
+        return _diagnosis(first, found[0], {**details, **found[1]}, cause=found[2])
     if signature == "mismatch" and (found := mechanisms.op_on_shard(first, shard_ops or [])):
         return _diagnosis(first, found[0], {**details, **found[1]}, cause=found[2])
     return _diagnosis(first, signature, details, cause=_state_cause(first, signature, details))

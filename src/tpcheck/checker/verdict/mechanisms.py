@@ -23,6 +23,13 @@ One mechanism of a wrong activation, named from what the ranks noted of the forw
                     plan shards, and computes there something other than its part of the dense
                     result.
 
+  packed_shard      the first divergence is a mismatch (or replicas that differ) at a module
+                    output, and the code within it splits the output of a module into parts
+                    (q, k, v; gate, up) while that module's weight is sharded as one block along
+                    them (a plain Shard where the output is not placed Fused): each rank's
+                    contiguous rows hold the wrong parts. Named at the weight, with the Fused
+                    placement that shards each part on its own.
+
 One mechanism of a wrong discrete decision, named by the rank that judged it
 (checker/rank/decisions.py):
 
@@ -45,6 +52,7 @@ from tpcheck.checker.verdict.divergence import FirstDivergence
 GRAD_ACCUMULATION_REDUCED = "grad_accumulation_reduced"
 NO_PLAN_RULE = "no_plan_rule"
 OP_ON_SHARD = "op_on_shard"
+PACKED_SHARD = "packed_shard"
 DECISION_BIAS = "decision_bias"
 
 CAUSES = {
@@ -61,6 +69,10 @@ CAUSES = {
     OP_ON_SHARD: (
         "an operation that reads a whole dimension (a reduction such as mean, std, softmax or "
         "top-k; a split such as chunk) runs on each rank's shard of a dimension the plan shards"
+    ),
+    PACKED_SHARD: (
+        "a packed weight ([q; k; v], [gate; up]) sharded as one block: each rank holds contiguous "
+        "rows of the whole, so the parts its code splits are not the ranks' shards of the parts"
     ),
     DECISION_BIAS: (
         "a systematic bias before a discrete decision: the TP side's scores for one index (an "
@@ -245,3 +257,30 @@ def op_on_shard(first: FirstDivergence, ops: list[dict]) -> tuple | None:
         more = ", ".join(f"{op['op']} at {source_line(op['at'])}" for op in found[1:4])
         cause += f"; also {more}" + (" ..." if len(found) > 4 else "")
     return OP_ON_SHARD, {"ops": found}, cause
+
+
+def packed_shard(first: FirstDivergence, ops: list[dict]) -> tuple | None:
+    """(signature, details, cause) when the code within the first divergent module output splits
+    the output of a module whose weight is sharded as one block (shard_ops.py's `packed`); else
+    None."""
+    module = _module_of(first)
+    if module is None:
+        return None
+    found = [op for op in ops if op.get("packed") and _within(op["module"], module)]
+    if not found:
+        return None
+    op = found[0]
+    weight = op["packed"][0]
+    parts = op["parts"]
+    cause = (
+        f"{weight['param']} is sharded as one block ({weight['placement']}), but the output of "
+        f"{op['producer']} is split into {len(parts)} parts (dense sizes {tuple(parts)}) by "
+        f"{op['op']} at {source_line(op['at'])}"
+        + (f" (code of {op['module']})" if op["module"] else "")
+        + ": each rank's contiguous rows are not its shard of each part. Shard each part on its "
+        f"own: {weight['param']} as {weight['fused']} (transformers' `packed_colwise`; with "
+        "your own loader, rank r loads its block of every part and concatenates them)"
+    )
+    details = {"weight": weight["param"], "placement": weight["placement"],
+               "suggested": weight["fused"], "split_at": op["at"], "parts": parts}  # fmt: skip
+    return PACKED_SHARD, details, cause
