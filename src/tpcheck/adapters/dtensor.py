@@ -183,14 +183,18 @@ class LocalShards(nn.Module):
         self.comm = None
 
     def as_held(self) -> nn.Module:
-        """The parallelized module as the framework holds it, for the user's own clipping
-        (`Case(tp_clip_grad_norm=...)`): each DTensor parameter a DTensor over this rank's
-        local shard, its gradient a DTensor over the shard's gradient (no copy: the same
-        storage), every other parameter the shard itself. A norm over its gradients is the
-        global one, as in the real run (torch's `clip_grad_norm_` reduces DTensor norms over
-        the mesh), and scaling them in place scales the shards' gradients."""
+        """The parallelized module as the framework holds it, for the user's own clipping and
+        optimizer (`Case(tp_clip_grad_norm=...)`, `Case(tp_optimizer=...)`): each DTensor
+        parameter a DTensor over this rank's local shard, its gradient a DTensor over the shard's
+        gradient (no copy: the same storage), every other parameter the shard itself. A norm over
+        its gradients is the global one, as in the real run (torch's `clip_grad_norm_` reduces
+        DTensor norms over the mesh), scaling them in place scales the shards' gradients, and an
+        optimizer stepping them steps the shards. The DTensor parameters are made once (an
+        optimizer holds them from step to step); each call hands them the shards' gradients of
+        the moment."""
         from torch.distributed.tensor import DTensor
 
+        kept = self.__dict__.setdefault("_held", {})
         for name, local in self.named_parameters():
             owner, _, leaf = name.rpartition(".")
             module = self.parallel.get_submodule(owner)
@@ -204,7 +208,9 @@ class LocalShards(nn.Module):
                     t, self.mesh, placements, run_check=False, shape=shape, stride=stride
                 )
 
-            p = nn.Parameter(held(local.detach()), requires_grad=local.requires_grad)
+            p = kept.get(name)
+            if p is None or p._local_tensor.data_ptr() != local.data_ptr():
+                p = kept[name] = nn.Parameter(held(local.detach()), local.requires_grad)
             p.grad = None if local.grad is None else held(local.grad)
             module._parameters[leaf] = p
         return self.parallel

@@ -47,8 +47,9 @@ def build(s: Sides) -> Optimizers:
     opt_tp = tp_master = None
     uses_masters = settings.uses_masters
     if case.tp_optimizer is not None:
-        opt_tp = case.tp_optimizer(s.tp, group)
-        tp_master = training.UserOptimizer(s.tp, opt_tp, s.grad_of)
+        held = held_by_framework(s.tp)
+        opt_tp = case.tp_optimizer(held() if held else s.tp, group)
+        tp_master = training.UserOptimizer(s.tp, opt_tp, s.grad_of, refresh=held)
         if uses_masters and tp_master.steps_module_weights():
             uses_masters = False  # the dense side steps its 16-bit weights as the TP side does
             notes.append(training.no_masters_note(opt_tp, settings.dtype))
@@ -85,6 +86,13 @@ def build(s: Sides) -> Optimizers:
         slack=AdaptiveSlack(opt_dense, replay, opt_truth) if adaptive else None,
         notes=notes,
     )
+
+
+def held_by_framework(tp):
+    """The TP module as its framework holds it, for the user's optimizer as for the user's
+    clipping (DTensor parameters stay DTensors: adapters/dtensor.py `as_held`, which each call
+    also hands this step's gradients), or None: the module as tpcheck steps it."""
+    return getattr(tp, "as_held", None)
 
 
 def stage(s: Sides, opts: Optimizers, step: int) -> None:

@@ -28,7 +28,14 @@ class Stepped:
         # the parameters whose copies tied by value with this one's, until `settle_ties`
         self.ties: tuple[str, ...] | None = None
 
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether the tensor stepped is module parameter `p` itself: `p`, or a DTensor over
+        `p`'s storage (the module as the framework holds it: adapters/dtensor.py `as_held`)."""
+        local = local_of(self.tensor)
+        return self.tensor is p or (local is not self.tensor and local.data_ptr() == p.data_ptr())
+
     def view(self, t: torch.Tensor) -> torch.Tensor:
+        t = local_of(t)
         if self.segment is None:
             return t
         offset, n = self.segment
@@ -47,9 +54,16 @@ class Stepped:
         out = {}
         for k, v in self.opt.state.get(self.tensor, {}).items():
             if isinstance(v, torch.Tensor):
-                full = v.dim() and v.numel() == self.tensor.numel()
+                v = local_of(v)
+                full = v.dim() and v.numel() == local_of(self.tensor).numel()
                 out[k] = self.view(v) if full else v
         return out
+
+
+def local_of(t):
+    """A DTensor's local tensor (the same storage), any other tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
 
 
 def _segment_of(flat: torch.Tensor, p: torch.Tensor, start: int) -> int | None:
@@ -78,6 +92,10 @@ def map_stepped(module: nn.Module, optimizers: list) -> dict[str, Stepped]:
         if id(p) in by_id:
             opt, t = by_id[id(p)]
             found[name] = Stepped(opt, t, p.shape)
+        else:  # a DTensor over the parameter's storage (the module as the framework holds it)
+            held = [(opt, t) for opt, t in tensors if Stepped(opt, t, p.shape).holds(p)]
+            if held and local_of(held[0][1]).shape == p.shape:
+                found[name] = Stepped(*held[0], p.shape)
     left = [(opt, t) for opt, t in tensors if not any(s.tensor is t for s in found.values())]
     by_value: dict[tuple, list[str]] = {}  # the values a copy was matched by -> the parameters
     for name, p in own.items():

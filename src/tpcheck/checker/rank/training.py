@@ -81,14 +81,17 @@ class UserOptimizer:
 
     replay_after_step = True
 
-    def __init__(self, module: nn.Module, optimizer, grad_of=None) -> None:
+    def __init__(self, module: nn.Module, optimizer, grad_of=None, refresh=None) -> None:
         self.module, self.optimizer = module, optimizer
+        # hands the module's gradients to the parameters the optimizer holds, where those are
+        # the framework's own (DTensors over the shards: adapters/dtensor.py `as_held`)
+        self.refresh = refresh
         self.grad_of = grad_of or (lambda p: p.grad)  # where the module's gradients are read
         self._own = dict(module.named_parameters())
         self.inner = inner = find_optimizers(optimizer)
         self.found = map_stepped(module, inner)
         check_found(self.found, self._own)
-        self.masters = any(s.tensor is not self._own[n] for n, s in self.found.items())
+        self.masters = any(not s.holds(self._own[n]) for n, s in self.found.items())
         self.params = {
             n: self.found[n].value if n in self.found else p for n, p in self._own.items()
         }
@@ -118,8 +121,11 @@ class UserOptimizer:
 
     def take_grads(self) -> None:
         """Before the TP step: the module's weights and grads (read where its framework keeps
-        them: `grad_of`), for an optimizer with nothing found (the replay then runs on those)."""
+        them: `grad_of`), for an optimizer with nothing found (the replay then runs on those).
+        Where the optimizer holds the framework's parameters, they get this step's gradients."""
         self._taken = None
+        if self.refresh is not None:
+            self.refresh()
         if not self.found:
             grads = {n: self.grad_of(p) for n, p in self._own.items()}
             self._taken = (
@@ -159,7 +165,7 @@ class UserOptimizer:
             tp_name = plan.tp_name(name)
             stepped = self.found.get(tp_name)
             p = self._own.get(tp_name)
-            if stepped is None or p is None or stepped.tensor is p:
+            if stepped is None or p is None or stepped.holds(p):
                 continue
             s.cmp.compare_local(
                 "optimizer",
