@@ -60,15 +60,13 @@ def test_through_the_local_shards_torchs_clipping_took_the_local_norm(monkeypatc
     assert r["diagnosis"]["signature"] == "clip_local_norm", r["diagnosis"]
 
 
-@pytest.mark.parametrize(
-    "world,dtype",
-    [
-        (2, "float32"),
-        pytest.param(2, "bfloat16", marks=pytest.mark.slow),
-        pytest.param(4, "float32", marks=pytest.mark.slow),
-        pytest.param(4, "bfloat16", marks=pytest.mark.slow),
-    ],
-)
+def grid(fast):
+    """tp 2 and 4, float32 and bfloat16: `fast` in make test, the others slow."""
+    every = [(w, d) for w in (2, 4) for d in ("float32", "bfloat16")]
+    return [c if c == fast else pytest.param(*c, marks=pytest.mark.slow) for c in every]
+
+
+@pytest.mark.parametrize("world,dtype", grid((2, "float32")))
 def test_a_dtensor_trainers_own_fused_adamw_is_followed_and_a_wrong_decay_caught(world, dtype):
     """The trainer's optimizer as DTensor trainers build it, `AdamW(model.parameters(),
     fused=True)` beside torch's clipping: the rule, its replay and the truth run the fused kernels
@@ -87,15 +85,7 @@ def test_a_dtensor_trainers_own_fused_adamw_is_followed_and_a_wrong_decay_caught
         assert bad["diagnosis"]["signature"] == "decay", bad["diagnosis"]
 
 
-@pytest.mark.parametrize(
-    "world,dtype",
-    [
-        (2, "bfloat16"),
-        pytest.param(2, "float32", marks=pytest.mark.slow),
-        pytest.param(4, "float32", marks=pytest.mark.slow),
-        pytest.param(4, "bfloat16", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("world,dtype", grid((2, "bfloat16")))
 def test_a_trainers_optimizer_gets_the_dtensor_parameters(world, dtype):
     """The user's tp_optimizer is handed the module as the framework holds it: a trainer that
     groups its parameters by `p.placements` (decay on the sharded, none on the replicated) is
