@@ -49,6 +49,8 @@ def test_a_clip_coefficient_in_float16_is_caught_under_the_twins_gradients():
     first = buggy["first_divergence"]
     assert first["name"].startswith("clipped:") and first["step"] == 1, first
     assert "scaled" in buggy["summary"]
+    failed = next(c for c in buggy["checks"] if c["name"] == first["name"] and not c["passed"])
+    assert "vs the float64 step from the rounding twin's gradients" in failed["reason"], failed
 
 
 def test_with_the_optimizer_stage_on_the_float64_runs_gradients_the_bug_passes(monkeypatch):

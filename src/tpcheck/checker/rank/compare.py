@@ -51,6 +51,9 @@ class Comparator:
         self.pending_replicas: list[tuple[Check, torch.Tensor, torch.Tensor | None]] = []
         self.evidence = Evidence()
         self.seq = 0
+        # what the float64 side is where it is not the float64 run itself (rounding.py: the
+        # optimizer stage stepped from the rounding twin's gradients), named in bounds' reasons
+        self.truth_from: str | None = None
         # (stage, step, bound kind) with a control
         self.controlled: set[tuple[str, int, str]] = set()
         # (stage, step, check) with a control: one per tensor (its evidence is keyed so)
@@ -184,6 +187,10 @@ class Comparator:
         """The calibrated bound of a tensor of this rank's checks, in `dtype` (default: the working
         dtype), with the dense error the self-test measures apart (`tolerance.dense_error`)."""
         bound = tolerance.calibrated(dense, truth, dtype or self.dtype, self.group.world_size)
+        if self.truth_from is not None:
+            bound = dataclasses.replace(
+                bound, reason=bound.reason.replace("vs float64", f"vs {self.truth_from}")
+            )
         return dataclasses.replace(bound, measured=tolerance.dense_error(dense, truth))
 
     def compare_local(

@@ -97,8 +97,16 @@ def held_by_framework(tp):
 
 def stage(s: Sides, opts: Optimizers, step: int) -> None:
     """The optimizer stage of `step` (module docstring)."""
-    if s.truth is not None and s.truth is not s.dense:
-        s.twin.stand_in_grads(s.truth, step)  # rounding.py: never a bound from another path
+    # rounding.py: never a bound from the float64 run's other path; the bounds' reasons say so
+    if s.has_truth and s.twin.stand_in_grads(s.truth, step):
+        s.cmp.truth_from = "the float64 step from the rounding twin's gradients"
+    try:
+        _stage(s, opts, step)
+    finally:
+        s.cmp.truth_from = None
+
+
+def _stage(s: Sides, opts: Optimizers, step: int) -> None:
     clip(s, opts, step)
     opts.dense_master.take_grads()
     opts.tp_master.take_grads()

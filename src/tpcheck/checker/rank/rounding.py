@@ -196,13 +196,13 @@ class Twin:
             self.off_path.append(name)
         return made
 
-    def stand_in_grads(self, truth: nn.Module, step: int) -> None:
+    def stand_in_grads(self, truth: nn.Module, step: int) -> bool:
         """Before the optimizer stage of `step`: the float64 truth's gradient of every parameter
         whose gradient bound was the twin's (`grad_bound`) replaced by the twin's, so that the
         clipping, the optimizer state and the update the truth computes from it differ from the
-        dense side's by rounding, not by the float64 run's other path."""
+        dense side's by rounding, not by the float64 run's other path. Whether it did."""
         if self.grads_step != step or not self.off_path:
-            return
+            return False
         params = dict(truth.named_parameters())
         for name in self.off_path:
             p = params.get(name)
@@ -215,6 +215,7 @@ class Twin:
                 f"where the float64 run's are on another path ({len(self.off_path)} parameter(s), "
                 f"first {self.off_path[0]}): its bounds are made from rounding too"
             )
+        return True
 
 
 def twin_pass(s, twin: nn.Module, book, run):
