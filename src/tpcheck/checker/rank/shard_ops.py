@@ -24,7 +24,10 @@ The same mode notes the code's path (`OpSizes.sites`): every line of the code un
 called a torch operation in that forward, with the operation and its module, in call order. Rank 0
 sends both sides' (`RankPayload.code_paths`); a case's float64 run sends its own, and a line that
 ran in the working dtype but not in float64 is code the float64 run never checked (a branch on
-`x.dtype`, a kernel chosen by dtype: checker/verdict/code_path.py).
+`x.dtype`, a kernel chosen by dtype: checker/verdict/code_path.py). And for each split, the sizes
+of the parts it made and the module whose output it split (forward hooks, `OpSizes.watch`): where
+that module's weight is sharded as one block along the parts (`packed`, with the plan), the
+diagnosis names the weight (verdict/mechanisms.py `packed_shard`).
 """
 
 from __future__ import annotations
@@ -157,9 +160,8 @@ class OpSizes(TorchFunctionMode):
         while frame is not None and _passes_on(frame):
             frame = frame.f_back
         if frame is None or frame_kind(frame.f_code.co_filename) == "tpcheck":
-            return (
-                None  # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
-            )
+            # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
+            return None
         at = (frame.f_code.co_filename, frame.f_lineno)
         site = (*at, name)
         dims = (

@@ -11,7 +11,7 @@ kept beside its evidence (checker/rank/grad_evidence.py):
                     own plan (`Case.plan_rules`) has no rule for the parameter or any module it
                     lives in: nothing reduces it because nothing in the plan says it must be.
 
-One mechanism of a wrong activation, named from what the ranks noted of the forward's operations
+Two mechanisms of a wrong activation, named from what the ranks noted of the forward's operations
 (checker/rank/shard_ops.py):
 
   op_on_shard       the first divergence is a mismatch at a module output, and the code of that
