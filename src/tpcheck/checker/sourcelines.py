@@ -41,6 +41,20 @@ def frame_kind(path: str) -> str:
     return "python" if path.startswith(_PYTHON_DIRS) or _PYTHON_LIB.search(slashed) else "user"
 
 
+def caller(frame):
+    """The first frame from `frame` outward that does more than hand a torch call on: not
+    torch's or Python's own code, nor one of tpcheck's function modes (`__torch_function__`)
+    calling the operation it intercepted; None past the outermost."""
+    while frame is not None:
+        kind = frame_kind(frame.f_code.co_filename)
+        if kind not in ("torch", "python") and not (
+            kind == "tpcheck" and frame.f_code.co_name == "__torch_function__"
+        ):
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def user_frame(exc: BaseException, path: str | None) -> str:
     """ "file.py:LINE" of the deepest traceback frame in the user's file `path` (else in any code
     under test, `frame_kind`)."""

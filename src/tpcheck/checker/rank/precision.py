@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tpcheck.checker.sourcelines import frame_kind
+from tpcheck.checker.sourcelines import caller, frame_kind
 
 LOWER = (torch.float32, torch.float16, torch.bfloat16)
 NAMED_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
@@ -65,16 +65,9 @@ def _keep(value):
 
 
 def _code_under_test(frame) -> bool:
-    """Whether the call at `frame` comes from the code under test: the first frame that is not
-    torch's, Python's or one of tpcheck's function modes handing the call on is the user's."""
-    while frame is not None:
-        kind = frame_kind(frame.f_code.co_filename)
-        if kind == "tpcheck" and frame.f_code.co_name == "__torch_function__":
-            kind = "python"
-        if kind not in ("torch", "python"):
-            return kind == "user"
-        frame = frame.f_back
-    return False
+    """Whether the call at `frame` comes from the code under test (sourcelines.py's `caller`)."""
+    frame = caller(frame)
+    return frame is not None and frame_kind(frame.f_code.co_filename) == "user"
 
 
 class KeepFloat64(TorchFunctionMode):

@@ -83,6 +83,7 @@ class Twin:
     grads: dict = dataclasses.field(default_factory=dict)
     grads_step: int = 0
     off_path: list = dataclasses.field(default_factory=list)  # names whose grad bound is the twin's
+    stood_in: bool = False  # the optimizer stage's truth has stepped from the twin's gradients
 
     def snapshot(self, dense: nn.Module, wanted: bool) -> nn.Module | None:
         """A copy of the dense model before its pass, where the twin may run on it."""
@@ -209,7 +210,8 @@ class Twin:
             if p is not None and p.grad is not None:
                 with torch.no_grad():
                     p.grad.copy_(self.grads[name])
-        if self.notes and "optimizer stage" not in self.notes[-1]:
+        if not self.stood_in:
+            self.stood_in = True
             self.notes.append(
                 f"the optimizer stage's float64 truth steps from the rounding twin's gradients "
                 f"where the float64 run's are on another path ({len(self.off_path)} parameter(s), "

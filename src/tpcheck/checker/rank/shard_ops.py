@@ -41,7 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpcheck.checker.rank.capture import named_modules
-from tpcheck.checker.sourcelines import frame_kind
+from tpcheck.checker.sourcelines import caller, frame_kind
 
 # operation name -> (position of its dimension argument, the input counted, default dimension):
 # the default None means "no dimension given: the whole tensor", which is not recorded
@@ -88,16 +88,6 @@ def _dims(name: str, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     if ndim == 0 or not all(-ndim <= d < ndim for d in dims):
         return None
     return tuple(d % ndim for d in dims)
-
-
-def _passes_on(frame) -> bool:
-    """Whether `frame` only hands the call on: torch's or Python's own code (sourcelines.py's
-    `frame_kind`), or another of tpcheck's function modes (decisions.py's, above this one) calling
-    the model's operation."""
-    kind = frame_kind(frame.f_code.co_filename)
-    return kind in ("torch", "python") or (
-        kind == "tpcheck" and frame.f_code.co_name == "__torch_function__"
-    )
 
 
 class OpSizes(TorchFunctionMode):
@@ -156,9 +146,8 @@ class OpSizes(TorchFunctionMode):
 
     def _note(self, name: str, args: tuple, kwargs: dict) -> tuple | None:
         """Notes the call (module docstring); returns a split's key, for its parts."""
-        frame = sys._getframe(2)
-        while frame is not None and _passes_on(frame):
-            frame = frame.f_back
+        # past torch's and Python's frames and the function modes above this one (decisions.py's)
+        frame = caller(sys._getframe(2))
         if frame is None or frame_kind(frame.f_code.co_filename) == "tpcheck":
             # tpcheck's own arithmetic (the capture hooks' comparisons), not the model's
             return None

@@ -17,9 +17,7 @@ from __future__ import annotations
 from tpcheck.checker.rank.shard_ops import MAX_SITES
 from tpcheck.checker.sourcelines import short_path
 
-NOTE = (
-    "the float64 run does not run all the code the "  # how the note starts (float64_run reads it)
-)
+NOTE = "the float64 run does not run all the code the "  # how the note starts
 SIDES = {"dense": "dense model", "tp": "TP model"}
 
 

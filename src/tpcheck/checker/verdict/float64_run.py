@@ -79,7 +79,7 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
             f"not equivalent only in the float64 run: a structural bug below {dtype}'s resolution "
             f"(the {dtype} run passed its {len(result.checks)} checks); {f64.summary}"
         )
-    elif working and _off_its_path(result):
+    elif working and (away or _off_its_path(result)):
         result.summary += (
             f"; only in {dtype}, on a path the float64 run does not take (the notes say where): "
             f"not precision-specific, the float64 run's {len(f64.checks)} passed checks say "
@@ -97,11 +97,11 @@ def merge_float64(result: CaseResult, f64: CaseResult, same_as: str | None = Non
 
 
 def _off_its_path(result: CaseResult) -> bool:
-    """Whether the float64 run takes another path than the working run somewhere in this case:
-    the dense model is not its own float64 twin there (checker/rank/rounding.py), or code ran in
-    the working dtype only (code_path.py); the notes say where. Its pass then does not make a
-    failure of the working run precision-specific."""
-    return any(n.startswith((rounding.OFF_PATH, code_path.NOTE)) for n in result.notes or ())
+    """Whether the dense model is not its own float64 twin somewhere in this case (the ranks'
+    notes say from where: checker/rank/rounding.py): the float64 run then takes another path
+    there, as where code ran in the working dtype only (code_path.py, read by the caller), and its
+    pass does not make a failure of the working run precision-specific."""
+    return any(n.startswith(rounding.OFF_PATH) for n in result.notes or ())
 
 
 def _failed(result: CaseResult, verdict: str, summary: str, f64: CaseResult | None = None):
