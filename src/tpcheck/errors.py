@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     NOT_EQUIVALENT = 1  # some case did not (a TP bug found, or a planted one missed)
     USAGE = 2  # bad input: the message names the value and the fix
     ERROR = 3  # a rank raised or died, or the checker failed its self-test: no verdict
+    REPAIRED = 4  # with --repair: every case that failed got a fix, each verified equivalent
 
     @staticmethod
     def interrupted(signum: int) -> int:

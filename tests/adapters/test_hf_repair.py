@@ -19,7 +19,7 @@ transformers = pytest.importorskip(
 )
 from tpcheck.adapters import transformers as hf  # noqa: E402
 from tpcheck.checker.pool.session import run_specs  # noqa: E402
-from tpcheck.repair import rule_override  # noqa: E402
+from tpcheck.repair import rule_override, terms  # noqa: E402
 from tpcheck.resolve import launcher  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -163,8 +163,13 @@ def test_a_repair_that_ignores_the_verdict_is_caught(monkeypatch):
 
 @pytest.mark.slow
 def test_hf_qwen3_repair_prints_a_verified_override_that_passes_when_rerun(tmp_path):
+    """The repair in transformers' terms: the fix needs tpcheck's style, so a second search among
+    transformers' own styles finds the gathered attention (q/k/v gathered, o_proj splitting its
+    input, the norms replicated); both printed as a `tp_plan` for `DistributedConfig`, the
+    shipped-style one first; the table of the verified run last; exit 4 (repaired). Each printed
+    fix passes when run again as printed."""
     out = tpcheck("hf", "qwen3", "--steps", "1", "--repair", "--json", str(tmp_path / "r.json"))
-    assert out.returncode == 1, out.stderr  # the run itself is not equivalent
+    assert out.returncode == 4, out.stderr  # the run itself failed; its repair is verified
     flags = f"--rule '{Q}={ARRIVAL}' --rule '{K}={ARRIVAL}'"
     assert f"pass: tpcheck hf qwen3 {flags}" in out.stderr
     assert "verified (the full check re-run with the override): equivalent" in out.stderr
@@ -174,14 +179,47 @@ def test_hf_qwen3_repair_prints_a_verified_override_that_passes_when_rerun(tmp_p
     from tpcheck.report.schema import load_schema
 
     jsonschema.validate(report, load_schema())
+    assert report["summary"]["exit_code"] == 4
     (entry,) = report["repair"]["entries"]
     assert entry["status"] == "repaired" and entry["flags"] == flags
     assert entry["verified"]["verdict"] == "equivalent"
     assert entry["tried"][-1]["override"] == {Q: ARRIVAL, K: ARRIVAL}
     assert all(t["verdict"] != "equivalent" for t in entry["tried"][:-1])
-    again = tpcheck("hf", "qwen3", "--steps", "1", *shlex.split(flags))
-    assert again.returncode == 0, again.stderr
-    assert "1 equivalent" in again.stderr
+    alt = entry["shipped"]
+    attn = "model.layers.*.self_attn."
+    assert alt["status"] == "repaired" and alt["override"] == {
+        **{f"{attn}{p}_proj": "colwise_gather_output" for p in "qkv"},
+        f"{attn}o_proj": "rowwise_split_input",
+        Q: "replicate",
+        K: "replicate",
+    }
+    text = out.stderr
+    shipped_at = text.index('    "model.layers.*.self_attn.q_proj": "colwise_gather_output",')
+    assert "DistributedConfig(tp_plan=tp_plan)" in text
+    assert shipped_at < text.index(f'    "{Q}": "{ARRIVAL}",')
+    tail = text[text.index("with the repair printed above, each checked again in full") :]
+    assert "hf:qwen3/tp2/float32/repair" in tail and "equivalent" in tail
+    said = [line for line in text.splitlines() if not line.startswith("JSON report:")]
+    assert said[-1] == "1 of 1 case(s) as expected"  # the verified table is the last thing said
+    for rerun in (flags, alt["flags"]):
+        again = tpcheck("hf", "qwen3", "--steps", "1", *shlex.split(rerun))
+        assert again.returncode == 0, again.stderr
+        assert "1 equivalent" in again.stderr
+
+
+def test_the_gathered_region_is_the_shipped_styles_candidate():
+    """A failing norm inside an attention whose plan shards q/k/v colwise and o_proj rowwise: the
+    region gathered (OLMo2's plan), the norm replicated; a module with no rowwise sibling has no
+    region; tpcheck's styles never count as shipped."""
+    meta, modules, params = meta_model("qwen3")
+    kinds = {k: rule_override.module_kind(k, modules, params) for k in (Q, K)}
+    (region,) = rule_override.gathered_regions([Q, K], meta.tp_plan, kinds)
+    assert region[Q] == region[K] == "replicate"
+    assert region["model.layers.*.self_attn.o_proj"] == "rowwise_split_input"
+    assert region["model.layers.*.self_attn.v_proj"] == "colwise_gather_output"
+    assert rule_override.shipped(region) and not rule_override.shipped({Q: ARRIVAL})
+    norm = "model.layers.*.input_layernorm"
+    assert rule_override.gathered_regions([norm], meta.tp_plan, {norm: "vectors"}) == []
 
 
 def test_a_failing_parameters_own_rule_is_tried_first_with_the_packed_styles():
@@ -214,7 +252,7 @@ def test_hf_inkling2_repair_splits_the_fused_gate_up_as_packed():
     verified equivalent."""
     rule = "model.layers.*.mlp.experts.gate_up_proj=packed_colwise"
     out = tpcheck("hf", "inkling2_text", "--steps", "1", "--repair")
-    assert out.returncode == 1, out.stderr
+    assert out.returncode == 4, out.stderr  # every failed case repaired and verified
     assert f"pass: tpcheck hf inkling2_text --rule '{rule}'" in out.stderr
     assert "verified (the full check re-run with the override): equivalent" in out.stderr
 
@@ -306,7 +344,7 @@ def test_a_candidate_off_by_rounding_only_is_kept_when_its_float64_check_is_equi
     )
     assert entry["working"]["failed"] == 2 and entry["working"]["worst_over_bound"] == 1.6
     assert [t.get("float64") for t in entry["tried"]].count("equivalent") == 1
-    lines = "\n".join(rule_override.entry_lines(entry))
+    lines = "\n".join(terms.plan_rule_lines(entry))
     assert "verified in float64" in lines and "by rounding only" in lines
     assert "pass:" not in lines  # never said to pass as shipped
     assert search(worst=3.0)["status"] == "no_plan_fix"
@@ -323,8 +361,9 @@ def test_hf_embedding_gemma2_repair_is_the_pair_verified_in_float32_or_in_float6
     repaired (its float32 check equivalent) or as verified in float64 with what float32 left,
     never as repaired without an equivalent float32 check."""
     out = tpcheck("hf", "embedding_gemma2_text", "--repair", "--json", str(tmp_path / "r.json"))
-    assert out.returncode == 1, out.stderr
     (entry,) = json.loads((tmp_path / "r.json").read_text())["repair"]["entries"]
+    # 4 only for a repair verified in the working dtype
+    assert out.returncode == (4 if entry["status"] == "repaired" else 1), out.stderr
     pair = {"layers.*.self_attn.q_norm": ARRIVAL, "layers.*.self_attn.k_norm": ARRIVAL}
     assert entry["override"] == pair and entry["verified"]["verdict"] == "equivalent"
     if entry["status"] == "repaired":
@@ -399,7 +438,7 @@ def test_hf_phi3_gate_up_as_one_block_is_named_and_repaired_as_packed():
     down = "model.layers.*.mlp.down_proj=rowwise"
     out = tpcheck("hf", "phi3", "--steps", "1", "--rule", f"{key}=colwise", "--rule", down,
                   "--repair")  # fmt: skip
-    assert out.returncode == 1, out.stderr
+    assert out.returncode == 4, out.stderr
     assert "packed_shard: model.layers.0.mlp.gate_up_proj.weight is sharded as one block" in (
         out.stdout + out.stderr
     )
@@ -448,7 +487,7 @@ def test_a_candidate_that_fixes_the_first_of_two_defects_is_kept(monkeypatch):
     assert entry["status"] == "repaired" and entry["override"] == {**mlp, Q: ARRIVAL}
     assert [k["override"] for k in entry["kept"]] == [mlp]
     assert len(entry["tried"]) == 2 and entry["tried"][0]["moved_on"].startswith("grad:")
-    assert "kept: the next is at grad:" in "\n".join(rule_override.entry_lines(entry))
+    assert "kept: the next is at grad:" in "\n".join(terms.plan_rule_lines(entry))
     monkeypatch.setattr(rule_override, "moved_on", lambda before, after: False)
     assert (
         rule_override.repair_case(rule_override.Target(_on_shard(), spec, {}), run_one, 8)["status"]
@@ -462,7 +501,7 @@ def test_hf_gemma3n_repair_fixes_both_of_its_defects():
     rules replicated), then q_norm and k_norm's accumulation defect (reduce on arrival): the
     override of all five rules is verified equivalent."""
     out = tpcheck("hf", "gemma3n_text", "--repair")
-    assert out.returncode == 1, out.stderr
+    assert out.returncode == 4, out.stderr
     assert "it fixes the first divergence, kept" in out.stderr
     flags = " ".join(f"--rule '{k}=replicate'" for k in MLP)
     assert (
@@ -478,7 +517,7 @@ def test_hf_glm5_next_repair_finds_the_submodule_that_raised_and_verifies_its_st
     first candidate, tpcheck_rowwise_any_input, is verified (docs/findings/
     hf-glm5-next-o-proj.md)."""
     out = tpcheck("hf", "glm5_next_text", "--repair")
-    assert out.returncode == 3, out.stderr  # the plan as shipped raises
+    assert out.returncode == 4, out.stderr  # the plan as shipped raises; the repair verifies
     assert "plan keys of the failing modules: layers.*.self_attn.o_proj=rowwise" in out.stderr
     rule = "layers.*.self_attn.o_proj=tpcheck_rowwise_any_input"
     assert f"pass: tpcheck hf glm5_next_text --rule '{rule}'" in out.stderr

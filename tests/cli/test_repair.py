@@ -32,7 +32,7 @@ def test_verify_repair_inserts_the_all_reduce_after_mlp_down(tmp_path):
     by the all-reduce after mlp.down, verified by the re-run; the correct twin has nothing to
     repair."""
     out = tpcheck("verify", str(CASES), "--repair", "--json", str(tmp_path / "r.json"))
-    assert out.returncode == 1, out.stderr  # the run itself was not equivalent
+    assert out.returncode == 4, out.stderr  # not equivalent as written; every failure repaired
     assert "Traceback" not in out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     entries = {e["case"]: e for e in report["repair"]["entries"]}
@@ -50,11 +50,73 @@ def test_verify_repair_inserts_the_all_reduce_after_mlp_down(tmp_path):
         "inserting an all-reduce after mlp.down makes it equivalent" in out.stderr
     )
     assert "2 of 2 failed case(s) repaired and verified" in out.stderr
+    tail = out.stderr[out.stderr.index("with the repairs printed above, each checked again") :]
+    assert "mlp_missing_reduce_written/tp2/float32/repair1" in tail
+    assert "2 of 2 case(s) as expected" in tail
+    assert report["summary"]["exit_code"] == 4
     import jsonschema
 
     from tpcheck.report.schema import load_schema
 
     jsonschema.validate(report, load_schema())
+
+
+def printed_fix(stderr: str) -> list[str]:
+    """The first fix `verify --repair` printed for a case file: its code lines."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# in your case file"))
+    end = lines.index("", start)
+    return lines[start + 1 : end]
+
+
+@pytest.mark.slow
+def test_the_printed_fix_applied_in_a_case_file_is_equivalent(tmp_path):
+    """The fix as printed, pasted after the buggy TP module is built, makes the case equivalent;
+    the same file without it is not (the twin that shows the pasted lines are what fixes it)."""
+    out = tpcheck("verify", f"{CASES}:missing_reduce", "--repair")
+    assert out.returncode == 4, out.stderr
+    code = printed_fix(out.stderr)
+    assert any("register_forward_hook" in line for line in code), code
+
+    def case_file(name, lines):
+        body = "\n".join(f"    {line}" for line in lines)
+        path = tmp_path / f"{name}.py"
+        path.write_text(
+            "import dataclasses\nimport importlib.util\n\n"
+            f"spec = importlib.util.spec_from_file_location('buggy', {str(CASES)!r})\n"
+            "buggy = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(buggy)\n\n\n"
+            f"def build(group, dtype):\n    tp = buggy.tp(False)(group, dtype)\n{body}\n"
+            "    return tp\n\n\n"
+            f"case = dataclasses.replace(buggy.missing_reduce, name={name!r}, build_tp=build)\n"
+        )
+        return path
+
+    fixed = tpcheck("verify", str(case_file("pasted", code)))
+    assert fixed.returncode == 0, fixed.stderr
+    unfixed = tpcheck("verify", str(case_file("unpasted", ["pass"])))
+    assert unfixed.returncode == 1, unfixed.stderr
+
+
+def test_the_exit_code_says_repaired_only_when_every_failure_is_repaired():
+    """4 only where every case that did not go as expected has a repair verified in its working
+    dtype; a case left unrepaired, one verified in float64 only, or no repair run keep 1 / 3."""
+    cases = [
+        {"name": "a", "as_expected": False},
+        {"name": "b", "as_expected": False},
+        {"name": "c", "as_expected": True},
+    ]
+
+    def report(*statuses):
+        entries = [{"case": n, "status": s} for n, s in zip("ab", statuses)]
+        return {"cases": cases, "repair": {"entries": entries}}
+
+    assert repair.exit_code_after(report("repaired", "repaired"), 1) == 4
+    assert repair.exit_code_after(report("repaired", "repaired"), 3) == 4
+    assert repair.exit_code_after(report("repaired", "budget_spent"), 1) == 1
+    assert repair.exit_code_after(report("repaired", "verified_in_float64"), 1) == 1
+    assert repair.exit_code_after(report("repaired"), 3) == 3  # b has no entry
+    assert repair.exit_code_after(report("repaired", "repaired"), 2) == 2  # bad input stands
+    assert repair.exit_code_after({"cases": cases}, 1) == 1
 
 
 def test_verify_repair_on_an_equivalent_case_says_nothing_to_repair(tmp_path):

@@ -19,6 +19,7 @@ from tpcheck.checker.pool.session import Lanes, run_specs
 from tpcheck.checker.verdict.result import exit_code
 from tpcheck.cli.common import Interrupted, exit_after_outputs, write_stdout
 from tpcheck.errors import ExitCode, UsageError
+from tpcheck.repair import exit_code_after, repaired_results
 from tpcheck.report.console import print_summary, progress_printer
 from tpcheck.report.html import render_html
 from tpcheck.report.module_outputs import counts, module_outputs_code
@@ -59,6 +60,8 @@ def execute(
             report = build_report(results, exit_code=code, seed=seed, interrupted=interrupted)
             if finish_report is not None:
                 finish_report(report)
+            if "repair" in report and not interrupted:
+                code = report["summary"]["exit_code"] = exit_code_after(report, code)
             code = say(report, results, len(specs), code, args)
         if torchrun:
             code = launcher.broadcast_code(code)
@@ -137,6 +140,13 @@ def say(
     if not args.quiet:
         if results:
             print_summary(results, sys.stderr)
+        if after := repaired_results(report):  # last: what the verified fixes make of the cases
+            print(
+                f"tpcheck: with the repair{'s' if len(after) > 1 else ''} printed above, each "
+                "checked again in full:",
+                file=sys.stderr,
+            )
+            print_summary(after, sys.stderr)
     else:  # quiet, but never silent about why the exit code is 2
         for r in results:
             if r["verdict"] in ("invalid", "error"):

@@ -13,6 +13,7 @@ from tpcheck.checker.verdict.result import exit_code
 from tpcheck.cli.common import exit_after_outputs
 from tpcheck.cli.execute import write_outputs
 from tpcheck.errors import INTERRUPTED_BY, ExitCode, UsageError
+from tpcheck.repair import exit_code_after
 from tpcheck.report.console import print_summary
 from tpcheck.report.output import check_output_path
 from tpcheck.report.schema import SCHEMA, load_schema
@@ -89,10 +90,11 @@ def verdict_code(report: dict) -> int:
     the one rule `run` and `verify` use (`exit_code`), computed again rather than read from
     `summary.exit_code` so that a gate trusts the cases; except for an interrupted run, whose cases
     are only those that finished: its recorded code (128 + the signal's number), which says the
-    run never ended."""
+    run never ended. A run with `--repair` whose every failed case was repaired and verified: 4
+    (`exit_code_after`, from the report's repair entries)."""
     stop = report.get("interrupted")
     if not stop:
-        return exit_code(report["cases"])
+        return exit_code_after(report, exit_code(report["cases"]))
     recorded = report["summary"]["exit_code"]
     if recorded in INTERRUPTED_BY:
         return recorded

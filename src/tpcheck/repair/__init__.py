@@ -3,7 +3,8 @@ plan, `repair.rule_override`) and `tpcheck verify CASEFILE --repair` (a missing 
 where a `partial_sum` diagnosis points, `repair.collective`). Every candidate is checked by the full
 check with the run's own settings, in a rank pool of its own, and is the repair only when that check
 says `equivalent`. The report's `repair` object holds one entry per failed case
-(docs/report-schema.md).
+(docs/report-schema.md); each repaired one is printed in the user's own terms (`repair.terms`),
+and a run whose every failed case was repaired and verified exits `ExitCode.REPAIRED` (4).
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ def run_repairs(cases: list[dict], specs: list, kind: str, timeout: float, quiet
                     entry = collective.repair_case(staged[n], run_one)
                 entries.append(entry)
                 if not quiet:
-                    repair = rule_override if kind == "plan_rule" else collective
-                    lines = repair.entry_lines(entry)
-                    print("\n".join(f"tpcheck: {line}" for line in lines), file=sys.stderr)
+                    _say(entry)
     repaired = sum(e["status"] == "repaired" for e in entries)
     in_float64 = sum(e["status"] == "verified_in_float64" for e in entries)
     summary = (
@@ -63,3 +62,33 @@ def run_repairs(cases: list[dict], specs: list, kind: str, timeout: float, quiet
     if not quiet:
         print(f"tpcheck: repair: {summary}", file=sys.stderr)
     return {"kind": kind, "entries": entries, "summary": summary}
+
+
+def _say(entry: dict) -> None:
+    from tpcheck.repair import terms
+
+    plan_rule = entry["kind"] == "plan_rule"
+    lines = (terms.plan_rule_lines if plan_rule else terms.collective_lines)(entry)
+    print("\n".join(f"tpcheck: {line}" for line in lines), file=sys.stderr)
+    patch = (terms.tp_plan_patch if plan_rule else terms.collective_patch)(entry)
+    if patch:
+        print(patch, file=sys.stderr)
+
+
+def repaired_results(report: dict) -> list[dict]:
+    """The verifying runs of the repaired cases (their report cases, checks left out), in order."""
+    entries = (report.get("repair") or {}).get("entries") or ()
+    return [e["verified"]["result"] for e in entries if e.get("status") == "repaired"]
+
+
+def exit_code_after(report: dict, code: int) -> int:
+    """`ExitCode.REPAIRED` where the run as given failed (1 or 3) and every case that did not go
+    as expected was repaired, each repair verified by its own full check; else `code`."""
+    from tpcheck.errors import ExitCode
+
+    entries = (report.get("repair") or {}).get("entries") or ()
+    if code not in (ExitCode.NOT_EQUIVALENT, ExitCode.ERROR) or not entries:
+        return code
+    repaired = {e["case"] for e in entries if e.get("status") == "repaired"}
+    failed = {r["name"] for r in report["cases"] if not r["as_expected"]}
+    return ExitCode.REPAIRED if failed and failed <= repaired else code

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpcheck.repair.terms import slim
+
 _BIAS = re.compile(r"x (\S+) \(a bias added on each rank\)")
 
 
@@ -223,7 +225,12 @@ def repair_case(prepared: tuple[dict, list], run_one) -> dict:
                 status="repaired",
                 insertion=dataclasses.asdict(insertion),
                 sentence=f"inserting {insertion.sentence()} makes it equivalent",
-                verified={"case": r["name"], "verdict": r["verdict"], "summary": r["summary"]},
+                verified={
+                    "case": r["name"],
+                    "verdict": r["verdict"],
+                    "summary": r["summary"],
+                    "result": slim(r),
+                },
             )
             return entry
     entry["sentence"] = "; ".join(
@@ -232,17 +239,3 @@ def repair_case(prepared: tuple[dict, list], run_one) -> dict:
         for t in entry["tried"]
     )
     return entry
-
-
-def entry_lines(entry: dict) -> list[str]:
-    head = f"repair {entry['case']}: {entry['verdict']}"
-    if entry["status"] == "not_repairable":
-        sig = entry["signature"] or "no signature"
-        return [
-            f"{head} ({sig} at {entry['where'] or '?'}): --repair inserts a missing all-reduce "
-            "where a tensor is a partial sum; none is here, nothing to insert"
-        ]
-    lines = [f"{head} ({entry['signature']} at {entry['where']}): {entry['sentence']}"]
-    if entry["status"] == "repaired":
-        lines.append("  verified (the full check re-run): " + entry["verified"]["summary"])
-    return lines

@@ -57,6 +57,7 @@ import shlex
 from torch import nn
 
 from tpcheck.checker.checkid import CheckId
+from tpcheck.repair.terms import slim
 
 DEFAULT_BUDGET = 16
 _RAISED = re.compile(r"raised at (\S+?):(\d+)")
@@ -312,27 +313,33 @@ class Target:
     rules: dict[str, str]
 
 
+@dataclasses.dataclass
+class Space:
+    """The failed case's model (its modules and parameter names, built on the meta device) and
+    the plan its run used."""
+
+    modules: dict[str, nn.Module]
+    params: set[str]
+    plan: dict[str, str]
+    model_class: str
+
+
 def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
     """The report's repair entry for one failed case; `run_one(spec) -> result dict` runs a full
     check. A candidate that is not equivalent but moves the first divergence on (the check that
     diverged first now passes everywhere: it fixed that defect, and another one follows) is kept,
     and the search goes on from its run, within the same budget: a model with two defects gets
-    both rules."""
-    import torch
-
-    from tpcheck.adapters import transformers as hf
-
-    spec, result = target.spec, target.result
-    arch = spec.target.name
-    prep = hf.prepare(arch, spec.world_size, target.rules or None)
-    meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
-    modules, params = dict(meta.named_modules()), {n for n, _ in meta.named_parameters()}
-    plan = {**meta.tp_plan, **target.rules}
+    both rules. A repair that needs a style tpcheck provides is followed by a second search, with
+    the budget left, among overrides made of transformers' own styles only (`shipped`), the
+    gathered region first: the entry's `shipped` says what it found."""
+    space = _space(target)
+    result = target.result
     entry = {
         "kind": "plan_rule",
         "case": result["name"],
-        "architecture": arch,
-        "world_size": spec.world_size,
+        "architecture": target.spec.target.name,
+        "model_class": space.model_class,
+        "world_size": target.spec.world_size,
         "dtype": result.get("dtype"),
         "verdict": result["verdict"],
         "where": _where(result),
@@ -343,16 +350,56 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
         "flags": "",
         "verified": None,
     }
+    _settle(entry, target, _search(target, run_one, space, entry, budget))
+    if entry["status"] == "repaired" and not shipped(entry["override"]):
+        alt = {"tried": [], "kept": [], "override": None, "flags": "", "verified": None}
+        left = budget - len(entry["tried"])
+        if left > 0:
+            _settle(alt, target, _search(target, run_one, space, alt, left, len(entry["tried"])))
+        else:
+            alt.update(status="budget_spent", untried=None)
+        entry["shipped"] = alt
+    return entry
+
+
+def _space(target: Target) -> Space:
+    import torch
+
+    from tpcheck.adapters import transformers as hf
+
+    arch = target.spec.target.name
+    prep = hf.prepare(arch, target.spec.world_size, target.rules or None)
+    meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
+    return Space(
+        dict(meta.named_modules()),
+        {n for n, _ in meta.named_parameters()},
+        {**meta.tp_plan, **target.rules},
+        type(meta).__name__,
+    )
+
+
+def shipped(override: dict[str, str]) -> bool:
+    """Whether every style of an override ships with transformers (none is tpcheck's own)."""
+    from tpcheck.adapters.transformers.styles import TPCHECK_STYLES
+
+    return not set(override.values()) & set(TPCHECK_STYLES)
+
+
+def _search(target: Target, run_one, space: Space, entry: dict, budget: int, offset: int = 0):
+    """Candidates checked one at a time until one verifies, the budget is spent or none is left;
+    (status, override, its run, its float64 run). `offset`: the candidates run before this search;
+    a second search (offset > 0, `shipped`) tries only overrides of transformers' own styles."""
+    result, only_shipped = target.result, offset > 0
     kept: dict[str, str] = {}
     current, near, untried = result, None, 0
     while True:
-        keys, todo = _search_space(current, modules, params, {**plan, **kept})
+        keys, todo = _search_space(current, space, {**space.plan, **kept}, only_shipped)
         if current is result:
             entry.update(
                 failing_modules=list(
-                    dict.fromkeys(wildcard(m) for m in failing_modules(result, modules, params))
+                    dict.fromkeys(wildcard(m) for m in failing_modules(result, *_mp(space)))
                 ),
-                plan_keys={k: plan.get(k) for k in keys},
+                plan_keys={k: space.plan.get(k) for k in keys},
                 candidates=len(todo),
             )
         moved = None
@@ -361,10 +408,10 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
                 untried = len(todo) - n
                 break
             full = {**kept, **override}
-            r, candidate = _try(target, full, run_one, len(entry["tried"]) + 1, entry)
+            r, candidate = _try(target, full, run_one, offset + len(entry["tried"]) + 1, entry)
             if verified(r):
-                return _repaired(entry, "repaired", target, full, r)
-            if near is None and spec.settings.dtype != "float64" and rounding_only(r):
+                return "repaired", full, r, None
+            if near is None and target.spec.settings.dtype != "float64" and rounding_only(r):
                 f64 = run_one(_in_float64(candidate))
                 entry["tried"][-1]["float64"] = f64.get("verdict")
                 if verified(f64):
@@ -379,14 +426,27 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
         entry["kept"].append({"override": moved[0], "moved_on": _where(moved[1])})
         current = moved[1]
     if near is not None:
-        return _repaired(entry, "verified_in_float64", target, *near)
+        return ("verified_in_float64", *near)
     entry["untried"] = untried
-    entry["status"] = "budget_spent" if untried else "no_plan_fix"
-    return entry
+    return "budget_spent" if untried else "no_plan_fix", None, None, None
 
 
-def _search_space(result: dict, modules: dict, params: set[str], plan: dict[str, str]):
-    """(the plan keys of the failing modules, the candidate overrides) of one failed run."""
+def _mp(space: Space) -> tuple[dict, set]:
+    return space.modules, space.params
+
+
+def _settle(entry: dict, target: Target, outcome: tuple) -> None:
+    status, override, r, f64 = outcome
+    if override is None:
+        entry["status"] = status
+        return
+    _repaired(entry, status, target, override, r, f64)
+
+
+def _search_space(result: dict, space: Space, plan: dict[str, str], only_shipped: bool = False):
+    """(the plan keys of the failing modules, the candidate overrides) of one failed run; with
+    `only_shipped`, the gathered regions first and only overrides of transformers' own styles."""
+    modules, params = _mp(space)
     failing = failing_modules(result, modules, params)
     # a failing parameter's own rule first (the most specific), then its module's and the others'
     keys = own_param_keys(result, params, plan)
@@ -397,7 +457,29 @@ def _search_space(result: dict, modules: dict, params: set[str], plan: dict[str,
         keys += [k for k in plan if k.startswith(inside) and k not in keys]
     kinds = {k: module_kind(k, modules, params) for k in keys}
     first = shard_op_candidates(result, plan)
-    return keys, first + [c for c in candidates(keys, plan, kinds) if c not in first]
+    if only_shipped:
+        first = gathered_regions(keys, plan, kinds) + first
+    todo = first + [c for c in candidates(keys, plan, kinds) if c not in first]
+    return keys, [c for c in todo if shipped(c)] if only_shipped else todo
+
+
+def gathered_regions(keys: list[str], plan: dict[str, str], kinds: dict[str, str]) -> list[dict]:
+    """For each failing key's parent module whose rules shard its input projections `colwise` and
+    its one output projection `rowwise` (an attention, an MLP): those set to
+    `colwise_gather_output` and `rowwise_split_input`, and the failing vector-parameter modules in
+    it (norms) to `replicate`. The region then computes on whole tensors on every rank, as
+    transformers' own OLMo2 plan runs its all-head q/k norms; slower, made of shipped styles."""
+    out = []
+    for parent in dict.fromkeys(k.rpartition(".")[0] for k in keys):
+        children = {k: s for k, s in plan.items() if k.rpartition(".")[0] == parent}
+        cols = [k for k, s in children.items() if s == "colwise"]
+        rows = [k for k, s in children.items() if s == "rowwise"]
+        if not cols or len(rows) != 1:
+            continue
+        override = {**dict.fromkeys(cols, "colwise_gather_output"), rows[0]: "rowwise_split_input"}
+        norms = [k for k in keys if k.rpartition(".")[0] == parent and kinds.get(k) == "vectors"]
+        out.append({**override, **dict.fromkeys(norms, "replicate")})
+    return _unique(out)
 
 
 def _try(target: Target, override: dict, run_one, n: int, entry: dict):
@@ -454,8 +536,14 @@ def _repaired(entry: dict, status: str, target: Target, override: dict, r: dict,
     entry.update(
         status=status,
         override=override,
+        rules={**target.rules, **override},
         flags=rule_flags({**target.rules, **override}),
-        verified={"case": proof["name"], "verdict": proof["verdict"], "summary": proof["summary"]},
+        verified={
+            "case": proof["name"],
+            "verdict": proof["verdict"],
+            "summary": proof["summary"],
+            "result": slim(proof),
+        },
     )
     if f64 is not None:
         failed = [c for c in r.get("checks") or () if not c.get("passed", True)]
@@ -482,48 +570,3 @@ def _where(result: dict) -> str:
         return f"{first['name']} ({first['stage']}, step {first['step']})"
     frame = error_frame(result)
     return f"{frame[0]}:{frame[1]}" if frame else (result.get("summary") or "")[:200]
-
-
-def entry_lines(entry: dict) -> list[str]:
-    """The terminal's account of one repair entry."""
-    head = f"{entry['architecture']} (tp{entry['world_size']}, {entry['dtype']})"
-    lines = [f"repair {head}: {entry['verdict']} at {entry['where']}"]
-    if entry["plan_keys"]:
-        keys = ", ".join(f"{k}={v or '(no rule)'}" for k, v in entry["plan_keys"].items())
-        lines.append(f"  plan keys of the failing modules: {keys}")
-    for t in entry["tried"]:
-        rules = ", ".join(f"{k}={v}" for k, v in t["override"].items())
-        in_float64 = f" (in float64: {t['float64']})" if t.get("float64") else ""
-        moved = (
-            f"; it fixes the first divergence, kept: the next is at {t['moved_on']}"
-            if t.get("moved_on")
-            else ""
-        )
-        lines.append(f"  tried {rules}: {t['verdict']}{in_float64}{moved}")
-    if entry["status"] == "repaired":
-        lines += [
-            "  verified (the full check re-run with the override): " + entry["verified"]["summary"],
-            f"  pass: tpcheck hf {entry['architecture']} {entry['flags']}",
-        ]
-    elif entry["status"] == "verified_in_float64":
-        w = entry["working"]
-        lines += [
-            "  verified in float64 (the full check re-run with the override in float64): "
-            + entry["verified"]["summary"],
-            f"  in {entry['dtype']} it stays not equivalent by rounding only: {w['failed']} "
-            f"check(s) over their bounds by at most {w['worst_over_bound']:.2g}x (near_bound); "
-            f"{w['summary'][:200]}",
-            f"  the override: tpcheck hf {entry['architecture']} {entry['flags']}",
-        ]
-    elif entry["status"] == "budget_spent":
-        lines.append(
-            f"  no override verified within the budget of {entry['budget']} candidates "
-            f"({entry['untried']} untried; raise --repair-budget); it fails at {entry['where']}"
-        )
-    else:
-        lines.append(
-            f"  no plan change among the {entry['candidates']} candidates fixes it (one rule, a "
-            "pair or a group of the failing modules' rules set to one style): the model code must "
-            f"change; it fails at {entry['where']}"
-        )
-    return lines
