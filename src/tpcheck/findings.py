@@ -91,18 +91,6 @@ FINDINGS: tuple[Finding, ...] = (
         "docs/findings/hf-gemma3n-activation-sparsity.md",
         "transformers: Gemma3n's activation-sparsity cutoff is a statistic of each rank's shard",
     ),
-    Finding(
-        "op_on_shard",
-        _op_in(
-            (
-                "transformers/models/inkling2/modeling_inkling2.py",
-                "transformers/models/inkling2_loop/modeling_inkling2_loop.py",
-            ),
-            frozenset({"chunk"}),
-        ),
-        "docs/findings/hf-inkling-embedding-norm.md",
-        "transformers: Inkling2's packed experts.gate_up_proj sharded colwise, not packed_colwise",
-    ),
 )
 
 

@@ -247,14 +247,30 @@ def test_a_failing_parameters_own_rule_is_tried_first_with_the_packed_styles():
 
 @pytest.mark.slow
 def test_hf_inkling2_repair_splits_the_fused_gate_up_as_packed():
-    """Inkling2's plan shards its fused experts.gate_up_proj `colwise` (one block: a rank's columns
-    hold gate rows only or up rows only); the repair's first candidate, `packed_colwise`, is
-    verified equivalent."""
+    """Inkling2's plan shards its fused experts.gate_up_proj `colwise`; on the model built in
+    memory a rank's columns then hold gate rows only or up rows only, and the repair's first
+    candidate, `packed_colwise`, is verified equivalent there. from_pretrained stores that weight
+    interleaved and de-interleaves it after sharding (`colwise` is right on that route), so the
+    printed plan carries the caution that this rule was not checked through the conversion."""
     rule = "model.layers.*.mlp.experts.gate_up_proj=packed_colwise"
     out = tpcheck("hf", "inkling2_text", "--steps", "1", "--repair")
     assert out.returncode == 4, out.stderr  # every failed case repaired and verified
     assert f"pass: tpcheck hf inkling2_text --rule '{rule}'" in out.stderr
     assert "verified (the full check re-run with the override): equivalent" in out.stderr
+    assert (
+        "# caution: from_pretrained converts model.layers.*.mlp.experts.gate_up_proj at load "
+        "(Interleave)" in out.stderr
+    )
+
+
+def test_parameters_converted_at_load_are_found_from_transformers_mapping():
+    """Inkling2's interleaved experts' gate_up_proj is converted at load; Qwen3 has nothing its
+    load converts beyond renames."""
+    _, _, params = meta_model("inkling2_text")
+    converted = rule_override.converted_at_load("inkling2_text", params)
+    assert converted["model.layers.*.mlp.experts.gate_up_proj"] == ["Interleave"]
+    _, _, params = meta_model("qwen3")
+    assert rule_override.converted_at_load("qwen3", params) == {}
 
 
 @pytest.mark.slow

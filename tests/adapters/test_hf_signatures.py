@@ -98,4 +98,5 @@ def test_an_op_on_a_shard_in_transformers_code_is_named_at_its_line():
         assert {o["op"] for o in d["evidence"]["ops"]} == ops
         assert path in d["cause"]
     assert gemma["finding"]["doc"] == "docs/findings/hf-gemma3n-activation-sparsity.md"
-    assert inkling["finding"]["doc"] == "docs/findings/hf-inkling-embedding-norm.md"
+    # no upstream finding: through from_pretrained its interleaved checkpoint is sharded right
+    assert "finding" not in inkling or not inkling["finding"]

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from tpcheck.report import plots
-from tpcheck.report.html import render_html
+from tpcheck.report.html import MANY_CASES, MAX_CURVES, render_html
 
 from report_helpers import (
     hf_sweep_report,
@@ -121,7 +121,38 @@ def test_rendering_emits_no_warning(n_cases, capsys):
     assert not caught, [str(w.message) for w in caught]
     out = capsys.readouterr()
     assert "warn" not in (out.out + out.err).lower(), out
-    assert page.count("class=curves") == n_cases
+    assert page.count("class=curves") == min(n_cases, MAX_CURVES)
+
+
+def test_a_page_of_many_cases_stays_small_and_says_what_it_left_out():
+    """A sweep's page: more cases than MANY_CASES and more tensors than MAX_COLUMNS. The heatmap is
+    drawn by stage (its cell the worst check of the stage, so a failure still shows red), the
+    cases as expected get a brief section (no curves); a traceback two ranks share is shown
+    once. A page of few cases keeps every
+    tensor's column (the mutant: by stage always)."""
+    cases = [synthetic_case(f"arch_{i}/tp2/float32", columns=8) for i in range(MANY_CASES + 2)]
+    for i, c in enumerate(cases):  # each model its own tensors, as a sweep's are
+        for check in c["checks"]:
+            check["name"] = f"{check['name']}.m{i}"
+    bad = cases[-1]
+    bad.update(as_expected=False, verdict="error", summary="raised")
+    bad["problems"] = [
+        {"rank": r, "status": "raised", "message": "boom", "traceback": "Traceback\n  x\n"}
+        for r in (0, 1)
+    ]
+    bad["checks"][0].update(error=1.0, passed=False)
+    page = render_html(synthetic_report(cases))
+    assert "Error relative to bound, by stage" in page and "stage:forward" not in page
+    assert page.count("As expected; its inferred plan") == MANY_CASES + 1
+    assert page.count("class=curves") == 1  # the one full section, the failed case's
+    assert page.count("<summary>traceback</summary>") == 1
+    assert "traceback: the same as rank 0" in page
+    (row,) = plots.by_stage([bad])
+    worst = max(plots.heatmap_matrix([row])[2][0])
+    assert worst == plots.CAP  # the failure is the stage's cell
+    few = render_html(synthetic_report(cases[:3]))
+    assert "Error relative to bound, by stage" not in few
+    assert "As expected; its inferred plan" not in few
 
 
 # ------------------------------------------------------------------------------ 3. the HF sweep

@@ -322,6 +322,7 @@ class Space:
     params: set[str]
     plan: dict[str, str]
     model_class: str
+    converted: dict[str, list[str]]  # parameter (layer-wildcarded) -> its load-time conversion
 
 
 def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
@@ -350,12 +351,13 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
         "flags": "",
         "verified": None,
     }
-    _settle(entry, target, _search(target, run_one, space, entry, budget))
+    _settle(entry, target, space, _search(target, run_one, space, entry, budget))
     if entry["status"] == "repaired" and not shipped(entry["override"]):
         alt = {"tried": [], "kept": [], "override": None, "flags": "", "verified": None}
         left = budget - len(entry["tried"])
         if left > 0:
-            _settle(alt, target, _search(target, run_one, space, alt, left, len(entry["tried"])))
+            found = _search(target, run_one, space, alt, left, len(entry["tried"]))
+            _settle(alt, target, space, found)
         else:
             alt.update(status="budget_spent", untried=None)
         entry["shipped"] = alt
@@ -370,12 +372,35 @@ def _space(target: Target) -> Space:
     arch = target.spec.target.name
     prep = hf.prepare(arch, target.spec.world_size, target.rules or None)
     meta = hf.build_lm(arch, prep.config, torch.float32, device="meta")
+    params = {n for n, _ in meta.named_parameters()}
     return Space(
         dict(meta.named_modules()),
-        {n for n, _ in meta.named_parameters()},
+        params,
         {**meta.tp_plan, **target.rules},
         type(meta).__name__,
+        converted_at_load(arch, params),
     )
+
+
+def converted_at_load(model_type: str, params: set[str]) -> dict[str, list[str]]:
+    """The parameters `from_pretrained` converts at load beyond a rename (transformers'
+    conversion mapping: checkpoint tensors merged, concatenated, interleaved...), layer-wildcarded,
+    with the operations' names. It shards the checkpoint's tensors before those operations, so a
+    rule for such a parameter checked on tpcheck's in-memory build may shard it otherwise there."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without load-time conversions
+        return {}
+    out: dict[str, list[str]] = {}
+    for t in get_checkpoint_conversion_mapping(model_type) or ():
+        ops = [type(op).__name__ for op in getattr(t, "operations", None) or ()]
+        if not ops:
+            continue
+        for pattern in getattr(t, "target_patterns", None) or ():
+            for name in params:
+                if re.search(pattern, name):
+                    out.setdefault(wildcard(name), ops)
+    return out
 
 
 def shipped(override: dict[str, str]) -> bool:
@@ -435,12 +460,12 @@ def _mp(space: Space) -> tuple[dict, set]:
     return space.modules, space.params
 
 
-def _settle(entry: dict, target: Target, outcome: tuple) -> None:
+def _settle(entry: dict, target: Target, space: Space, outcome: tuple) -> None:
     status, override, r, f64 = outcome
     if override is None:
         entry["status"] = status
         return
-    _repaired(entry, status, target, override, r, f64)
+    _repaired(entry, status, target, space, override, r, f64)
 
 
 def _search_space(result: dict, space: Space, plan: dict[str, str], only_shipped: bool = False):
@@ -529,7 +554,9 @@ def _position(divergence: dict) -> tuple[int, int]:
     return divergence.get("step") or 0, _STAGE_ORDER.index(stage) if stage in _STAGE_ORDER else -1
 
 
-def _repaired(entry: dict, status: str, target: Target, override: dict, r: dict, f64=None):
+def _repaired(
+    entry: dict, status: str, target: Target, space: Space, override: dict, r: dict, f64=None
+):
     """The entry of a verified override (`status` "repaired"), or of one verified in float64 only,
     `r` its working-dtype run and `f64` its float64 one ("verified_in_float64")."""
     proof = f64 if f64 is not None else r
@@ -538,6 +565,11 @@ def _repaired(entry: dict, status: str, target: Target, override: dict, r: dict,
         override=override,
         rules={**target.rules, **override},
         flags=rule_flags({**target.rules, **override}),
+        converted_at_load={
+            p: ops
+            for p, ops in space.converted.items()
+            if any(p == k or p.startswith(k + ".") for k in override)
+        },
         verified={
             "case": proof["name"],
             "verdict": proof["verdict"],

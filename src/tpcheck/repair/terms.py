@@ -127,7 +127,14 @@ def tp_plan_patch(entry: dict) -> str:
 
 def _plan_block(found: dict, cls: str, head: str, tpcheck_styles: bool = False) -> str:
     rules = found.get("rules") or found["override"]
-    lines = [f"# {head}:", "from transformers.distributed import DistributedConfig"]
+    lines = [f"# {head}:"]
+    for param, ops in (found.get("converted_at_load") or {}).items():
+        lines.append(
+            f"# caution: from_pretrained converts {param} at load ({', '.join(ops)}) after "
+            "sharding the checkpoint's tensor; this rule was verified on the model built in "
+            "memory, not through that conversion: check it on a checkpoint before use"
+        )
+    lines.append("from transformers.distributed import DistributedConfig")
     if tpcheck_styles:
         lines.append(
             "import tpcheck.adapters.transformers.styles  # registers its styles in transformers"

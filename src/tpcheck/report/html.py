@@ -23,7 +23,8 @@ def render_html(report: dict) -> str:
     sweep = report.get("sweep")
     summary = _sweep(sweep, cases) if sweep else _summary_table(cases)  # one summary table
     parts = [_header(report), summary, _diagnoses(cases), _heatmap(cases)]
-    parts += [_case_section(i, case) for i, case in enumerate(cases)]
+    curves, many = curve_cases(cases), len(cases) > MANY_CASES
+    parts += [_case_section(i, case, i in curves, many) for i, case in enumerate(cases)]
     title = f"tpcheck report: {_banner_text(report)}"
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -35,6 +36,17 @@ def render_html(report: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ top of the page
+
+
+MAX_CURVES = 6  # per-step curves (an image each) in one page: a sweep's page stays readable
+MANY_CASES = 40  # beyond this, cases that went as expected get a brief section (a sweep's page)
+
+
+def curve_cases(cases: list[dict]) -> set[int]:
+    """The cases whose per-step curves may be drawn: all of a report of at most MAX_CURVES cases;
+    else MAX_CURVES of them, those that did not go as expected first, each in the report's order."""
+    order = sorted(range(len(cases)), key=lambda i: (bool(cases[i].get("as_expected")), i))
+    return set(order[:MAX_CURVES])
 
 
 def _banner_text(report: dict) -> str:
@@ -149,6 +161,8 @@ def _heatmap(cases: list[dict]) -> str:
     from tpcheck.report import plots
 
     failing, every = plots.failing_columns(cases), plots.tensor_columns(cases)
+    if len(every) > plots.MAX_COLUMNS:
+        return _heatmap_by_stage(cases, len(every)) + note
     shown = (
         f"<p class=muted>The tensors some case failed at ({len(failing)} of {len(every)}):</p>"
         f"<img id=heatmap alt='heatmap of error over bound at the failing tensors' "
@@ -176,6 +190,21 @@ def _heatmap(cases: list[dict]) -> str:
         + shown
         + full
         + note
+    )
+
+
+def _heatmap_by_stage(cases: list[dict], tensors: int) -> str:
+    from tpcheck.report import plots
+
+    return (
+        "<h2>Error relative to bound, by stage</h2><p class=muted>"
+        f"{tensors:,} tensors across {len(cases)} cases, too many for a column each: each cell is "
+        "log10(error / bound) of the worst check of that stage (over its tensors, ranks and "
+        "steps); each case's section below names its failed tensors. 0 is the bound: green is "
+        f"inside it, red a failure, capped at ±{plots.CAP:g} decades; grey: no check at that "
+        "stage.</p>"
+        f"<img id=heatmap alt='heatmap of the worst error over bound per case and stage' "
+        f"src='{plots.heatmap_png(plots.by_stage(cases))}'>"
     )
 
 

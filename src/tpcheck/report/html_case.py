@@ -12,6 +12,7 @@ from tpcheck.report.float64 import float64_line
 from tpcheck.report.html_parts import (
     KNOWN_CASE_KEYS,
     MAX_FAILED_ROWS,
+    MAX_FAILED_ROWS_MANY,
     NONE,
     _dl,
     _mark,
@@ -23,7 +24,12 @@ from tpcheck.report.html_parts import (
 from tpcheck.report.module_outputs import counts, module_outputs_code
 
 
-def _case_section(i: int, case: dict) -> str:
+def _case_section(i: int, case: dict, curves: bool = True, many: bool = False) -> str:
+    """One case's section; `curves`: its per-step curves drawn (a page draws at most a few).
+    In a report of `many` cases, a case that went as expected gets a brief section (its verdict,
+    notes and problems, without the inferred plan, the ledger's table and the other keys), and a
+    failed one lists fewer of its failed checks."""
+    brief = many and bool(case.get("as_expected"))
     parts = [
         f"<section class=case id='case-{i}'><h3>{esc(case['name'])} {_verdict(case['verdict'])} "
         f"{_mark(case)}</h3><p>{esc(case.get('summary', ''))}</p>"
@@ -35,6 +41,14 @@ def _case_section(i: int, case: dict) -> str:
             f"<p class=note>Checks: {_omitted(case)} passed, not stored (left out of the report; "
             f"{len(case.get('checks', []))} stored).</p>"
         )
+    if brief:
+        parts += [_forward_only(case), _float64_run(case), _notes(case), _problems(case)]
+        parts.append(
+            "<p class=muted>As expected; its inferred plan, collective ledger and self-test are "
+            "in the JSON report (<code>--json</code>), and in this page when it is checked "
+            "alone.</p></section>"
+        )
+        return "\n".join(p for p in parts if p)
     parts += [
         _forward_only(case),
         _float64_run(case),
@@ -42,8 +56,8 @@ def _case_section(i: int, case: dict) -> str:
         _diagnosis(case),
         _first_divergence(case),
         _problems(case),
-        _curves(case),
-        _failed_checks(case),
+        _curves(case) if curves else _curves_left_out(case),
+        _failed_checks(case, MAX_FAILED_ROWS_MANY if many else MAX_FAILED_ROWS),
         _rng(case),
         _inferred_plan(case),
         _ledger(case),
@@ -118,15 +132,16 @@ def _first_divergence(case: dict) -> str:
 
 
 def _problems(case: dict) -> str:
-    rows = []
+    rows, shown = [], {}  # a traceback shown once: ranks that raised alike say which rank's it is
     for p in case.get("problems", []):
         last = p.get("last_collective")
         where = f"{last[0]} at {last[1]} ({last[2]})" if last else ""
-        tb = (
-            f"<details><summary>traceback</summary><pre>{esc(p['traceback'])}</pre></details>"
-            if p.get("traceback")
-            else ""
-        )
+        tb = p.get("traceback") or ""
+        if tb in shown:
+            tb = f"<p class=muted>traceback: the same as rank {esc(shown[tb])}'s</p>"
+        elif tb:
+            shown[tb] = p.get("rank")
+            tb = f"<details><summary>traceback</summary><pre>{esc(tb)}</pre></details>"
         rows.append(
             f"<tr><td class=num>{esc(p.get('rank'))}</td><td>{esc(p.get('status'))}</td>"
             f"<td>{esc(where)}</td><td>{esc(p.get('message', ''))}{tb}</td></tr>"
@@ -154,12 +169,21 @@ def _curves(case: dict) -> str:
     )
 
 
+def _curves_left_out(case: dict) -> str:
+    if max((c["step"] for c in case.get("checks", [])), default=0) < 2:
+        return ""
+    return (
+        "<p class=muted>Per-step curves: drawn for the first cases not as expected of a report "
+        "with many cases; check this case alone to see its own.</p>"
+    )
+
+
 def _raw(c: dict) -> str:
     """The raw |TP - dense| beside a figure an allowance relaxed."""
     return f" (raw {c['raw_error']:.3g})" if c.get("raw_error") is not None else ""
 
 
-def _failed_checks(case: dict) -> str:
+def _failed_checks(case: dict, limit: int = MAX_FAILED_ROWS) -> str:
     failed = sorted(
         (c for c in case.get("checks", []) if not c["passed"]),
         key=lambda c: (c["step"], c["seq"], c["rank"]),
@@ -171,11 +195,11 @@ def _failed_checks(case: dict) -> str:
         f"<td class=num>{c['rank']}</td><td class=num>{c['error']:.3g}{_raw(c)}</td><td "
         f"class=num>{c['bound']:.3g}</td><td>{esc(c['kind'])}</td>"
         f"<td>{esc(c['placement'])}</td></tr>"
-        for c in failed[:MAX_FAILED_ROWS]
+        for c in failed[:limit]
     )
     more = (
-        f"<p class=muted>… and {len(failed) - MAX_FAILED_ROWS} more in the JSON report.</p>"
-        if len(failed) > MAX_FAILED_ROWS
+        f"<p class=muted>… and {len(failed) - limit} more in the JSON report.</p>"
+        if len(failed) > limit
         else ""
     )
     return (

@@ -9,6 +9,7 @@ import re
 from tpcheck.report.console import unexpected_text
 
 MAX_FAILED_ROWS = 25  # failed checks listed per case; the JSON has them all
+MAX_FAILED_ROWS_MANY = 8  # the same in a report of many cases (a sweep's page)
 KNOWN_CASE_KEYS = {
     "name",
     "spec",

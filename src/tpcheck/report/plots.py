@@ -39,6 +39,9 @@ CELL_IN = 0.42  # a heatmap cell's width: wide enough for its number
 ROW_IN = 0.32  # a heatmap row's height
 MAX_LEGEND = 12  # tensors named in the per-step plot's legend; the others share one grey entry
 PNG_META = {"Software": None}  # no matplotlib version in the bytes: same report, same image
+# beyond this many tensor columns (a sweep of models whose tensors share no names) the heatmap is
+# drawn one column per stage: thousands of one-row columns say nothing a page can show
+MAX_COLUMNS = 200
 
 
 def log_ratio(error: float, bound: float) -> float:
@@ -105,6 +108,21 @@ def heatmap_matrix(cases: list[dict]) -> tuple[list[str], list[str], np.ndarray]
             v = log_ratio(c["error"], c["bound"])
             m[i, j] = v if np.isnan(m[i, j]) else max(m[i, j], v)
     return [c["name"] for c in cases], cols, m
+
+
+def by_stage(cases: list[dict]) -> list[dict]:
+    """The cases with each check renamed to its stage (`stage:forward`, ...): drawn by
+    `heatmap_png`, a cell is then the worst check of that stage, relative to its own bound."""
+    return [
+        {
+            "name": case["name"],
+            "checks": [
+                {**c, "name": f"stage:{c['stage']}", "seq": STAGE_ORDER.get(c["stage"], 0)}
+                for c in case.get("checks", [])
+            ],
+        }
+        for case in cases
+    ]
 
 
 def bound_cmap() -> ListedColormap:

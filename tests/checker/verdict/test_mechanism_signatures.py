@@ -346,8 +346,10 @@ def test_a_model_code_finding_matches_the_file_and_the_operation():
     inkling = "/v/site-packages/transformers/models/inkling2_loop/modeling_inkling2_loop.py:810"
     found = finding_for({"signature": "op_on_shard", "evidence": {"ops": [_op("m", at=gemma)]}})
     assert found["doc"] == "docs/findings/hf-gemma3n-activation-sparsity.md"
+    # Inkling2's chunk of its experts' gate_up on tpcheck's in-memory build: no transformers
+    # defect (from_pretrained de-interleaves its checkpoint after sharding it; docs/hf.md)
     split = {"signature": "op_on_shard", "evidence": {"ops": [_op("m", "chunk", inkling)]}}
-    assert finding_for(split)["doc"] == "docs/findings/hf-inkling-embedding-norm.md"
+    assert finding_for(split) is None
     # another operation at that file, or the same operation in other code: no finding
     assert (
         finding_for({"signature": "op_on_shard", "evidence": {"ops": [_op("m", "chunk", gemma)]}})
