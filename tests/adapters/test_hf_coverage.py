@@ -49,9 +49,14 @@ def test_the_class_checked_for_each_kind_of_architecture():
     assert hf.model_class("eurobert").cls.__name__ == "EuroBertModel"
 
 
-def test_an_encoder_of_another_modality_is_skipped_naming_its_inputs():
-    with pytest.raises(hf.Skip, match=r"no token ids.*pixel_values"):
-        hf.model_class("gemma4_vision")
+def test_an_encoder_of_another_modality_is_skipped_naming_its_inputs(monkeypatch):
+    monkeypatch.setattr(hf_inputs, "_METADATA", {})  # no rule makes its pixel_position_ids
+    build.model_class.cache_clear()
+    try:
+        with pytest.raises(hf.Skip, match=r"no token ids.*pixel_values"):
+            hf.model_class("gemma4_vision")
+    finally:
+        build.model_class.cache_clear()
 
 
 # ------------------------------------------------------------------ the reduction rules
@@ -378,15 +383,23 @@ def test_a_vision_encoder_is_run_from_pixels_of_its_config_s_image_size():
     choice = hf.model_class("llama4_vision_model")
     assert choice.kind == hf.HIDDEN and choice.cls.__name__ == "Llama4VisionModel"
     cfg = common.CONFIG_MAPPING["llama4_vision_model"]()
-    (inputs,) = hf_inputs._input_sets(choice.cls, cfg)
+    inputs, *masked = hf_inputs._input_sets(choice.cls, cfg)
     assert inputs == (("pixel_values", (hf.BATCH, 3, 448, 448), "float"),)
+    assert [m[:1] for m in masked] == [inputs]  # then with a mask, where the first fails
 
 
-def test_an_encoder_needing_metadata_is_skipped_naming_that_input():
-    with pytest.raises(hf.Skip, match=r"`grid_thw` that no generic rule makes"):
-        hf.model_class("dots3_note_vision_encoder")
-    with pytest.raises(hf.Skip, match=r"`num_patches`"):
-        hf.model_class("deepseek_ocr2_encoder")
+def test_an_encoder_needing_metadata_is_skipped_naming_that_input(monkeypatch):
+    """Without the rules that make them (the mutant: none), the encoders needing metadata are
+    skipped naming the input."""
+    monkeypatch.setattr(hf_inputs, "_METADATA", {})
+    build.model_class.cache_clear()
+    try:
+        with pytest.raises(hf.Skip, match=r"`grid_thw` that no generic rule makes"):
+            hf.model_class("dots3_note_vision_encoder")
+        with pytest.raises(hf.Skip, match=r"`num_patches`"):
+            hf.model_class("deepseek_ocr2_encoder")
+    finally:
+        build.model_class.cache_clear()
 
 
 def test_token_ids_come_first_then_embeddings_then_encoder_states():

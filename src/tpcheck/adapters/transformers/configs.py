@@ -47,6 +47,8 @@ def small_config(model_type: str, world: int):
         except Skip as e:
             first_error = first_error or e
             continue
+        if not _consistent(cfg):
+            continue  # layers whose kinds the config does not say: `patterns` cuts the lists
         built = built or cfg
         if _runs(model_type, cfg):
             return cfg
@@ -64,7 +66,22 @@ def _fallbacks(defaults: dict) -> list[dict]:
         kinds = set(types)
         first = next(i + 1 for i in range(len(types)) if set(types[: i + 1]) == kinds)
         out += [{"fill": True, "prefix": n} for n in range(max(first, 2), min(len(types), 16) + 1)]
-    return out
+    return out + [{"patterns": True}, {"fill": True, "nested": True, "patterns": True}]
+
+
+def _consistent(cfg) -> bool:
+    """Whether every per-layer kind list of the built config (`*layer_types`) has one entry per
+    layer: a config that derives its list from a schedule of its own (25 dense layers, then
+    sparse ones) keeps it whole when the depth shrinks, and its model then builds only the
+    first kind."""
+    depth = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(depth, int):
+        return True
+    return all(
+        len(v) == depth
+        for k, v in vars(cfg).items()
+        if k.endswith("layer_types") and not k.startswith("mtp_") and isinstance(v, list)
+    )
 
 
 _MISSING = re.compile(r"object has no attribute '(\w+)'")
@@ -100,10 +117,15 @@ _REQUIRES = re.compile(r"requires (\w+)\s*=\s*(-?\d+)\b")
 _EQUALS_SUM = re.compile(r"(\w+) must equal (\w+(?:\s*\+\s*\w+)+)")
 
 
+# a validator tying a field to another: "adapter_in_dim must match hidden_size"
+_MATCHES = re.compile(r"(\w+) must match (\w+)")
+
+
 def _validated(cls, overrides: dict):
     """`cls(**overrides)`; where a validator rejects it stating the value a field requires
-    ("requires indexer_kv_heads=1") or a sum it must equal ("head_dim must equal qk_nope_head_dim +
-    qk_rope_head_dim", of the reduced values), that value is set and the config built again.
+    ("requires indexer_kv_heads=1"), a field it must match ("adapter_in_dim must match
+    hidden_size") or a sum it must equal ("head_dim must equal qk_nope_head_dim +
+    qk_rope_head_dim"), of the reduced values, that value is set and the config built again.
     Raises Skip with the reason."""
     for _ in range(4):
         try:
@@ -120,9 +142,12 @@ def _validated(cls, overrides: dict):
 
 def _required(cls, overrides: dict, message: str) -> tuple[str | None, int | None]:
     """(field, value) a validator's `message` states, of the reduced `overrides` (a term they do
-    not set: the class's default); (None, None) when it states none this can compute."""
+    not set: the class's default; a field to match: only one they reduce); (None, None) when it
+    states none this can compute."""
     if required := _REQUIRES.search(message):
         return required.group(1), int(required.group(2))
+    if (match := _MATCHES.search(message)) and match.group(2) in overrides:
+        return match.group(1), overrides[match.group(2)]
     if stated := _EQUALS_SUM.search(message):
         terms = [t.strip() for t in stated.group(2).split("+")]
         values = [overrides.get(t, getattr(cls, t, None)) for t in terms]

@@ -11,7 +11,7 @@ from torch import nn
 
 from tpcheck.adapters.transformers.build import build_lm, model_class, wrap
 from tpcheck.adapters.transformers.common import HIDDEN, MAX_PARAMS, Skip, _first_line
-from tpcheck.adapters.transformers.inputs import IDS, _input_sets
+from tpcheck.adapters.transformers.inputs import IDS, _input_sets, fixed
 
 
 def _runs(model_type: str, cfg) -> bool:
@@ -83,9 +83,13 @@ def _forward(model: nn.Module, kind: str, device: str, inputs: tuple = ()) -> to
 
 
 def _zeros(inputs: tuple, model: nn.Module, device: str) -> dict:
+    """The probe's inputs: zeros of each input's shape; a metadata input's own values (a grid the
+    forward reads: zeros would describe no patch)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return {
-        name: torch.zeros(shape, dtype=torch.long if k == "ids" else dtype, device=device)
+        name: fixed(shape, k, device)
+        if isinstance(k, tuple)
+        else torch.zeros(shape, dtype=torch.long if k == "ids" else dtype, device=device)
         for name, shape, k in inputs
     }
 

@@ -37,7 +37,7 @@ _PATTERNS = (
     (re.compile(r"chunk_size$"), SEQ),
     (re.compile(r"vocab_size"), VOCAB),  # vocab_size_per_layer_input, unpadded_vocab_size
     (re.compile(r"size_per_layer_input$"), 8),
-    (re.compile(r"^num_layers$|^n_layers?$"), 2),
+    (re.compile(r"^num_layers$|^n_layers?$|^num_blocks$"), 2),  # num_blocks: a conformer's
     (re.compile(r"^(mamba|ssm)_(n|num)_heads$"), "kv"),  # SSM heads: must divide expand x hidden
     (re.compile(r"^(mamba_)?n_groups$"), "kv"),  # SSM groups: must divide the SSM heads
     (re.compile(r"_lora_rank$"), 16),  # o_lora_rank, ...
@@ -49,6 +49,9 @@ _PATTERNS = (
     (re.compile(r"_budget$"), SEQ // 2),  # tokens a sparse attention keeps
     (re.compile(r"codebook_size$"), VOCAB),  # an audio codebook: a vocabulary per codebook
     (re.compile(r"^num_dense_layers$"), 1),  # leading dense layers: one, the next ones MoE
+    # the widths a projector or adapter maps between (adapter_in_dim, projector_output_dim,
+    # vision_output_dim): the hidden size, which the model on either side has when reduced
+    (re.compile(r"(^|_)(in|out|input|output)_dim$"), "hidden"),
 )
 
 
@@ -69,6 +72,7 @@ def small_overrides(
     head_dim: int = 8,
     prefix: int | None = None,
     nested: bool = False,
+    patterns: bool = False,
     sections: bool = False,
     rope_keys: tuple[str, ...] = (),
     layer_kinds: dict[str, list[str]] | None = None,
@@ -83,8 +87,10 @@ def small_overrides(
     wider head; `prefix` cuts the layers to the first `prefix` of the default `layer_types` (not one
     of each kind: for a validator that needs the pattern), with every other layer count
     (`n_*_layers`, `num_*_layers`) scaled to it; `nested` reduces the sub-configs (a composite
-    config's `text_config`, `audio_config`, ...) by the same rules; `sections` gives a rope that
-    has none multimodal sections (`_rope_sections`). `rope_keys`: the rope keys the config class
+    config's `text_config`, `audio_config`, ...) by the same rules; `patterns` keeps the first
+    layer of each combination of the per-layer kinds and cuts every per-layer list to those layers
+    (`_kept_layers`, `_per_layer_lists`; in sub-configs too); `sections` gives a rope that has
+    none multimodal sections (`_rope_sections`). `rope_keys`: the rope keys the config class
     lets its model default (`ignore_keys_at_rope_validation`). `layer_kinds`: the kinds the model
     compares each per-layer pattern field to (`_layer_kinds`); under `fill`, such a field left
     None gets one layer of each kind, and an empty `rope_parameters` one default rope per layer
@@ -100,6 +106,7 @@ def small_overrides(
         s["hidden"] = s["heads"] * s["head_dim"]  # many attentions assume hidden = heads x head_dim
     want = {
         "hidden_size": s["hidden"],
+        "hidden_sizes": s["hidden"],  # one per stage of an encoder
         "num_attention_heads": s["heads"],
         "num_key_value_heads": s["kv"],
         "head_dim": s["head_dim"],
@@ -153,6 +160,8 @@ def small_overrides(
             out[field] = 0.0
         elif isinstance(value, int) and (rule := _by_pattern(field, value, s)) is not None:
             out[field] = rule
+    out.update(_shuffled_width(defaults, out, attribute_map))
+    out.update(_hidden_channels(defaults, out, attribute_map))
     experts = [f for f in ("num_experts", "num_local_experts", "n_routed_experts") if f in out]
     if experts and defaults.get("num_experts_per_tok", 0) is None:
         out["num_experts_per_tok"] = want["num_experts_per_tok"]  # a router needs its top-k
@@ -190,20 +199,95 @@ def small_overrides(
         out[layers] = len(kept)
     elif layers in defaults:
         out[layers] = 2
+    kept = _kept_layers(defaults, layers) if patterns else None
+    if kept:
+        out.update(_per_layer_lists(defaults, out, layers, kept))
     if fill:
         out.update(_filled_layer_patterns(defaults, out, layers, layer_kinds or {}))
     out.update(_rope_sections(defaults, out, attribute_map, rope_keys, sections))
     for field, value in defaults.items():
         if _per_layer(value):  # per-layer overrides ({"05": {"head_dim": 512}}): reduced alike
-            out[field] = _per_layer_reduced(value, defaults, out, attribute_map, world, head_dim)
+            out[field] = _per_layer_reduced(
+                value, defaults, out, attribute_map, world, head_dim, kept
+            )
     if nested:
         for field, value in defaults.items():
             if isinstance(value, dict) and isinstance(value.get("model_type"), str):
                 sub_cls = CONFIG_MAPPING.get(value["model_type"]) if available() else None
                 sub_map = dict(getattr(sub_cls, "attribute_map", {}) or {})
-                sub = small_overrides(value, sub_map, world, fill=fill, head_dim=head_dim)
+                sub = small_overrides(
+                    value, sub_map, world, fill=fill, head_dim=head_dim, patterns=patterns
+                )
                 out[field] = {**value, **sub}
     return out
+
+
+_CHANNELS = re.compile(r"_channels?$")
+
+
+def _hidden_channels(defaults: dict, out: dict, attribute_map: dict) -> dict:
+    """Channel counts whose default is the hidden size (a conformer's pointwise and depthwise
+    convolutions, `ext_pw_out_channel`, `nemo_conv_channels`): the hidden size reduced, as the
+    residual stream they add into has; those of another default keep their rules."""
+    field = attribute_map.get("hidden_size", "hidden_size")
+    hidden, reduced = defaults.get(field), out.get(field)
+    if not isinstance(hidden, int) or not isinstance(reduced, int):
+        return {}
+    return {
+        f: reduced
+        for f, v in defaults.items()
+        if _CHANNELS.search(f) and v == hidden and not isinstance(v, bool) and f not in out
+    }
+
+
+def _shuffled_width(defaults: dict, out: dict, attribute_map: dict) -> dict:
+    """A config that shuffles pixels into channels (`pixel_shuffle_ratio` r < 1: r x r patches
+    become one of 1/r^2 times the width) feeds the shuffled hidden states, hidden / r^2 wide, to
+    an MLP whose input width is `intermediate_size`: reduced, that width is hidden / r^2, tied
+    so (the default config's own sizes need not tie them: the shipped ones do)."""
+    ratio = defaults.get("pixel_shuffle_ratio")
+    hidden = out.get(attribute_map.get("hidden_size", "hidden_size"))
+    if not isinstance(ratio, float) or not 0 < ratio < 1 or not isinstance(hidden, int):
+        return {}
+    if "intermediate_size" not in out:
+        return {}
+    return {"intermediate_size": round(hidden / ratio**2)}
+
+
+def _kept_layers(defaults: dict, layers: str) -> list[int]:
+    """The default layers kept under `patterns`: the first of each distinct combination of the
+    per-layer kinds (every list of strings as long as the default depth: `layer_types`,
+    `mlp_layer_types`, ...), at least 2; without kinds, the first 2 (an encoder's stages, each
+    with its own sizes). A depth of 3 or less has no pattern to cut."""
+    total = defaults.get(layers)
+    if not isinstance(total, int) or total < 4:
+        return []
+    kinds = [
+        v
+        for v in defaults.values()
+        if isinstance(v, list) and len(v) == total and all(isinstance(x, str) for x in v)
+    ]
+    if not kinds:
+        return [0, 1]  # per-stage sizes with no kinds: the first two stages
+    firsts = dict.fromkeys(tuple(k[i] for k in kinds) for i in range(total))
+    kept = [next(i for i in range(total) if tuple(k[i] for k in kinds) == c) for c in firsts]
+    if len(kept) < 2:
+        kept.append(next(i for i in range(total) if i not in kept))
+    return sorted(kept)
+
+
+def _per_layer_lists(defaults: dict, out: dict, layers: str, kept: list[int]) -> dict:
+    """Under `patterns`: every per-layer list (one value per default layer: the kinds, and a
+    `layer_rope_theta` or sizes alike) cut to the `kept` layers, and the depth set to their
+    count, so that a validator comparing each list's length to the depth holds, and a model
+    indexing a list by layer reads the value of the layer it stands for."""
+    total = defaults[layers]
+    fixed: dict = {layers: len(kept)}
+    for field, value in defaults.items():
+        if isinstance(value, list) and len(value) == total:
+            base = out.get(field, value)
+            fixed[field] = [base[i] for i in kept] if len(base) == total else base
+    return fixed
 
 
 def _filled_layer_patterns(defaults: dict, out: dict, layers: str, kinds: dict) -> dict:
@@ -261,18 +345,29 @@ def _per_layer(value) -> bool:
 
 
 def _per_layer_reduced(
-    value: dict, defaults: dict, out: dict, attribute_map: dict, world: int, head_dim: int
+    value: dict,
+    defaults: dict,
+    out: dict,
+    attribute_map: dict,
+    world: int,
+    head_dim: int,
+    kept: list[int] | None = None,
 ) -> dict:
     """Per-layer overrides reduced by the same rules, re-keyed to the kept layers: the override of
     a layer of a kind (in the default `layer_types`) goes to the first kept layer of that kind,
-    one override per kind; without layer types, those of the first 2 layers stay. A dim or rank
+    one override per kind; with the layers `kept` (`_kept_layers`), that of each kept layer goes to
+    its place among them; else those of the first 2 layers stay. A dim or rank
     that is a multiple of the default's keeps that multiple of the reduced value (a global layer's
     head twice as wide stays twice as wide)."""
     old, new = defaults.get("layer_types"), out.get("layer_types")
     reduced = {}
     for key, fields in value.items():
         index = int(key)
-        if old and new:
+        if kept:
+            if index not in kept:
+                continue
+            index = kept.index(index)
+        elif old and new:
             kind = old[index] if index < len(old) else None
             if kind not in new:
                 continue

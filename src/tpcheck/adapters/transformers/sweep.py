@@ -53,7 +53,8 @@ class Prepared:
     kind: str = LOGITS
     output_shape: tuple[int, ...] = ()
     pinned: tuple[str, ...] = ()  # modules kept in float32 in the float64 truth
-    inputs: tuple = ()  # the forward's inputs, (name, shape, "ids" | "float") each: `_input_sets`
+    # the forward's inputs, (name, shape, "ids" | "float" | fixed values) each: `_input_sets`
+    inputs: tuple = ()
 
 
 def prepare(model_type: str, world: int, rules: dict | None = None) -> Prepared:
