@@ -244,3 +244,15 @@ def test_the_other_newly_checked_architectures_run():
     for name in ("muse_glimmer_vision", "deepseek_ocr2_encoder", "llama4_vision_model"):
         assert results[f"hf:{name}/tp2/float32"]["verdict"] == "equivalent", name
     assert results["hf:phi4_multimodal/tp2/float32"]["verdict"] == "equivalent"
+
+
+def test_an_image_of_many_patches_is_reduced_to_eight_per_side():
+    """llama4's vision encoder (448 / 14: 32 x 32 patches, 1,025 tokens) is reduced to 8 x 8; an
+    image of at most 16 patches per side keeps its size (siglip's 224 / 16)."""
+    from tpcheck.adapters.transformers.reduction import _image_grid
+
+    assert _image_grid({"image_size": 448, "patch_size": 14}) == {"image_size": 112}
+    assert _image_grid({"image_size": 224, "patch_size": 16}) == {}
+    assert _image_grid({"image_size": [448, 448], "patch_size": 14}) == {}
+    prep = hf.prepare("llama4_vision_model", 2)
+    assert prep.config.image_size == 8 * prep.config.patch_size

@@ -161,6 +161,7 @@ def small_overrides(
         elif isinstance(value, int) and (rule := _by_pattern(field, value, s)) is not None:
             out[field] = rule
     out.update(_shuffled_width(defaults, out, attribute_map))
+    out.update(_image_grid(defaults))
     out.update(_hidden_channels(defaults, out, attribute_map))
     experts = [f for f in ("num_experts", "num_local_experts", "n_routed_experts") if f in out]
     if experts and defaults.get("num_experts_per_tok", 0) is None:
@@ -252,6 +253,19 @@ def _shuffled_width(defaults: dict, out: dict, attribute_map: dict) -> dict:
     if "intermediate_size" not in out:
         return {}
     return {"intermediate_size": round(hidden / ratio**2)}
+
+
+MAX_GRID = 16  # patches per side of the reduced image: a few hundred tokens at most
+
+
+def _image_grid(defaults: dict) -> dict:
+    """An image of more than MAX_GRID patches per side (`image_size` / `patch_size`) made 8
+    patches per side: the encoder's sequence (and its position table) shrinks with it, and 8 is a
+    multiple of the merge and shuffle factors (2, 4) the encoders group patches by."""
+    size, patch = defaults.get("image_size"), defaults.get("patch_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, patch)):
+        return {}
+    return {"image_size": 8 * patch} if patch > 0 and size // patch > MAX_GRID else {}
 
 
 def _kept_layers(defaults: dict, layers: str) -> list[int]:
