@@ -152,11 +152,11 @@ def run(rank: int, world: int, port: int, root: str, out) -> None:
     g = torch.Generator().manual_seed(1)
     ids, probe = torch.randint(2, VOCAB, (2, 8), generator=g), torch.randn(2, 8, VOCAB, generator=g)
     for row, (_, _, auto, variants) in MODELS.items():
-        load = getattr(transformers, auto).from_pretrained
-        dense = measure(load(f"{root}/{row}", dtype=torch.float32), ids, probe)
+        cls, path = getattr(transformers, auto), f"{root}/{row}"
+        dense = measure(cls.from_pretrained(path, dtype=torch.float32), ids, probe)
         for variant, plan in variants.items():
             dc = DistributedConfig(tp_plan=plan)
-            tp = load(f"{root}/{row}", distributed_config=dc, dtype=torch.float32)
+            tp = cls.from_pretrained(path, distributed_config=dc, dtype=torch.float32)
             res = measure(tp, ids, probe, dense)
             out[row, variant, rank] = {k: v for k, v in res.items() if k not in ("out", "grads")}
 
