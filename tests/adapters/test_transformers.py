@@ -273,7 +273,7 @@ SLOW = pytest.mark.slow
     [
         (["lama"], "unknown architecture 'lama' (did you mean"),
         pytest.param(
-            ["phi4_multimodal"], "nothing to check: phi4_multimodal (tp2) skipped", marks=SLOW
+            ["t5_gemma_module"], "nothing to check: t5_gemma_module (tp2) skipped", marks=SLOW
         ),
         pytest.param([], "name architectures", marks=SLOW),
         pytest.param(["llama", "--rule", "nonsense"], "write PATTERN=STYLE", marks=SLOW),
