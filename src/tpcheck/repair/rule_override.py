@@ -352,7 +352,8 @@ def repair_case(target: Target, run_one, budget: int = DEFAULT_BUDGET) -> dict:
         alt = {"tried": [], "kept": [], "override": None, "flags": "", "verified": None}
         left = budget - len(entry["tried"])
         if left > 0:
-            found = _search(target, run_one, space, alt, left, len(entry["tried"]))
+            tried = len(entry["tried"])
+            found = _search(target, run_one, space, alt, left, tried, shipped_only=True)
             _settle(alt, target, space, found)
         else:
             alt.update(status="budget_spent", untried=None)
@@ -378,19 +379,29 @@ def _space(target: Target) -> Space:
     )
 
 
-def _search(target: Target, run_one, space: Space, entry: dict, budget: int, offset: int = 0):
+def _search(
+    target: Target,
+    run_one,
+    space: Space,
+    entry: dict,
+    budget: int,
+    offset: int = 0,
+    shipped_only: bool = False,
+):
     """Candidates checked one at a time until one verifies, the budget is spent or none is left;
-    (status, override, its run, its float64 run). `offset`: the candidates run before this search;
-    a second search (offset > 0, `shipped`) tries only overrides of transformers' own styles."""
-    result, only_shipped = target.result, offset > 0
+    (status, override, its run, its float64 run). `offset`: the candidates run before this search
+    (their labels go on from it); `shipped_only`: overrides of transformers' own styles only."""
+    result = target.result
     kept: dict[str, str] = {}
     current, near, untried = result, None, 0
     while True:
-        keys, todo = _search_space(current, space, {**space.plan, **kept}, only_shipped)
+        keys, todo = _search_space(current, space, {**space.plan, **kept}, shipped_only)
         if current is result:
             entry.update(
                 failing_modules=list(
-                    dict.fromkeys(wildcard(m) for m in failing_modules(result, *_mp(space)))
+                    dict.fromkeys(
+                        wildcard(m) for m in failing_modules(result, space.modules, space.params)
+                    )
                 ),
                 plan_keys={k: space.plan.get(k) for k in keys},
                 candidates=len(todo),
@@ -424,10 +435,6 @@ def _search(target: Target, run_one, space: Space, entry: dict, budget: int, off
     return "budget_spent" if untried else "no_plan_fix", None, None, None
 
 
-def _mp(space: Space) -> tuple[dict, set]:
-    return space.modules, space.params
-
-
 def _settle(entry: dict, target: Target, space: Space, outcome: tuple) -> None:
     status, override, r, f64 = outcome
     if override is None:
@@ -436,10 +443,10 @@ def _settle(entry: dict, target: Target, space: Space, outcome: tuple) -> None:
     _repaired(entry, status, target, space, override, r, f64)
 
 
-def _search_space(result: dict, space: Space, plan: dict[str, str], only_shipped: bool = False):
+def _search_space(result: dict, space: Space, plan: dict[str, str], shipped_only: bool = False):
     """(the plan keys of the failing modules, the candidate overrides) of one failed run; with
-    `only_shipped`, the gathered regions first and only overrides of transformers' own styles."""
-    modules, params = _mp(space)
+    `shipped_only`, the gathered regions first and only overrides of transformers' own styles."""
+    modules, params = space.modules, space.params
     failing = failing_modules(result, modules, params)
     # a failing parameter's own rule first (the most specific), then its module's and the others'
     keys = own_param_keys(result, params, plan)
@@ -450,10 +457,10 @@ def _search_space(result: dict, space: Space, plan: dict[str, str], only_shipped
         keys += [k for k in plan if k.startswith(inside) and k not in keys]
     kinds = {k: module_kind(k, modules, params) for k in keys}
     first = shard_op_candidates(result, plan)
-    if only_shipped:
+    if shipped_only:
         first = gathered_regions(keys, plan, kinds) + first
     todo = first + [c for c in candidates(keys, plan, kinds) if c not in first]
-    return keys, [c for c in todo if shipped(c)] if only_shipped else todo
+    return keys, [c for c in todo if shipped(c)] if shipped_only else todo
 
 
 def _try(target: Target, override: dict, run_one, n: int, entry: dict):
@@ -509,11 +516,12 @@ def _repaired(
     """The entry of a verified override (`status` "repaired"), or of one verified in float64 only,
     `r` its working-dtype run and `f64` its float64 one ("verified_in_float64")."""
     proof = f64 if f64 is not None else r
+    rules = {**target.rules, **override}
     entry.update(
         status=status,
         override=override,
-        rules={**target.rules, **override},
-        flags=rule_flags({**target.rules, **override}),
+        rules=rules,
+        flags=rule_flags(rules),
         converted_at_load={
             p: ops
             for p, ops in space.converted.items()

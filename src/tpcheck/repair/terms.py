@@ -99,6 +99,10 @@ def _shipped_sentence(alt: dict) -> str:
     )
 
 
+SHIPPED_HEAD = "every style in it ships with transformers; verified equivalent"
+TPCHECK_HEAD = "with a style tpcheck provides (transformers does not ship it)"
+
+
 def tp_plan_patch(entry: dict) -> str:
     """The repair as Python a transformers user runs: the shipped-style plan first where one was
     verified, then the faster one with tpcheck's style; "" when nothing was repaired."""
@@ -106,23 +110,16 @@ def tp_plan_patch(entry: dict) -> str:
         return ""
     alt = entry.get("shipped")
     cls = entry.get("model_class") or "AutoModel"
-    blocks = []
-    if alt is None:
-        blocks.append(
-            _plan_block(
-                entry, cls, "every style in it ships with transformers; verified equivalent"
-            )
-        )
-        return "\n".join(blocks)
-    if alt["status"] == "repaired":
-        blocks.append(
-            _plan_block(alt, cls, "every style in it ships with transformers; verified equivalent")
-        )
-        head = "faster, with a style tpcheck provides (transformers does not ship it)"
-    else:
-        head = "with a style tpcheck provides (transformers does not ship it); verified equivalent"
-    blocks.append(_plan_block(entry, cls, head, tpcheck_styles=True))
-    return "\n".join(blocks)
+    if alt is None:  # the repair itself is made of shipped styles
+        return _plan_block(entry, cls, SHIPPED_HEAD)
+    if alt["status"] != "repaired":
+        return _plan_block(entry, cls, f"{TPCHECK_HEAD}; verified equivalent", tpcheck_styles=True)
+    return "\n".join(
+        [
+            _plan_block(alt, cls, SHIPPED_HEAD),
+            _plan_block(entry, cls, f"faster, {TPCHECK_HEAD}", tpcheck_styles=True),
+        ]
+    )
 
 
 def _plan_block(found: dict, cls: str, head: str, tpcheck_styles: bool = False) -> str:

@@ -156,7 +156,7 @@ def _problems(case: dict) -> str:
 
 def _curves(case: dict) -> str:
     """error / bound per step, for the tensors whose figure moved over the steps (none: no plot)."""
-    if max((c["step"] for c in case.get("checks", [])), default=0) < 2:
+    if not _several_steps(case):
         return ""
     from tpcheck.report import plots
 
@@ -169,8 +169,12 @@ def _curves(case: dict) -> str:
     )
 
 
+def _several_steps(case: dict) -> bool:
+    return max((c["step"] for c in case.get("checks", [])), default=0) >= 2
+
+
 def _curves_left_out(case: dict) -> str:
-    if max((c["step"] for c in case.get("checks", [])), default=0) < 2:
+    if not _several_steps(case):
         return ""
     return (
         "<p class=muted>Per-step curves: drawn for the first cases not as expected of a report "
